@@ -1,0 +1,260 @@
+"""Apply Layerwise Offload: stream a DiT's blocks from pinned RAM during sampling.
+
+How it cooperates with core's ModelPatcher (classic, as in 0.3.75):
+- An OUTER_SAMPLE wrapper hands the blocks to the engine *before* core's `load_models_gpu`
+  runs. The engine releases the streamed tensors, so core sees those modules as empty: it never
+  loads them first and its loaded-bytes figure covers only what it really placed.
+- A PREPARE_SAMPLING wrapper adds the engine's device bytes (resident blocks and slots) to the
+  model's loaded-weight figure, so core plans the VAE and text encoders with true numbers.
+- LoRA and other weight patches are baked into the packed master with core's own math; a block
+  is re-packed only when the patches touching it change.
+- After sampling (also on error or interrupt) the engine puts every tensor back, so a later
+  prompt without this node runs the model exactly as core would. The pinned pack is kept for
+  the next run and freed when the model is freed.
+- The engine hooks the block modules themselves, so dit block-replace patches of other nodes
+  (TeaCache and the like) keep working and chain naturally: they call the original block.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+import comfy.patcher_extension
+
+from ..offload_core.discovery import find_blocks
+from ..offload_core.streamer import LayerwiseStreamer
+from . import comfy_weights
+
+log = logging.getLogger(__name__)
+
+WRAPPER_KEY = "tiered_offload.layerwise"
+GIB = 1024 ** 3
+
+
+@dataclass(frozen=True)
+class LayerwiseSettings:
+    resident_blocks: int
+    vram_budget_gb: float
+    prefetch: int
+    pin: bool
+
+    def streamer_kwargs(self) -> dict[str, Any]:
+        if self.resident_blocks >= 0:
+            return {"resident": self.resident_blocks, "prefetch": self.prefetch, "pin": self.pin}
+        return {"vram_budget_bytes": int(self.vram_budget_gb * GIB), "prefetch": self.prefetch,
+                "pin": self.pin}
+
+
+class LayerwiseSession:
+    """The engine bound to one diffusion model (one nn.Module shared by all its clones)."""
+
+    def __init__(self, diffusion_model: torch.nn.Module, device: torch.device,
+                 settings: LayerwiseSettings) -> None:
+        found = find_blocks(diffusion_model)
+        self.model_class = type(diffusion_model).__name__
+        self.layout = found.layout
+        self.prefixes = tuple(f"diffusion_model.{p}" for p in found.paths)
+        self.blocks = found.blocks
+        self.keys = [k for prefix, block in zip(self.prefixes, self.blocks)
+                     for k in comfy_weights.block_keys(prefix, block)]
+        self.device = device
+        self.settings = settings
+        self.streamer = LayerwiseStreamer(list(self.blocks), device, **settings.streamer_kwargs())
+        self.accounted_bytes = 0
+        self.runs = 0
+        self.last_run: dict[str, Any] | None = None
+        self.active = False
+
+    def begin(self, patcher) -> None:
+        comfy_weights.hand_over_from_core(patcher, self.keys, self.blocks)
+        fingerprints = [comfy_weights.patch_fingerprint(patcher.patches,
+                                                        comfy_weights.block_keys(p, b))
+                        for p, b in zip(self.prefixes, self.blocks)]
+        transform = None
+        if any(fingerprints):
+            transform = comfy_weights.lora_transform(patcher, self.prefixes)
+        self.streamer.telemetry.reset()
+        self.streamer.attach(transform=transform, fingerprints=fingerprints)
+        self.active = True
+
+    def account(self, patcher) -> None:
+        """Tell core what the engine holds on the device, once core has loaded the rest."""
+        comfy_weights.settle_after_core_load(self.blocks)
+        if self.device.type != "cpu":
+            self.accounted_bytes = self.streamer.bound_bytes()
+            patcher.model.model_loaded_weight_memory += self.accounted_bytes
+
+    def end(self, patcher) -> None:
+        if self.accounted_bytes:
+            patcher.model.model_loaded_weight_memory = max(
+                0, patcher.model.model_loaded_weight_memory - self.accounted_bytes)
+            self.accounted_bytes = 0
+        try:
+            self.last_run = self.streamer.telemetry.snapshot()
+            self.runs += 1
+        finally:
+            self.active = False
+            self.streamer.detach(keep_pack=True)
+
+    def close(self) -> None:
+        self.streamer.close()
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "model_class": self.model_class,
+            "layout": self.layout,
+            "device": str(self.device),
+            "settings": asdict(self.settings),
+            "blocks": len(self.blocks),
+            "resident_indices": list(self.streamer.resident_indices),
+            "streamed_indices": list(self.streamer.streamed_indices),
+            "bound_bytes": self.streamer.bound_bytes(),
+            "block_states": self.streamer.block_states(),
+            "active": self.active,
+            "runs": self.runs,
+            "telemetry": self.streamer.telemetry.snapshot() if self.active else self.last_run,
+        }
+
+
+class _Registry:
+    """One session per diffusion nn.Module; closed when that module is freed."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sessions: dict[int, tuple[weakref.ref, LayerwiseSession]] = {}
+
+    def session_for(self, diffusion_model: torch.nn.Module, device: torch.device,
+                    settings: LayerwiseSettings) -> LayerwiseSession:
+        key = id(diffusion_model)
+        with self._lock:
+            entry = self._sessions.get(key)
+            if entry is not None and entry[0]() is diffusion_model:
+                session = entry[1]
+                if session.settings == settings and session.device == device:
+                    return session
+                log.info("Layerwise offload: settings changed for %s, rebuilding the engine",
+                         session.model_class)
+                session.close()
+            session = LayerwiseSession(diffusion_model, device, settings)
+            ref = weakref.ref(diffusion_model, lambda _r, k=key: self._drop(k))
+            self._sessions[key] = (ref, session)
+            return session
+
+    def _drop(self, key: int) -> None:
+        with self._lock:
+            entry = self._sessions.pop(key, None)
+        if entry is not None:
+            entry[1].close()
+
+    def report(self) -> list[dict[str, Any]]:
+        with self._lock:
+            sessions = [s for _, s in self._sessions.values()]
+        return [s.report() for s in sessions]
+
+
+REGISTRY = _Registry()
+
+
+def _is_dynamic(patcher) -> bool:
+    probe = getattr(patcher, "is_dynamic", None)
+    return bool(probe()) if callable(probe) else False
+
+
+def _classic_patcher(model):
+    """Return a classic ModelPatcher clone, or None if this ComfyUI cannot give one.
+
+    Newer ComfyUI's Dynamic VRAM already streams per layer with its own pins; two streamers on
+    one model fight. Where the API offers a classic patcher we take it, so the user's explicit
+    choice of this node wins; otherwise we step aside.
+    """
+    if not _is_dynamic(model):
+        return model.clone()
+    try:
+        patcher = model.clone(disable_dynamic=True)
+    except TypeError:
+        delegate = getattr(model, "get_non_dynamic_delegate", None)
+        patcher = delegate() if callable(delegate) else None
+    if patcher is None or _is_dynamic(patcher):
+        return None
+    return patcher
+
+
+class ApplyLayerwiseOffload:
+    """Stream the diffusion model's blocks from pinned RAM while earlier blocks compute."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "model": ("MODEL", {"tooltip": "The diffusion model to stream."}),
+            "resident_blocks": ("INT", {
+                "default": -1, "min": -1, "max": 4096,
+                "tooltip": "Blocks kept on the GPU, spread evenly through the stack. -1 derives "
+                           "the number from vram_budget_gb."}),
+            "vram_budget_gb": ("FLOAT", {
+                "default": 12.0, "min": 0.0, "max": 1024.0, "step": 0.25,
+                "tooltip": "GPU memory for the model's blocks (resident blocks plus streaming "
+                           "slots) when resident_blocks is -1. 12 GB suits a 24 GB card running "
+                           "a 14B video model: the rest is left for activations, VAE and "
+                           "text encoders."}),
+            "prefetch": ("INT", {
+                "default": 2, "min": 1, "max": 16,
+                "tooltip": "How many streamed blocks are copied ahead of the one computing. "
+                           "Each adds one block-sized GPU slot."}),
+            "pin": ("BOOLEAN", {
+                "default": True,
+                "tooltip": "Keep the block weights in pinned RAM for full-speed async copies. "
+                           "Falls back to pageable RAM (slower, logged) if pinning would exceed "
+                           "the RAM budget."}),
+        }}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "apply"
+    CATEGORY = "tiered_offload"
+    DESCRIPTION = ("Streams the transformer blocks from pinned RAM into a few GPU slots while "
+                   "earlier blocks compute. Results are bit-identical to running without it.")
+
+    def apply(self, model, resident_blocks: int, vram_budget_gb: float, prefetch: int, pin: bool):
+        patcher = _classic_patcher(model)
+        if patcher is None:
+            log.warning("Apply Layerwise Offload: this ComfyUI runs the model with Dynamic VRAM "
+                        "and offers no classic patcher; stepping aside, core streams the weights.")
+            return (model,)
+        settings = LayerwiseSettings(resident_blocks, vram_budget_gb, prefetch, pin)
+        diffusion_model = patcher.model.diffusion_model
+        # Fail in this node, with the model named, rather than later inside the sampler.
+        session = REGISTRY.session_for(diffusion_model, patcher.load_device, settings)
+        log.info("Apply Layerwise Offload: %s, %d blocks (%s), %d resident, %d streamed",
+                 session.model_class, len(session.blocks), session.layout,
+                 len(session.streamer.resident_indices), len(session.streamer.streamed_indices))
+
+        def outer_sample(executor, *args, **kwargs):
+            current = executor.class_obj.model_patcher
+            live = REGISTRY.session_for(current.model.diffusion_model, current.load_device,
+                                        settings)
+            live.begin(current)
+            try:
+                return executor(*args, **kwargs)
+            finally:
+                live.end(current)
+
+        def prepare_sampling(executor, model_patcher, *args, **kwargs):
+            result = executor(model_patcher, *args, **kwargs)
+            live = REGISTRY.session_for(model_patcher.model.diffusion_model,
+                                        model_patcher.load_device, settings)
+            if live.active:
+                live.account(model_patcher)
+            return result
+
+        for wrapper_type in (comfy.patcher_extension.WrappersMP.OUTER_SAMPLE,
+                             comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING):
+            patcher.remove_wrappers_with_key(wrapper_type, WRAPPER_KEY)
+        patcher.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.OUTER_SAMPLE,
+                                     WRAPPER_KEY, outer_sample)
+        patcher.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING,
+                                     WRAPPER_KEY, prepare_sampling)
+        return (patcher,)

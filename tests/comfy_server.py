@@ -1,0 +1,205 @@
+"""A real ComfyUI server for tests: started on a free loopback port, stopped by its PID.
+
+The server runs from the ComfyUI tree the Makefile builds (.comfyui/) with an isolated base
+directory, so tests never touch a user's models or settings. Our pack and the test-only nodes
+are linked into that base's custom_nodes/.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+COMFY_ROOT = REPO / ".comfyui"
+PACK_LINK_NAME = "comfyui-tiered-offload"
+TEST_NODES_LINK_NAME = "tiered_offload_test_nodes"
+OUR_NODES = ("ApplyLayerwiseOffload",)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prepare_base(base: Path) -> Path:
+    """Lay out a ComfyUI base directory with our pack and the test nodes linked in."""
+    custom = base / "custom_nodes"
+    custom.mkdir(parents=True, exist_ok=True)
+    for name, target in ((PACK_LINK_NAME, REPO), (TEST_NODES_LINK_NAME, REPO / "tests" / "comfy_test_nodes")):
+        link = custom / name
+        if not link.exists():
+            link.symlink_to(target, target_is_directory=True)
+    settings = base / "user" / "default" / "comfy.settings.json"
+    settings.parent.mkdir(parents=True, exist_ok=True)
+    if not settings.exists():
+        settings.write_text(json.dumps({"Comfy.TutorialCompleted": True}))
+    return base
+
+
+class PromptFailed(AssertionError):
+    def __init__(self, entry: dict):
+        self.entry = entry
+        super().__init__(json.dumps(entry.get("status", {}), indent=1)[:6000])
+
+
+class ComfyServer:
+    def __init__(self, base: Path, *, extra_args: tuple[str, ...] = (), threads: int = 2,
+                 port: int | None = None) -> None:
+        self.base = prepare_base(base)
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.extra_args = extra_args
+        self.threads = threads
+        self.log_path = base / f"comfy-{self.port}.log"
+        self.proc: subprocess.Popen | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self, timeout: float = 180.0) -> "ComfyServer":
+        env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), PYTHONUNBUFFERED="1")
+        cmd = [sys.executable, "main.py", "--listen", "127.0.0.1", "--port", str(self.port),
+               "--disable-auto-launch", "--disable-api-nodes",
+               "--base-directory", str(self.base),
+               "--database-url", f"sqlite:///{self.base / 'user' / 'comfyui.db'}",
+               "--log-stdout", *self.cpu_args(), *self.extra_args]
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(cmd, cwd=COMFY_ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=env, start_new_session=True)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ComfyUI exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                self.get("/system_stats", timeout=2)
+                break
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                time.sleep(0.25)
+        else:
+            self.stop()
+            raise RuntimeError(f"ComfyUI not ready after {timeout:.0f} s:\n{self.log_tail()}")
+        self.check_pack_loaded()
+        return self
+
+    @staticmethod
+    def cpu_args() -> tuple[str, ...]:
+        import torch
+        return () if torch.cuda.is_available() else ("--cpu",)
+
+    def check_pack_loaded(self) -> None:
+        log = self.log_text()
+        for line in log.splitlines():
+            if "IMPORT FAILED" in line and (PACK_LINK_NAME in line or TEST_NODES_LINK_NAME in line):
+                raise RuntimeError(f"our pack failed to import: {line}\n{self.log_tail()}")
+        info = self.get("/object_info")
+        missing = [n for n in OUR_NODES if n not in info]
+        if missing:
+            raise RuntimeError(f"nodes missing from /object_info: {missing}\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=15)
+        self._log.close()
+        self.proc = None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    # -- logs -----------------------------------------------------------------------------------
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def log_tail(self, lines: int = 80) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    # -- HTTP -------------------------------------------------------------------------------------
+    def request(self, method: str, path: str, body: Any = None, *, raw: bytes | None = None,
+                timeout: float = 30) -> tuple[int, Any]:
+        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                payload = resp.read()
+                status = resp.status
+        except urllib.error.HTTPError as e:
+            payload, status = e.read(), e.code
+        try:
+            return status, json.loads(payload) if payload else None
+        except json.JSONDecodeError:
+            return status, payload.decode(errors="replace")
+
+    def get(self, path: str, timeout: float = 30) -> Any:
+        status, body = self.request("GET", path, timeout=timeout)
+        if status != 200:
+            raise AssertionError(f"GET {path} -> {status}: {body}")
+        return body
+
+    def post(self, path: str, body: Any = None) -> Any:
+        status, payload = self.request("POST", path, body)
+        if status != 200:
+            raise AssertionError(f"POST {path} -> {status}: {payload}")
+        return payload
+
+    # -- prompts ----------------------------------------------------------------------------------
+    def queue(self, workflow: dict) -> str:
+        status, resp = self.request("POST", "/prompt",
+                                    {"prompt": workflow, "client_id": str(uuid.uuid4())})
+        if status != 200:
+            raise AssertionError(f"POST /prompt -> {status}: {json.dumps(resp)[:4000]}")
+        return resp["prompt_id"]
+
+    def wait(self, prompt_id: str, timeout: float = 300) -> dict:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            hist = self.get(f"/history/{prompt_id}")
+            entry = hist.get(prompt_id) if hist else None
+            if entry and entry.get("status", {}).get("completed") is not None \
+                    and entry["status"].get("status_str") in ("success", "error"):
+                return entry
+            if not self.alive():
+                raise RuntimeError(f"ComfyUI died while running {prompt_id}:\n{self.log_tail()}")
+            time.sleep(0.1)
+        raise TimeoutError(f"prompt {prompt_id} not finished after {timeout} s")
+
+    def run(self, workflow: dict, timeout: float = 300) -> dict:
+        """Queue a workflow and return its /history outputs; raise PromptFailed on error."""
+        entry = self.wait(self.queue(workflow), timeout)
+        if entry["status"]["status_str"] != "success":
+            raise PromptFailed(entry)
+        return entry["outputs"]
+
+    def run_expect_error(self, workflow: dict, timeout: float = 300) -> dict:
+        """Queue a workflow that must fail at execution; return its error message payload."""
+        entry = self.wait(self.queue(workflow), timeout)
+        assert entry["status"]["status_str"] == "error", entry["status"]
+        for kind, data in entry["status"]["messages"]:
+            if kind == "execution_error":
+                return data
+        raise AssertionError(f"no execution_error in {entry['status']}")
+
+    def interrupt(self) -> None:
+        self.post("/interrupt", {})
+
+    def free(self) -> None:
+        """Drop ComfyUI's output cache (and unload models) so the next prompt really runs."""
+        self.post("/free", {"unload_models": True, "free_memory": True})

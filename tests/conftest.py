@@ -1,0 +1,53 @@
+"""Shared fixtures: tiny fixture models on disk and a real ComfyUI server with our pack."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TESTS))
+sys.path.insert(0, str(TESTS / "fixtures"))
+
+import tiny_models  # noqa: E402
+from comfy_server import ComfyServer  # noqa: E402
+
+ARTIFACTS = TESTS / "artifacts"
+
+
+def write_fixture_models(base: Path) -> None:
+    """Write every tiny model and LoRA where ComfyUI's loaders look for them."""
+    for spec in tiny_models.MODELS.values():
+        path = base / "models" / "diffusion_models" / spec["filename"]
+        if not path.exists():
+            spec["writer"](path, **spec["writer_kwargs"])
+    for spec in tiny_models.LORAS.values():
+        path = base / "models" / "loras" / spec["filename"]
+        if not path.exists():
+            spec["writer"](path, **spec["writer_kwargs"])
+
+
+@pytest.fixture(scope="session")
+def comfy_base(tmp_path_factory) -> Path:
+    base = tmp_path_factory.mktemp("comfy_base")
+    write_fixture_models(base)
+    return base
+
+
+@pytest.fixture(scope="session")
+def comfy(comfy_base) -> ComfyServer:
+    """One real ComfyUI server for the session's integration tests."""
+    server = ComfyServer(comfy_base).start()
+    yield server
+    server.stop()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call" and report.failed:
+        for value in item.funcargs.values():
+            if isinstance(value, ComfyServer):
+                report.sections.append(("ComfyUI server log (tail)", value.log_tail(120)))
