@@ -6,9 +6,11 @@ Only the node adapters and the routes are imported; the engine loads with them, 
 """
 from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
 from .nodes import routes as _routes
+from .nodes import tiers as _tiers
 
 WEB_DIRECTORY = "./web"
 
 _routes.register()
+_tiers.install()
 
 __all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "WEB_DIRECTORY"]

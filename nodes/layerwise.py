@@ -20,7 +20,7 @@ import logging
 import threading
 import weakref
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -65,6 +65,7 @@ class LayerwiseSession:
         self.device = device
         self.settings = settings
         self.streamer = LayerwiseStreamer(list(self.blocks), device, **settings.streamer_kwargs())
+        self.module_id = id(diffusion_model)
         self.accounted_bytes = 0
         self.runs = 0
         self.last_run: dict[str, Any] | None = None
@@ -106,6 +107,7 @@ class LayerwiseSession:
 
     def report(self) -> dict[str, Any]:
         return {
+            "module_id": self.module_id,
             "model_class": self.model_class,
             "layout": self.layout,
             "device": str(self.device),
@@ -127,6 +129,19 @@ class _Registry:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._sessions: dict[int, tuple[weakref.ref, LayerwiseSession]] = {}
+        self._listeners: list[Callable[[dict[str, Any]], None]] = []
+
+    def subscribe(self, fn: Callable[[dict[str, Any]], None]) -> None:
+        """Call fn(report) after every sampling run of a layerwise-offloaded model."""
+        self._listeners.append(fn)
+
+    def publish(self, session: "LayerwiseSession") -> None:
+        report = session.report()
+        for fn in list(self._listeners):
+            try:
+                fn(report)
+            except Exception:
+                log.exception("layerwise offload: report listener failed")
 
     def session_for(self, diffusion_model: torch.nn.Module, device: torch.device,
                     settings: LayerwiseSettings) -> LayerwiseSession:
@@ -241,6 +256,7 @@ class ApplyLayerwiseOffload:
                 return executor(*args, **kwargs)
             finally:
                 live.end(current)
+                REGISTRY.publish(live)
 
         def prepare_sampling(executor, model_patcher, *args, **kwargs):
             result = executor(model_patcher, *args, **kwargs)

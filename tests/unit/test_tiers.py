@@ -1,0 +1,516 @@
+"""The VRAM / RAM / disk tier manager, driven by real torch modules loaded from safetensors files.
+
+The GPU is simulated: ``to_vram`` makes a separate device copy of the module and checks it fits a
+fixed capacity, so parking and eviction decisions are observable on CPU. RAM is checked against
+the manager's explicit budget the same way: a backend refuses to load past it, so a wrong decision
+shows up as an error, not as a silent overcommit.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import random
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+from safetensors.torch import load_file, save_file
+
+from offload_core.tiers import (
+    ModelInUseError, ModelPinnedError, Policy, Tier, TierCapacityError, TierManager,
+    UnknownModelError, get_manager, model_id)
+
+WIDTH = 32
+DEPTH = 2
+JOIN_S = 60  # generous bound for "no deadlock"; never a timing assertion
+
+
+def _build(width: int, depth: int) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.GELU()]
+    return nn.Sequential(*layers)
+
+
+class Machine:
+    """A simulated host and GPU with hard capacities, shared by the backends of one test."""
+
+    def __init__(self, ram_cap: int, vram_cap: int) -> None:
+        self.ram_cap = ram_cap
+        self.vram_cap = vram_cap
+        self.backends: list[LinearStack] = []
+
+    def ram_used(self) -> int:
+        return sum(b.bytes_by_tier()["ram"] for b in self.backends)
+
+    def vram_free(self) -> int:
+        return self.vram_cap - sum(b.bytes_by_tier()["vram"] for b in self.backends)
+
+
+class LinearStack:
+    """TierBackend over an nn.Linear stack stored in a safetensors file."""
+
+    def __init__(self, machine: Machine, path, seed: int, fail_loads: int = 0,
+                 gate: threading.Event | None = None) -> None:
+        torch.manual_seed(seed)
+        save_file({k: v.contiguous() for k, v in _build(WIDTH, DEPTH).state_dict().items()},
+                  str(path))
+        self.machine = machine
+        self.path = path
+        self.size = sum(t.numel() * t.element_size() for t in load_file(str(path)).values())
+        self.module: nn.Module | None = None
+        self.device_copy: nn.Module | None = None
+        self.fail_loads = fail_loads
+        self.gate = gate
+        self.started = threading.Event()
+        self.disk_reads = 0
+        machine.backends.append(self)
+
+    def load_from_disk(self) -> None:
+        self.started.set()
+        if self.gate is not None:
+            assert self.gate.wait(JOIN_S)
+        assert self.module is None, "loaded twice"
+        if self.fail_loads:
+            self.fail_loads -= 1
+            raise OSError(f"simulated read error on {self.path.name}")
+        if self.machine.ram_used() + self.size > self.machine.ram_cap:
+            raise MemoryError("simulated host OOM: the manager overcommitted RAM")
+        module = _build(WIDTH, DEPTH)
+        module.load_state_dict(load_file(str(self.path)))
+        self.module = module
+        self.disk_reads += 1
+
+    def to_vram(self) -> None:
+        assert self.module is not None and self.device_copy is None
+        if self.machine.vram_free() < self.size:
+            raise torch.OutOfMemoryError("simulated CUDA OOM: the manager overcommitted VRAM")
+        self.device_copy = copy.deepcopy(self.module)
+
+    def to_ram(self) -> None:
+        assert self.device_copy is not None
+        self.device_copy = None
+
+    def drop(self) -> None:
+        assert self.module is not None and self.device_copy is None
+        self.module = None
+
+    def nbytes(self) -> int:
+        return self.size
+
+    def bytes_by_tier(self) -> dict[str, int]:
+        return {"vram": self.size if self.device_copy is not None else 0,
+                "ram": self.size if self.module is not None else 0}
+
+    def actual_tier(self) -> Tier:
+        if self.device_copy is not None:
+            return Tier.VRAM
+        return Tier.RAM if self.module is not None else Tier.DISK
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        module = self.device_copy if self.device_copy is not None else self.module
+        assert module is not None, "used while on disk"
+        with torch.no_grad():
+            return module(x)
+
+
+X = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture
+def rig(tmp_path):
+    """A factory of (manager, machine, backends) with capacities counted in models."""
+    def make(n: int, *, ram_models: float = 10, vram_models: float = 10, **kwargs):
+        probe = LinearStack(Machine(0, 0), tmp_path / "probe.safetensors", 0)
+        machine = Machine(int(probe.size * ram_models), int(probe.size * vram_models))
+        manager = TierManager(vram_free_fn=machine.vram_free, vram_reserve_bytes=0,
+                              ram_budget_bytes=machine.ram_cap, **kwargs)
+        backends = []
+        for i in range(n):
+            backend = LinearStack(machine, tmp_path / f"m{i}.safetensors", seed=100 + i)
+            manager.register(f"m{i}", f"model {i}", backend, kind="diffusion")
+            backends.append(backend)
+        return manager, machine, backends
+    return make
+
+
+def _consistent(manager: TierManager, backends) -> None:
+    for i, backend in enumerate(backends):
+        entry = manager.get(f"m{i}")
+        assert entry.tier is backend.actual_tier(), entry.id
+        assert entry.in_use >= 0
+
+
+def test_switching_back_comes_from_ram_bit_identical(rig):
+    manager, _, (a, b) = rig(2, vram_models=1.5)
+    with manager.using("m0", to=Tier.VRAM):
+        first = a.run(X)
+    with manager.using("m1", to=Tier.VRAM):  # parks A to make room on the GPU
+        b.run(X)
+    assert manager.get("m0").tier is Tier.RAM
+    with manager.using("m0", to=Tier.VRAM) as entry:
+        again = a.run(X)
+    assert (entry.loads_from_disk, entry.loads_from_ram, entry.load_count) == (1, 1, 2)
+    assert a.disk_reads == 1
+    assert torch.equal(first, again)
+    assert manager.get("m1").tier is Tier.RAM
+    _consistent(manager, [a, b])
+
+
+def test_ram_budget_drops_lru_to_disk_and_reload_is_identical(rig):
+    manager, machine, (a, b) = rig(2, ram_models=1.5)
+    with manager.using("m0"):
+        first = a.run(X)
+    with manager.using("m1"):
+        b.run(X)
+    assert manager.get("m0").tier is Tier.DISK and manager.get("m1").tier is Tier.RAM
+    assert machine.ram_used() <= machine.ram_cap
+    with manager.using("m0") as entry:
+        again = a.run(X)
+    assert entry.loads_from_disk == 2 and entry.loads_from_ram == 0
+    assert torch.equal(first, again)
+    assert manager.get("m1").tier is Tier.DISK
+    _consistent(manager, [a, b])
+
+
+def test_lowering_the_budget_drops_idle_models_now(rig):
+    manager, _, backends = rig(3)
+    for key in ("m0", "m1", "m2"):
+        manager.park(key)
+    manager.set_budgets(ram_budget_bytes=backends[0].size * 2)
+    assert [manager.get(k).tier for k in ("m0", "m1", "m2")] == [Tier.DISK, Tier.RAM, Tier.RAM]
+    assert manager.enforce_ram_budget() == []
+
+
+def test_in_use_model_is_never_evicted(rig):
+    manager, _, (a, b) = rig(2, ram_models=1.5, vram_models=1.5)
+    events = []
+    manager.subscribe(events.append)
+    manager.acquire("m0", to=Tier.VRAM)
+    for action in (manager.evict, manager.park, manager.load, manager.forget):
+        with pytest.raises(ModelInUseError, match="model 0"):
+            action("m0")
+    with pytest.raises(TierCapacityError, match="in use"):
+        manager.acquire("m1")
+    with pytest.raises(TierCapacityError, match="in use"):
+        manager.make_room_vram(a.size)
+    assert manager.get("m0").tier is Tier.VRAM and manager.get("m0").in_use == 1
+    entry_b = manager.get("m1")
+    assert (entry_b.tier, entry_b.in_use, entry_b.loads_from_disk, b.disk_reads) == (Tier.DISK, 0, 0, 0)
+    assert [e["id"] for e in events] == ["m0", "m0"]  # only A's own disk->ram->vram
+    manager.release("m0")
+    with pytest.raises(ValueError, match="without a matching acquire"):
+        manager.release("m0")
+    with manager.using("m1") as entry:
+        assert entry.tier is Tier.RAM
+    assert manager.get("m0").tier is Tier.DISK  # parked, then dropped, one tier at a time
+    assert [(e["old"], e["new"], e["reason"]) for e in events[2:4]] == [
+        ("vram", "ram", "ram_budget"), ("ram", "disk", "ram_budget")]
+    _consistent(manager, [a, b])
+
+
+def test_model_larger_than_the_budget_is_refused(rig):
+    manager, _, (a,) = rig(1, ram_models=0.5)
+    with pytest.raises(TierCapacityError, match="larger than the whole RAM budget"):
+        manager.acquire("m0")
+    assert manager.get("m0").tier is Tier.DISK and a.module is None
+
+
+def test_priority_and_pinned_policy_under_ram_pressure(rig):
+    manager, _, backends = rig(4, ram_models=2.5)
+    manager.set_priority("m0", 5)
+    for key in ("m0", "m1", "m2"):  # m0 is least recently used but outranks m1
+        manager.park(key)
+    assert [manager.get(k).tier for k in ("m0", "m1", "m2")] == [Tier.RAM, Tier.DISK, Tier.RAM]
+
+    manager.set_priority("m0", 0)
+    manager.pin("m0")  # still least recently used, but pinned: m2 goes instead
+    manager.park("m3")
+    assert [manager.get(k).tier for k in ("m0", "m2", "m3")] == [Tier.RAM, Tier.DISK, Tier.RAM]
+    with pytest.raises(ModelPinnedError, match="unpin"):
+        manager.evict("m0")
+
+    with manager.using("m3"):
+        with pytest.raises(TierCapacityError, match=r"'model 0' \(pinned\).*'model 3' \(in use\)"):
+            manager.acquire("m1")
+    assert manager.get("m1").tier is Tier.DISK
+    manager.unpin("m0")
+    manager.evict("m0")
+    assert manager.get("m0").tier is Tier.DISK
+    _consistent(manager, backends)
+
+
+def test_priority_orders_vram_parking_and_pinned_does_not_hold_vram(rig):
+    manager, _, backends = rig(3, vram_models=2.5)
+    manager.set_priority("m0", 1)
+    for key in ("m0", "m1", "m2"):
+        manager.load(key)
+    assert [manager.get(k).tier for k in ("m0", "m1", "m2")] == [Tier.VRAM, Tier.RAM, Tier.VRAM]
+    manager.pin("m2")  # pinned guards against disk only
+    manager.load("m1")
+    assert [manager.get(k).tier for k in ("m0", "m1", "m2")] == [Tier.VRAM, Tier.VRAM, Tier.RAM]
+    assert manager.make_room_vram(backends[0].size * 2) == ["m1", "m0"]
+    assert all(manager.get(k).tier is Tier.RAM for k in ("m0", "m1", "m2"))
+    _consistent(manager, backends)
+
+
+def test_disk_tier_off_refuses_instead_of_dropping(rig):
+    manager, _, backends = rig(2, ram_models=1.5, disk_tier=False)
+    manager.park("m0")
+    with pytest.raises(TierCapacityError, match="disk tier is off"):
+        manager.acquire("m1")
+    assert manager.get("m0").tier is Tier.RAM and manager.get("m1").tier is Tier.DISK
+    manager.set_budgets(disk_tier=True)
+    with manager.using("m1"):
+        pass
+    assert manager.get("m0").tier is Tier.DISK
+    _consistent(manager, backends)
+
+
+def _reference(backend: LinearStack) -> torch.Tensor:
+    module = _build(WIDTH, DEPTH)
+    module.load_state_dict(load_file(str(backend.path)))
+    with torch.no_grad():
+        return module(X)
+
+
+def test_preload_then_concurrent_acquire_loads_once(rig):
+    manager, _, (a,) = rig(1)
+    a.gate = threading.Event()
+    preload = manager.preload(["m0"], Tier.VRAM)
+    assert a.started.wait(JOIN_S)
+    assert manager.wait_ready("m0", timeout=0.05) is False  # the gated load cannot have finished
+
+    snapshots = []  # the panel reads state while the load holds the lock
+    reader = threading.Thread(target=lambda: snapshots.append(manager.snapshot()))
+    reader.start()
+    reader.join(JOIN_S)
+    assert not reader.is_alive() and snapshots[0]["models"][0]["tier"] == "disk"
+
+    outputs = []
+
+    def prompt() -> None:
+        assert manager.wait_ready("m0", timeout=JOIN_S)
+        with manager.using("m0", to=Tier.VRAM):
+            outputs.append(a.run(X))
+
+    user = threading.Thread(target=prompt)
+    user.start()
+    a.gate.set()
+    preload.join(JOIN_S)
+    user.join(JOIN_S)
+    assert not preload.is_alive() and not user.is_alive()
+    entry = manager.get("m0")
+    assert (entry.loads_from_disk, a.disk_reads, entry.load_count) == (1, 1, 2)
+    assert entry.tier is Tier.VRAM and entry.in_use == 0
+    assert torch.equal(outputs[0], _reference(a))
+
+
+def test_failed_preload_is_logged_and_model_stays_usable(rig, caplog):
+    manager, _, (a, b) = rig(2)
+    a.fail_loads = 2
+    with caplog.at_level(logging.ERROR, logger="offload_core.tiers"):
+        manager.preload(["m0", "m1"]).join(JOIN_S)
+        assert manager.preload(["m0"], background=False) is None
+    assert caplog.text.count("preload of 'model 0' (m0) failed") == 2
+    assert "simulated read error" in caplog.text
+    assert manager.get("m0").tier is Tier.DISK and manager.get("m1").tier is Tier.RAM
+    assert manager.wait_ready("m0", timeout=JOIN_S)
+    with manager.using("m0") as entry:
+        assert torch.equal(a.run(X), _reference(a))
+    assert entry.loads_from_disk == 1
+    with pytest.raises(UnknownModelError):
+        manager.preload(["m1", "nope"])
+
+
+def test_threads_acquire_release_evict_without_deadlock(rig):
+    manager, machine, backends = rig(4, ram_models=2.5, vram_models=1.5)
+    references = {f"m{i}": _reference(b) for i, b in enumerate(backends)}
+    events = []
+    manager.subscribe(events.append)
+    errors = []
+    outcomes = {"used": 0, "capacity": 0, "in_use": 0}
+    start = threading.Barrier(4)
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            start.wait(JOIN_S)
+            for _ in range(40):
+                i = rng.randrange(4)
+                key, action = f"m{i}", rng.random()
+                try:
+                    if action < 0.6:
+                        with manager.using(key, to=rng.choice([Tier.RAM, Tier.VRAM])) as entry:
+                            assert entry.in_use >= 1
+                            assert torch.equal(backends[i].run(X), references[key])
+                        outcomes["used"] += 1
+                    elif action < 0.8:
+                        manager.evict(key)
+                    elif action < 0.9:
+                        manager.park(key)
+                    else:
+                        json.dumps(manager.snapshot())
+                except TierCapacityError:
+                    outcomes["capacity"] += 1
+                except ModelInUseError:
+                    outcomes["in_use"] += 1
+        except BaseException as exc:  # surfaced below: a thread's failure must fail the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(JOIN_S)
+    assert not any(t.is_alive() for t in threads), "deadlock"
+    assert not errors, errors
+    assert outcomes["used"] > 0
+    _consistent(manager, backends)
+    assert all(manager.get(f"m{i}").in_use == 0 for i in range(4))
+    assert machine.ram_used() <= machine.ram_cap and machine.vram_free() >= 0
+    tiers = {f"m{i}": "disk" for i in range(4)}
+    for event in sorted(events, key=lambda e: e["seq"]):
+        assert event["old"] == tiers[event["id"]]
+        assert abs(["disk", "ram", "vram"].index(event["new"])
+                   - ["disk", "ram", "vram"].index(event["old"])) == 1
+        tiers[event["id"]] = event["new"]
+    assert tiers == {f"m{i}": manager.get(f"m{i}").tier.value for i in range(4)}
+
+
+def test_listeners_see_every_tier_change_and_a_raising_one_is_isolated(rig, caplog):
+    manager, _, (a, b) = rig(2, ram_models=1.5)
+    events = []
+    outside_lock = []
+
+    def broken(event: dict) -> None:
+        raise RuntimeError("listener bug")
+
+    def calls_back(event: dict) -> None:
+        # Another thread taking the manager's lock finishes only if listeners run unlocked.
+        worker = threading.Thread(target=manager.set_priority, args=("m1", 0))
+        worker.start()
+        worker.join(JOIN_S)
+        outside_lock.append(not worker.is_alive())
+
+    for fn in (broken, events.append, calls_back):
+        manager.subscribe(fn)
+    with caplog.at_level(logging.ERROR, logger="offload_core.tiers"):
+        manager.load("m0")
+        with manager.using("m1"):
+            pass
+    assert [(e["id"], e["old"], e["new"], e["reason"]) for e in events] == [
+        ("m0", "disk", "ram", "load"), ("m0", "ram", "vram", "load"),
+        ("m0", "vram", "ram", "ram_budget"), ("m0", "ram", "disk", "ram_budget"),
+        ("m1", "disk", "ram", "acquire")]
+    assert [e["seq"] for e in events] == sorted(e["seq"] for e in events)
+    assert {e["name"] for e in events} == {"model 0", "model 1"}
+    assert all(outside_lock) and len(outside_lock) == 5
+    assert caplog.text.count("tier listener") == 5 and "listener bug" in caplog.text
+    manager.unsubscribe(events.append)
+    manager.evict("m1")
+    assert len(events) == 5
+    _consistent(manager, [a, b])
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"ram_budget_bytes": -1}, "ram_budget_bytes must be >= 0, got -1"),
+    ({"ram_budget_bytes": "8G"}, "ram_budget_bytes must be a whole number of bytes or null"),
+    ({"ram_reserve_bytes": 1.5e9}, "ram_reserve_bytes must be a whole number of bytes"),
+    ({"ram_reserve_bytes": None}, "ram_reserve_bytes must be a whole number of bytes"),
+    ({"vram_reserve_bytes": True}, "vram_reserve_bytes must be a whole number of bytes"),
+    ({"disk_tier": "yes"}, "disk_tier must be true or false"),
+    ({"ram_budget_bytes": 1 << 30, "disk_tier": 1}, "disk_tier must be true or false"),
+])
+def test_bad_budgets_raise_value_error_and_change_nothing(kwargs, message):
+    manager = TierManager(vram_free_fn=lambda: None)
+    before = manager.budgets()
+    with pytest.raises(ValueError, match=message):
+        manager.set_budgets(**kwargs)
+    assert manager.budgets() == before
+
+
+def test_bad_constructor_and_policy_values_raise_value_error(rig):
+    with pytest.raises(ValueError, match="vram_reserve_bytes must be >= 0"):
+        TierManager(vram_reserve_bytes=-1)
+    manager, _, _ = rig(1)
+    with pytest.raises(ValueError, match="priority must be a whole number"):
+        manager.set_priority("m0", "high")
+    with pytest.raises(ValueError, match="tier must be one of vram, ram"):
+        manager.acquire("m0", to=Tier.DISK)
+    assert manager.budgets()["ram_budget_bytes"] is not None
+    assert manager.set_budgets(ram_budget_bytes=None)["ram_budget_bytes"] is None
+
+
+def test_unknown_key_raises_unknown_model_error(rig):
+    manager, _, _ = rig(1)
+    actions = [manager.acquire, manager.release, manager.load, manager.park, manager.evict,
+               manager.pin, manager.unpin, manager.forget, manager.get, manager.wait_ready,
+               lambda key: manager.set_priority(key, 1)]
+    for action in actions:
+        with pytest.raises(UnknownModelError, match="unknown model id 'nope'"):
+            action("nope")
+
+
+def test_register_is_idempotent_and_forget_releases_memory(rig, tmp_path):
+    manager, machine, (a,) = rig(1)
+    again = LinearStack(machine, tmp_path / "other.safetensors", seed=7)
+    assert manager.register("m0", "renamed", again, kind="vae") is manager.get("m0")
+    assert manager.get("m0").name == "model 0"
+    manager.load("m0")
+    manager.forget("m0")
+    assert a.actual_tier() is Tier.DISK
+    with pytest.raises(UnknownModelError):
+        manager.get("m0")
+    ready = LinearStack(machine, tmp_path / "ready.safetensors", seed=8)
+    ready.load_from_disk()
+    entry = manager.register("r", "ready", ready, kind="clip", tier="ram",
+                             policy=Policy(pinned=True, priority=3))
+    assert entry.tier is Tier.RAM and entry.bytes_by_tier["ram"] == ready.size
+    with manager.using("r") as entry:
+        assert entry.loads_from_ram == 1 and entry.loads_from_disk == 0
+    manager.clear()
+    assert manager.snapshot()["models"] == [] and ready.actual_tier() is Tier.DISK
+
+
+def test_snapshot_is_json_and_has_the_documented_shape(rig):
+    manager, _, (a, b) = rig(2)
+    manager.load("m0")
+    manager.acquire("m1")
+    snap = json.loads(json.dumps(manager.snapshot()))
+    assert set(snap) == {"models", "budgets", "ram", "vram"}
+    assert set(snap["budgets"]) == {"ram_budget_bytes", "ram_reserve_bytes", "vram_reserve_bytes",
+                                    "disk_tier"}
+    assert set(snap["ram"]) == {"total", "available", "budget", "used_by_models"}
+    assert snap["ram"]["used_by_models"] == a.size + b.size
+    assert snap["ram"]["budget"] <= manager.budgets()["ram_budget_bytes"]
+    m0, m1 = snap["models"]
+    assert set(m0) == {"id", "name", "kind", "tier", "bytes", "total_bytes", "last_used",
+                       "load_count", "loads_from_disk", "loads_from_ram", "in_use", "policy"}
+    assert (m0["tier"], m0["bytes"], m0["total_bytes"]) == ("vram", {"vram": a.size, "ram": a.size},
+                                                           a.size)
+    assert (m1["tier"], m1["in_use"], m1["policy"]) == ("ram", 1, {"pinned": False, "priority": 0})
+    manager.release("m1")
+
+
+def test_model_id_tracks_file_identity_and_options(tmp_path):
+    path = tmp_path / "model.safetensors"
+    save_file({"w": torch.zeros(2)}, str(path))
+    mtime = path.stat().st_mtime_ns
+    base = model_id(path, mtime, {"dtype": "fp16", "weight_dtype": torch.float8_e4m3fn})
+    assert len(base) == 16
+    assert base == model_id(str(path), mtime, {"weight_dtype": torch.float8_e4m3fn, "dtype": "fp16"})
+    os.utime(path, ns=(mtime + 10**9, mtime + 10**9))
+    assert model_id(path, path.stat().st_mtime_ns, {"dtype": "fp16",
+                                                    "weight_dtype": torch.float8_e4m3fn}) != base
+    assert model_id(path, mtime, {"dtype": "bf16", "weight_dtype": torch.float8_e4m3fn}) != base
+    assert model_id(tmp_path / "other.safetensors", mtime,
+                    {"dtype": "fp16", "weight_dtype": torch.float8_e4m3fn}) != base
+
+
+def test_get_manager_is_process_wide():
+    assert get_manager() is get_manager()
+    assert isinstance(get_manager(), TierManager)
