@@ -1,12 +1,15 @@
 """Thin ComfyUI adapters over offload_core."""
 from . import tiers
 from .layerwise import ApplyLayerwiseOffload
+from .swap import ModelLevelSwap
 
 NODE_CLASS_MAPPINGS = {
     "ApplyLayerwiseOffload": ApplyLayerwiseOffload,
+    "ModelLevelSwap": ModelLevelSwap,
     **tiers.NODE_CLASS_MAPPINGS,
 }
 NODE_DISPLAY_NAME_MAPPINGS = {
     "ApplyLayerwiseOffload": "Apply Layerwise Offload",
+    "ModelLevelSwap": "Model-Level Swap",
     **tiers.NODE_DISPLAY_NAME_MAPPINGS,
 }

@@ -96,7 +96,7 @@ class LayerwiseSession:
                 0, patcher.model.model_loaded_weight_memory - self.accounted_bytes)
             self.accounted_bytes = 0
         try:
-            self.last_run = self.streamer.telemetry.snapshot()
+            self.last_run = self.streamer.telemetry.snapshot(wait=True)
             self.runs += 1
         finally:
             self.active = False
@@ -165,6 +165,12 @@ class _Registry:
             entry = self._sessions.pop(key, None)
         if entry is not None:
             entry[1].close()
+
+    def is_active(self, diffusion_model: torch.nn.Module) -> bool:
+        """Whether the engine holds this model's blocks right now (a sampling run is on)."""
+        with self._lock:
+            entry = self._sessions.get(id(diffusion_model))
+        return entry is not None and entry[0]() is diffusion_model and entry[1].active
 
     def report(self) -> list[dict[str, Any]]:
         with self._lock:
@@ -240,7 +246,7 @@ class ApplyLayerwiseOffload:
                         "and offers no classic patcher; stepping aside, core streams the weights.")
             return (model,)
         settings = LayerwiseSettings(resident_blocks, vram_budget_gb, prefetch, pin)
-        diffusion_model = patcher.model.diffusion_model
+        diffusion_model = patcher.get_model_object("diffusion_model")
         # Fail in this node, with the model named, rather than later inside the sampler.
         session = REGISTRY.session_for(diffusion_model, patcher.load_device, settings)
         log.info("Apply Layerwise Offload: %s, %d blocks (%s), %d resident, %d streamed",
@@ -249,8 +255,8 @@ class ApplyLayerwiseOffload:
 
         def outer_sample(executor, *args, **kwargs):
             current = executor.class_obj.model_patcher
-            live = REGISTRY.session_for(current.model.diffusion_model, current.load_device,
-                                        settings)
+            live = REGISTRY.session_for(current.get_model_object("diffusion_model"),
+                                        current.load_device, settings)
             live.begin(current)
             try:
                 return executor(*args, **kwargs)
@@ -260,7 +266,7 @@ class ApplyLayerwiseOffload:
 
         def prepare_sampling(executor, model_patcher, *args, **kwargs):
             result = executor(model_patcher, *args, **kwargs)
-            live = REGISTRY.session_for(model_patcher.model.diffusion_model,
+            live = REGISTRY.session_for(model_patcher.get_model_object("diffusion_model"),
                                         model_patcher.load_device, settings)
             if live.active:
                 live.account(model_patcher)

@@ -18,6 +18,7 @@ import comfy.model_management
 from ..offload_core.pinned import pinned_bytes
 from ..offload_core.tiers import ModelInUseError, ModelPinnedError, TierCapacityError, UnknownModelError
 from .layerwise import REGISTRY as LAYERWISE
+from .swap import MEMBERS as SWAP_MEMBERS
 from .tiers import MANAGER, diffusion_module_ids, sync_tiers
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,11 @@ async def get_tiers(request: web.Request) -> web.Response:
 async def get_layerwise(request: web.Request) -> web.Response:
     """Every layerwise-offloaded model: settings, block states and last run's telemetry."""
     return web.json_response({"models": LAYERWISE.report()})
+
+
+async def get_swap(request: web.Request) -> web.Response:
+    """Models under Model-Level Swap: where each is, and how often it moved."""
+    return web.json_response({"members": SWAP_MEMBERS.report()})
 
 
 async def post_action(request: web.Request) -> web.Response:
@@ -131,6 +137,7 @@ def register() -> None:
     routes = server.routes
     routes.get("/offload/tiers")(get_tiers)
     routes.get("/offload/layerwise")(get_layerwise)
+    routes.get("/offload/swap")(get_swap)
     routes.post("/offload/models/{model}/{action}")(post_action)
     routes.post("/offload/budgets")(post_budgets)
 

@@ -14,6 +14,8 @@ import tiny_models  # noqa: E402
 from comfy_server import ComfyServer  # noqa: E402
 
 ARTIFACTS = TESTS / "artifacts"
+SECOND_WAN = "tiny_wan21_low.safetensors"
+BLOCK0_LORA = "tiny_wan21_lora_block0.safetensors"
 
 
 def write_fixture_models(base: Path) -> None:
@@ -26,6 +28,17 @@ def write_fixture_models(base: Path) -> None:
         path = base / "models" / "loras" / spec["filename"]
         if not path.exists():
             spec["writer"](path, **spec["writer_kwargs"])
+    # A second Wan (the "low noise" expert of a Wan 2.2-style two-sampler workflow) and a LoRA
+    # that touches only block 0, to see that a strength change re-packs one block.
+    extra = base / "models" / "diffusion_models" / SECOND_WAN
+    if not extra.exists():
+        tiny_models.write_tiny_wan21(extra, seed=7)
+    lora = base / "models" / "loras" / BLOCK0_LORA
+    if not lora.exists():
+        tiny_models.write_tiny_wan_lora(lora, model_layers=1, seed=3)
+    clip = base / "models" / "text_encoders" / tiny_models.CLIP_L_FILENAME
+    if not clip.exists():
+        tiny_models.write_random_clip_l(clip)
 
 
 @pytest.fixture(scope="session")

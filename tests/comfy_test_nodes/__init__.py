@@ -5,6 +5,10 @@
   answered from ComfyUI's output cache.
 - TieredTestLatentStats: an output node that puts a latent's shape, finiteness and sha256 into
   /history, so tests compare results bit for bit.
+- TieredTestBlockReplace: a `dit` block-replace patch on every block, like TeaCache-style nodes
+  install; it scales each block's output slightly so its effect shows in the result.
+- TieredTestUnsupportedModel: swaps the diffusion model (through an object patch on a clone)
+  for a module with no block list, to exercise the "unsupported model" error.
 """
 import hashlib
 import sys
@@ -57,7 +61,75 @@ class TieredTestLatentStats:
         return {"ui": {"latent_stats": [info]}}
 
 
+class TieredTestConditioningStats:
+    """Output node: sha256 of an encoded CONDITIONING, to compare text encodes bit for bit."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"conditioning": ("CONDITIONING",)}}
+
+    RETURN_TYPES = ()
+    FUNCTION = "stats"
+    OUTPUT_NODE = True
+    CATEGORY = "tiered_offload/testing"
+
+    def stats(self, conditioning):
+        t = conditioning[0][0].detach().cpu().contiguous()
+        info = {"shape": list(t.shape), "finite": bool(torch.isfinite(t).all()),
+                "sha256": hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()}
+        return {"ui": {"conditioning_stats": [info]}}
+
+
+class TieredTestBlockReplace:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",),
+                             "scale": ("FLOAT", {"default": 1.001, "min": 0.5, "max": 2.0,
+                                                 "step": 0.001})}}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "patch"
+    CATEGORY = "tiered_offload/testing"
+
+    def patch(self, model, scale):
+        m = model.clone()
+
+        def replace(args, extra):
+            out = extra["original_block"](args)
+            return {k: (v * scale if k == "img" else v) for k, v in out.items()}
+
+        for i in range(len(m.get_model_object("diffusion_model").blocks)):
+            m.set_model_patch_replace(replace, "dit", "double_block", i)
+        return (m,)
+
+
+class OddDiffusionModel(torch.nn.Module):
+    """A diffusion model with no block list at all."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+
+class TieredTestUnsupportedModel:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",)}}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "swap"
+    CATEGORY = "tiered_offload/testing"
+
+    def swap(self, model):
+        m = model.clone()
+        m.add_object_patch("diffusion_model", OddDiffusionModel())
+        return (m,)
+
+
 NODE_CLASS_MAPPINGS = {
+    "TieredTestConditioningStats": TieredTestConditioningStats,
+    "TieredTestBlockReplace": TieredTestBlockReplace,
+    "TieredTestUnsupportedModel": TieredTestUnsupportedModel,
     "TieredTestConditioning": TieredTestConditioning,
     "TieredTestLatentStats": TieredTestLatentStats,
 }

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from offload_core.tiers import (
     ModelInUseError, ModelPinnedError, Policy, Tier, TierCapacityError, TierManager,
-    UnknownModelError, get_manager, model_id)
+    UnknownModelError, model_id)
 
 WIDTH = 32
 DEPTH = 2
@@ -199,7 +199,8 @@ def test_in_use_model_is_never_evicted(rig):
         manager.make_room_vram(a.size)
     assert manager.get("m0").tier is Tier.VRAM and manager.get("m0").in_use == 1
     entry_b = manager.get("m1")
-    assert (entry_b.tier, entry_b.in_use, entry_b.loads_from_disk, b.disk_reads) == (Tier.DISK, 0, 0, 0)
+    assert (entry_b.tier, entry_b.in_use, entry_b.loads_from_disk) == (Tier.DISK, 0, 0)
+    assert b.disk_reads == 0
     assert [e["id"] for e in events] == ["m0", "m0"]  # only A's own disk->ram->vram
     manager.release("m0")
     with pytest.raises(ValueError, match="without a matching acquire"):
@@ -476,6 +477,23 @@ def test_register_is_idempotent_and_forget_releases_memory(rig, tmp_path):
     assert manager.snapshot()["models"] == [] and ready.actual_tier() is Tier.DISK
 
 
+def test_observe_records_moves_made_outside_the_manager(rig):
+    manager, _, (a, b) = rig(2, vram_models=1.5)
+    events = []
+    manager.subscribe(events.append)
+    manager.park("m0")
+    a.to_vram()  # what ComfyUI does on its own when it samples
+    assert manager.observe("m0", "vram") is True
+    assert manager.observe("m0", Tier.VRAM) is False
+    entry = manager.get("m0")
+    assert entry.bytes_by_tier["vram"] == a.size and entry.loads_from_disk == 1
+    last = events[-1]
+    assert (last["old"], last["new"], last["reason"]) == ("ram", "vram", "observed")
+    manager.load("m1")  # the observed copy is what gets parked for room
+    assert manager.get("m0").tier is Tier.RAM and a.actual_tier() is Tier.RAM
+    _consistent(manager, [a, b])
+
+
 def test_snapshot_is_json_and_has_the_documented_shape(rig):
     manager, _, (a, b) = rig(2)
     manager.load("m0")
@@ -500,17 +518,11 @@ def test_model_id_tracks_file_identity_and_options(tmp_path):
     path = tmp_path / "model.safetensors"
     save_file({"w": torch.zeros(2)}, str(path))
     mtime = path.stat().st_mtime_ns
-    base = model_id(path, mtime, {"dtype": "fp16", "weight_dtype": torch.float8_e4m3fn})
+    options = {"dtype": "fp16", "weight_dtype": torch.float8_e4m3fn}
+    base = model_id(path, mtime, options)
     assert len(base) == 16
-    assert base == model_id(str(path), mtime, {"weight_dtype": torch.float8_e4m3fn, "dtype": "fp16"})
+    assert base == model_id(str(path), mtime, dict(reversed(options.items())))
     os.utime(path, ns=(mtime + 10**9, mtime + 10**9))
-    assert model_id(path, path.stat().st_mtime_ns, {"dtype": "fp16",
-                                                    "weight_dtype": torch.float8_e4m3fn}) != base
-    assert model_id(path, mtime, {"dtype": "bf16", "weight_dtype": torch.float8_e4m3fn}) != base
-    assert model_id(tmp_path / "other.safetensors", mtime,
-                    {"dtype": "fp16", "weight_dtype": torch.float8_e4m3fn}) != base
-
-
-def test_get_manager_is_process_wide():
-    assert get_manager() is get_manager()
-    assert isinstance(get_manager(), TierManager)
+    assert model_id(path, path.stat().st_mtime_ns, options) != base
+    assert model_id(path, mtime, {**options, "dtype": "bf16"}) != base
+    assert model_id(tmp_path / "other.safetensors", mtime, options) != base

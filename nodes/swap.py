@@ -1,0 +1,194 @@
+"""Model-Level Swap: the diffusion model and the text encoder take turns on the GPU.
+
+Each model's weights become one pinned host master (offload_core.swap.ModuleSwap). Moving a
+model in is a few large copies from that master; moving it out re-points its tensors at the
+master and drops the GPU copy, so no byte goes back over the link.
+
+How core is kept from fighting it (classic ModelPatcher):
+- The root module's `.to()` is guarded: when core unloads the model (`.to(offload device)` in
+  `unpatch_model`), the guard parks from the master instead of copying device to host; when core
+  moves the whole model to the GPU, the guard loads it with the master's large copies.
+- Parking a partner also unloads it through core (`LoadedModel.model_unload`), so
+  `current_loaded_models` and core's free-memory figures stay true.
+- The diffusion model is brought in by a PREPARE_SAMPLING wrapper before core's
+  `load_models_gpu`, which then finds the weights in place; the text encoder's partner is parked
+  from an ON_LOAD callback when the encoder is loaded for encoding.
+- With Apply Layerwise Offload on the same model, the engine owns the blocks while sampling, so
+  this node then only parks the text encoder and leaves the diffusion model's loading to core.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from typing import Any
+
+import torch
+
+import comfy.model_management
+import comfy.patcher_extension
+
+from ..offload_core.swap import ModuleSwap
+from .layerwise import REGISTRY as LAYERWISE
+
+log = logging.getLogger(__name__)
+
+KEY = "tiered_offload.swap"
+
+
+def _target_device(args: tuple, kwargs: dict) -> torch.device | None:
+    try:
+        device = torch._C._nn._parse_to(*args, **kwargs)[0]
+    except (TypeError, RuntimeError, AttributeError):
+        device = kwargs.get("device", next((a for a in args if isinstance(a, (str, torch.device))), None))
+    return None if device is None else torch.device(device)
+
+
+class SwapMember:
+    """One model's pinned master and the guard on its root module's `.to()`."""
+
+    def __init__(self, module: torch.nn.Module, name: str) -> None:
+        self.name = name
+        self.swap = ModuleSwap(module)
+        self.loads = 0
+        self.parks = 0
+        self.bytes_loaded = 0
+        original_to = module.to
+        member_ref = weakref.ref(self)
+
+        def guarded_to(*args: Any, **kwargs: Any):
+            member = member_ref()
+            device = _target_device(args, kwargs)
+            if member is not None and device is not None and len(args) + len(kwargs) == 1:
+                if device.type == "cpu" and member.swap.device is not None and member.swap.device.type != "cpu":
+                    member.park()
+                    return module
+                if device.type != "cpu" and member.swap.device != device \
+                        and not layerwise_active(module):
+                    member.load(device)
+                    return module
+            return original_to(*args, **kwargs)
+
+        module.to = guarded_to
+        self._module_ref = weakref.ref(module)
+
+    def load(self, device: torch.device) -> None:
+        if self.swap.device == device:
+            return
+        self.swap.load(device)
+        self.loads += 1
+        self.bytes_loaded += self.swap.bytes_by_tier()["vram"]
+        log.info("Model-Level Swap: %s in on %s from its pinned master", self.name, device)
+
+    def park(self) -> None:
+        if self.swap.device is None:
+            return
+        self.swap.park()
+        self.parks += 1
+        log.info("Model-Level Swap: %s parked, no device-to-host copy", self.name)
+
+    def close(self) -> None:
+        module = self._module_ref()
+        if module is not None:
+            module.__dict__.pop("to", None)
+        self.swap.close()
+
+    def report(self) -> dict[str, Any]:
+        return {"name": self.name, "device": None if self.swap.device is None else str(self.swap.device),
+                "loads": self.loads, "parks": self.parks, "bytes_loaded": self.bytes_loaded,
+                "bytes": self.swap.bytes_by_tier()}
+
+
+class _Members:
+    """One SwapMember per root module, closed when the module is freed."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._members: dict[int, tuple[weakref.ref, SwapMember]] = {}
+
+    def member_for(self, module: torch.nn.Module, name: str) -> SwapMember:
+        with self._lock:
+            entry = self._members.get(id(module))
+            if entry is not None and entry[0]() is module:
+                return entry[1]
+            member = SwapMember(module, name)
+            key = id(module)
+            self._members[key] = (weakref.ref(module, lambda _r: self._drop(key)), member)
+            return member
+
+    def _drop(self, key: int) -> None:
+        with self._lock:
+            entry = self._members.pop(key, None)
+        if entry is not None:
+            entry[1].swap.close()
+
+    def report(self) -> list[dict[str, Any]]:
+        with self._lock:
+            members = [m for _, m in self._members.values()]
+        return [m.report() for m in members]
+
+
+MEMBERS = _Members()
+
+
+def unload_from_core(module: torch.nn.Module) -> None:
+    """Unload every core LoadedModel holding this module; the guard makes it copy-free."""
+    for lm in list(comfy.model_management.current_loaded_models):
+        if lm.model is not None and lm.model.model is module:
+            lm.model_unload()
+            if lm in comfy.model_management.current_loaded_models:
+                comfy.model_management.current_loaded_models.remove(lm)
+
+
+def layerwise_active(module: torch.nn.Module) -> bool:
+    """Apply Layerwise Offload owns the blocks during sampling; loading them whole would undo it."""
+    diffusion_model = getattr(module, "diffusion_model", None)
+    return diffusion_model is not None and LAYERWISE.is_active(diffusion_model)
+
+
+def _take_turn(incoming: SwapMember, incoming_module: torch.nn.Module,
+               outgoing: SwapMember, outgoing_module: torch.nn.Module,
+               device: torch.device | None) -> None:
+    unload_from_core(outgoing_module)
+    outgoing.park()
+    if device is not None and not layerwise_active(incoming_module):
+        incoming.load(device)
+
+
+class ModelLevelSwap:
+    """The diffusion model and the text encoder take turns on the GPU, from pinned masters."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "model": ("MODEL", {"tooltip": "The diffusion model; it is parked while text is encoded."}),
+            "clip": ("CLIP", {"tooltip": "The text encoder(s); parked while sampling."}),
+        }}
+
+    RETURN_TYPES = ("MODEL", "CLIP")
+    FUNCTION = "apply"
+    CATEGORY = "tiered_offload"
+    DESCRIPTION = ("Keeps the diffusion model and the text encoder as pinned host masters and "
+                   "lets them take turns on the GPU: full-speed copies in, nothing copied back.")
+
+    def apply(self, model, clip):
+        model = model.clone()
+        clip = clip.clone()
+        dit_module, te_module = model.model, clip.patcher.model
+        dit = MEMBERS.member_for(dit_module, type(dit_module).__name__)
+        te = MEMBERS.member_for(te_module, type(te_module).__name__)
+
+        def prepare_sampling(executor, patcher, *args, **kwargs):
+            _take_turn(dit, dit_module, te, te_module, patcher.load_device)
+            return executor(patcher, *args, **kwargs)
+
+        def on_encoder_load(patcher, *args):
+            _take_turn(te, te_module, dit, dit_module, None)
+
+        model.remove_wrappers_with_key(comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING, KEY)
+        model.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING, KEY,
+                                   prepare_sampling)
+        clip.patcher.remove_callbacks_with_key(comfy.patcher_extension.CallbacksMP.ON_LOAD, KEY)
+        clip.patcher.add_callback_with_key(comfy.patcher_extension.CallbacksMP.ON_LOAD, KEY,
+                                           on_encoder_load)
+        return (model, clip)

@@ -1,0 +1,229 @@
+"""Exact-size host storage for packed weights, page-locked when the budget allows.
+
+Why not ``tensor.pin_memory()``: torch's caching host allocator rounds every
+block up to a power of two, so pinning a model that way costs 1.5-2x its size
+in RAM and is not returned by ``empty_cache``.  Here each chunk is a plain
+``torch.empty`` of the exact size, registered with ``cudaHostRegister`` and
+unregistered on release, so pinned RAM stays within a page per chunk of the
+packed bytes.  Chunks never split an item (a block), so one block is always one
+contiguous, uniformly pinned range.  When pinning is impossible or over budget
+the memory stays pageable (slower copies, same results); when even pageable
+memory would not fit, allocation is refused before any RAM is touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import sys
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+log = logging.getLogger(__name__)
+
+ALIGN = 256
+DEFAULT_CHUNK_BYTES = 512 << 20
+DEFAULT_RESERVE_BYTES = 2 << 30
+# Share of physical RAM that may be page-locked process-wide when no explicit cap is
+# given. Windows (WDDM) refuses much beyond half of RAM; ComfyUI itself uses 45% there.
+PIN_FRACTION = 0.45 if sys.platform == "win32" else 0.9
+PAGE = mmap.PAGESIZE
+
+_lock = threading.Lock()
+_pinned_total = 0
+
+
+def pinned_bytes() -> int:
+    """Bytes currently page-locked by this package, process-wide."""
+    return _pinned_total
+
+
+def _count_pinned(delta: int) -> None:
+    global _pinned_total
+    with _lock:
+        _pinned_total += delta
+
+
+def _align_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def _cgroup_available() -> int | None:
+    """Headroom under a cgroup v2 memory limit (containers), which psutil ignores."""
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit == "max":
+            return None
+        with open("/sys/fs/cgroup/memory.current") as f:
+            current = int(f.read().strip())
+        return max(0, int(limit) - current)
+    except (OSError, ValueError):
+        return None
+
+
+def available_ram_bytes() -> int:
+    """RAM that can still be allocated: the smaller of the OS and cgroup views."""
+    avail = psutil.virtual_memory().available
+    cg = _cgroup_available()
+    return avail if cg is None else min(avail, cg)
+
+
+def _cuda_register(ptr: int, nbytes: int) -> bool:
+    cudart = torch.cuda.cudart()
+    return cudart.cudaHostRegister(ptr, nbytes, 0) == cudart.cudaError.success
+
+
+def _cuda_unregister(ptr: int) -> None:
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostUnregister(ptr)
+    if err != cudart.cudaError.success:
+        log.warning("cudaHostUnregister(0x%x) failed: %s", ptr, err)
+
+
+@dataclass
+class _Chunk:
+    items: list[int]  # indices of the items that live in this chunk
+    offsets: list[int]  # byte offset of each item inside the chunk
+    nbytes: int
+    data: torch.Tensor | None = None  # page-aligned uint8 view of exactly nbytes
+    pinned_len: int = 0  # bytes registered with CUDA (page-rounded), 0 if pageable
+
+
+def _unregister_all(chunks: list[_Chunk]) -> None:
+    """Finalizer body: must not reference the owning HostStorage."""
+    for c in chunks:
+        if c.pinned_len and c.data is not None:
+            _cuda_unregister(c.data.data_ptr())
+            _count_pinned(-c.pinned_len)
+            c.pinned_len = 0
+        c.data = None
+
+
+class HostStorage:
+    """Host memory for a list of byte items (packed blocks), grouped into chunks.
+
+    Chunks are allocated lazily, on the first ``buffer(i)`` of one of their items,
+    so a caller that frees its original tensors as it packs never holds two full
+    copies of a model at once.
+    """
+
+    def __init__(
+        self,
+        sizes: Sequence[int],
+        *,
+        pin: bool = True,
+        ram_budget_bytes: int | None = None,
+        reserve_bytes: int = DEFAULT_RESERVE_BYTES,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> None:
+        if any(s < 0 for s in sizes):
+            raise ValueError("item sizes must be >= 0")
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
+        if ram_budget_bytes is not None and ram_budget_bytes < 0:
+            raise ValueError(f"ram_budget_bytes must be >= 0, got {ram_budget_bytes}")
+        self._pin = pin
+        self._cap = ram_budget_bytes
+        self._reserve = reserve_bytes
+        self._pinned_here = 0
+        self._pin_refused = False
+        self._chunks: list[_Chunk] = []
+        self._where: list[tuple[int, int]] = []  # item -> (chunk index, offset)
+        for i, size in enumerate(sizes):
+            cur = self._chunks[-1] if self._chunks else None
+            start = _align_up(cur.nbytes, ALIGN) if cur else 0
+            if cur is None or (cur.items and start + size > chunk_bytes):
+                cur = _Chunk(items=[], offsets=[], nbytes=0)
+                self._chunks.append(cur)
+                start = 0
+            cur.items.append(i)
+            cur.offsets.append(start)
+            cur.nbytes = start + size
+            self._where.append((len(self._chunks) - 1, start))
+        self._sizes = list(sizes)
+        self._finalizer = weakref.finalize(self, _unregister_all, self._chunks)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all chunks, allocated or not."""
+        return sum(c.nbytes for c in self._chunks)
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(c.nbytes for c in self._chunks if c.data is not None)
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes this storage holds page-locked (page-rounded)."""
+        return self._pinned_here
+
+    @property
+    def pageable_bytes(self) -> int:
+        return sum(c.nbytes for c in self._chunks if c.data is not None and not c.pinned_len)
+
+    def is_pinned(self, i: int) -> bool:
+        return bool(self._chunks[self._where[i][0]].pinned_len)
+
+    def buffer(self, i: int) -> torch.Tensor:
+        """uint8 tensor of exactly ``sizes[i]`` bytes, allocating its chunk on first use."""
+        ci, off = self._where[i]
+        chunk = self._chunks[ci]
+        if chunk.data is None:
+            self._allocate(ci, chunk)
+        assert chunk.data is not None
+        return chunk.data[off : off + self._sizes[i]]
+
+    def _allocate(self, ci: int, chunk: _Chunk) -> None:
+        n = chunk.nbytes
+        span = _align_up(n, PAGE)
+        headroom = available_ram_bytes() - self._reserve
+        if span + PAGE > headroom:
+            raise MemoryError(
+                f"host storage chunk {ci} needs {span + PAGE} bytes but only {max(headroom, 0)} are "
+                f"available after keeping {self._reserve} bytes in reserve; refusing to allocate"
+            )
+        with torch.inference_mode(False):
+            raw = torch.empty(span + PAGE, dtype=torch.uint8)
+        start = (-raw.data_ptr()) % PAGE  # page-aligned base: registrations never share a page
+        chunk.data = raw[start : start + n]
+        if self._want_pin(span, headroom - span - PAGE):
+            if _cuda_register(chunk.data.data_ptr(), span):
+                chunk.pinned_len = span
+                self._pinned_here += span
+                _count_pinned(span)
+            else:
+                self._refuse_pin(f"cudaHostRegister failed for a {span}-byte chunk")
+
+    def _want_pin(self, span: int, headroom_after: int) -> bool:
+        if not self._pin or self._pin_refused:
+            return False
+        if not torch.cuda.is_available():
+            self._refuse_pin("CUDA is not available")
+            return False
+        cap = self._cap
+        if cap is None:
+            cap = int(PIN_FRACTION * psutil.virtual_memory().total)
+        if pinned_bytes() + span > cap:
+            self._refuse_pin(f"pinning {span} more bytes would exceed the pinned-RAM cap of {cap} bytes")
+            return False
+        if headroom_after < 0:
+            self._refuse_pin("not enough free RAM to lock more pages")
+            return False
+        return True
+
+    def _refuse_pin(self, why: str) -> None:
+        self._pin_refused = True
+        log.warning("host storage: %s; remaining chunks stay pageable (correct but slower copies)", why)
+
+    def release(self) -> None:
+        """Unregister and drop every chunk; views still held elsewhere become plain pageable memory."""
+        if any(c.pinned_len for c in self._chunks) and torch.cuda.is_available():
+            torch.cuda.synchronize()  # no async copy may still read a range we unlock
+        _unregister_all(self._chunks)
+        self._pinned_here = 0

@@ -1,0 +1,370 @@
+"""Layerwise weight streaming: run a stack of blocks with only some of them on the device.
+
+Each block is packed once into one host buffer (the master, never written back).
+Resident blocks are copied to fixed device memory at attach; streamed blocks go
+through a ring of ``prefetch + 1`` device slots: while block ``j`` runs, the next
+``prefetch`` streamed blocks are copied on a side stream, one copy per block.
+After a block runs its module tensors are dropped; the slot is reused once an
+event says its last reader finished.  At the end of a pass the first blocks of
+the next pass are already being fetched (wrap-around).
+
+Blocks that run out of the expected order (block caches that skip, a block run
+twice, a retry after an exception) are still served: the window re-centres on
+the block that actually runs and, if its bytes are not in a slot, it is loaded
+right away.  That is counted (``sync_fallbacks``, ``order_misses``), never fatal.
+
+Tensors shared *between* blocks stay resident: streaming them with one block
+would pull them out from under the other block, and copying them with every
+block would re-send the same bytes; they are also usually small (tied norms).
+Blocks must not share tensors with modules outside the block list.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Hashable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from .hooks import BlockHooks
+from .packing import PackedBlock, Transform, alias_key, check_packable, tensor_refs
+from .pinned import DEFAULT_CHUNK_BYTES, HostStorage
+from .residency import bound_bytes, plan_residency, slot_count
+from .slots import SlotRing, resolve_device
+from .telemetry import StallTimer, Telemetry
+
+log = logging.getLogger(__name__)
+
+Fingerprints = Sequence[Hashable] | Mapping[int, Hashable] | None
+_MiB = 1 << 20
+
+
+def _check_blocks(blocks: Sequence[nn.Module]) -> list[nn.Module]:
+    blocks = list(blocks)
+    if not blocks:
+        raise ValueError("blocks is empty: there is nothing to stream")
+    for i, b in enumerate(blocks):
+        if not isinstance(b, nn.Module):
+            raise ValueError(f"blocks[{i}] is a {type(b).__name__}, not an nn.Module")
+    index = {id(b): i for i, b in enumerate(blocks)}
+    if len(index) != len(blocks):
+        raise ValueError("the same module appears more than once in blocks")
+    for i, b in enumerate(blocks):
+        for sub in b.modules():
+            if sub is not b and id(sub) in index:
+                raise ValueError(f"blocks[{index[id(sub)]}] is nested inside blocks[{i}]")
+    return blocks
+
+
+def _check_optional_int(name: str, value: object, minimum: int) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be None or an int >= {minimum}, got {value!r}")
+
+
+class LayerwiseStreamer:
+    """Streams the weights of ``blocks`` (run in this order each pass) onto ``device``."""
+
+    def __init__(
+        self,
+        blocks: Sequence[nn.Module],
+        device: torch.device | str,
+        *,
+        resident: int | None = None,
+        vram_budget_bytes: int | None = None,
+        prefetch: int = 1,
+        pin: bool = True,
+        ram_budget_bytes: int | None = None,
+        host_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        timing: bool = True,
+    ) -> None:
+        self.blocks = _check_blocks(blocks)
+        self.device = resolve_device(device)
+        if not isinstance(pin, bool):
+            raise ValueError(f"pin must be a bool, got {pin!r}")
+        _check_optional_int("ram_budget_bytes", ram_budget_bytes, 0)
+        if isinstance(host_chunk_bytes, bool) or not isinstance(host_chunk_bytes, int) or host_chunk_bytes < 1:
+            raise ValueError(f"host_chunk_bytes must be an int >= 1, got {host_chunk_bytes!r}")
+        self._settings = {"resident": resident, "vram_budget_bytes": vram_budget_bytes, "prefetch": prefetch}
+        self._pin = pin
+        self._ram_budget = ram_budget_bytes
+        self._chunk_bytes = host_chunk_bytes
+        self.telemetry = Telemetry()
+        if self.device.type == "cuda" and timing:
+            self.telemetry.stalls = StallTimer()
+        self._host: HostStorage | None = None
+        self._hooks: BlockHooks | None = None
+        self._ring: SlotRing | None = None
+        self._resident_bufs: list[torch.Tensor] = []
+        self._slot_of: dict[int, int] = {}  # streamed block -> slot it holds (in flight or running)
+        self._running: int | None = None
+        self._expected = 0  # position in streamed_indices of the block expected next
+        self._attached = False
+        self._closed = False
+        self._plan()
+
+    # ----------------------------------------------------------------- planning
+    def _plan(self) -> None:
+        """Layout of every block from live metadata (no data moves), then residency."""
+        refs = [tensor_refs(b, i) for i, b in enumerate(self.blocks)]
+        owners: dict[tuple, set[int]] = {}
+        for i, items in enumerate(refs):
+            for ref, t in items:
+                check_packable(t, ref.label)
+                owners.setdefault(alias_key(t), set()).add(i)
+        shared = {k for k, s in owners.items() if len(s) > 1}
+        self._packs = [
+            PackedBlock([(r, t) for r, t in items if alias_key(t) not in shared], index=i)
+            for i, items in enumerate(refs)
+        ]
+        self._shared = PackedBlock([(r, t) for items in refs for r, t in items if alias_key(t) in shared], index=-1)
+        sizes = [p.nbytes for p in self._packs]
+        self.resident_indices: list[int] = plan_residency(sizes, self._shared.nbytes, **self._settings)
+        res = set(self.resident_indices)
+        self.streamed_indices: list[int] = [i for i in range(len(self.blocks)) if i not in res]
+        self._pos = {b: j for j, b in enumerate(self.streamed_indices)}
+        self._slot_bytes = max((sizes[i] for i in self.streamed_indices), default=0)
+        self._nslots = slot_count(self._settings["prefetch"], len(self.streamed_indices))
+        if shared:
+            log.info("%d tensors are shared between blocks; they stay resident", len(self._shared.entries))
+
+    @property
+    def packed_bytes(self) -> int:
+        """Bytes of the host master (all blocks plus shared tensors)."""
+        return sum(p.nbytes for p in self._packs) + self._shared.nbytes
+
+    def bound_bytes(self) -> int:
+        """Most weight bytes the settings ever place on the compute device: resident + slots."""
+        sizes = [p.nbytes for p in self._packs]
+        return bound_bytes(sizes, self.resident_indices, self._shared.nbytes, self._settings["prefetch"])
+
+    def block_states(self) -> list[str]:
+        """Per block: 'resident', 'in_flight' (bytes in a device slot) or 'streamed' (host only)."""
+        res = set(self.resident_indices)
+        return [
+            "resident" if i in res else "in_flight" if self._attached and i in self._slot_of else "streamed"
+            for i in range(len(self.blocks))
+        ]
+
+    def host_bytes(self) -> dict[str, int]:
+        """Host master size and how much of it is page-locked."""
+        host = self._host
+        return {
+            "packed": self.packed_bytes,
+            "pinned": host.pinned_bytes if host else 0,
+            "pageable": host.pageable_bytes if host else 0,
+        }
+
+    @property
+    def attached(self) -> bool:
+        return self._attached
+
+    # ---------------------------------------------------------------- lifecycle
+    def attach(self, transform: Transform | None = None, fingerprints: Fingerprints = None) -> None:
+        """Pack (or re-pack changed blocks of a kept pack), pin, allocate slots, install hooks.
+
+        ``transform(block_index, name, tensor)`` may rewrite a tensor (same shape and
+        dtype) before it is packed, e.g. to bake a LoRA in; originals are kept for
+        ``detach``.  ``fingerprints`` (one per block) let a kept pack skip blocks
+        whose fingerprint did not change.
+        """
+        if self._closed:
+            raise RuntimeError("this streamer is closed")
+        if self._attached:
+            raise RuntimeError("already attached; call detach() first")
+        fps = self._fingerprint_list(fingerprints)
+        packs = self._packs + [self._shared]
+        if not all(p.is_current() for p in packs):
+            if self._host is not None:
+                log.info("block tensors were re-assigned since the pack was kept; packing from scratch")
+                self._free_pack()
+            self._plan()
+        try:
+            repacked = self._pack(transform, fps)
+            self._materialize()
+        except BaseException:
+            self._teardown(keep_pack=False)
+            raise
+        self._attached = True
+        host = self.host_bytes()
+        log.info(
+            "attached %d blocks (%d resident, %d streamed) to %s: %d slots x %.1f MiB, bound %.1f MiB, "
+            "host %.1f MiB (%.1f MiB pinned), %d blocks packed",
+            len(self.blocks), len(self.resident_indices), len(self.streamed_indices), self.device,
+            self._nslots, self._slot_bytes / _MiB, self.bound_bytes() / _MiB,
+            host["packed"] / _MiB, host["pinned"] / _MiB, repacked,
+        )  # fmt: skip
+
+    def detach(self, keep_pack: bool = False) -> None:
+        """Remove hooks, free device memory, give every tensor back bit-for-bit.
+
+        ``keep_pack`` keeps the host master for the next ``attach`` (unchanged CPU
+        tensors then alias it); otherwise it is freed and tensors get fresh memory.
+        """
+        if self._attached:
+            self._teardown(keep_pack)
+            log.info("detached (%s the host pack)", "keeping" if keep_pack else "freeing")
+        elif not keep_pack and self._host is not None:
+            self._free_pack()
+
+    def close(self) -> None:
+        """Detach and free everything; the streamer cannot be attached again."""
+        self.detach(keep_pack=False)
+        self._closed = True
+
+    def _fingerprint_list(self, fingerprints: Fingerprints) -> list[Hashable]:
+        n = len(self.blocks)
+        if fingerprints is None:
+            return [None] * n
+        if isinstance(fingerprints, Mapping):
+            return [fingerprints.get(i) for i in range(n)]
+        fps = list(fingerprints)
+        if len(fps) != n:
+            raise ValueError(f"got {len(fps)} fingerprints for {n} blocks")
+        return fps
+
+    def _pack(self, transform: Transform | None, fps: list[Hashable]) -> int:
+        owners = sorted({e.owner[0] for e in self._shared.entries})
+        shared_fp = tuple(fps[i] for i in owners)
+        if transform is not None and any(fps[i] is None for i in owners):
+            shared_fp = None
+        packs = self._packs + [self._shared]
+        all_fps = fps + [shared_fp]
+        count = 0
+        if self._host is None:
+            self._host = HostStorage(
+                [p.nbytes for p in packs],
+                pin=self._pin and self.device.type == "cuda",  # page-locking only speeds up H2D copies
+                ram_budget_bytes=self._ram_budget,
+                chunk_bytes=self._chunk_bytes,
+            )  # fmt: skip
+            for i, (p, fp) in enumerate(zip(packs, all_fps)):
+                p.pack(self._host.buffer(i), transform, fp)
+                count += bool(p.entries)
+        else:
+            count = sum(p.repack(transform, fp) and bool(p.entries) for p, fp in zip(packs, all_fps))
+        self.telemetry.blocks_packed += count
+        return count
+
+    def _materialize(self) -> None:
+        tel = self.telemetry
+        for p in [self._packs[i] for i in self.resident_indices] + [self._shared]:
+            if not p.entries:
+                continue
+            with torch.inference_mode(False):
+                buf = torch.empty(p.nbytes, dtype=torch.uint8, device=self.device)
+            buf.copy_(p.host, non_blocking=True)
+            p.bind(p.views(buf))
+            self._resident_bufs.append(buf)
+            tel.add_device_alloc(p.nbytes)
+            tel.add_materialized(p.nbytes)
+        tel.bound_bytes = self.bound_bytes()
+        self._slot_of = {}
+        self._running = None
+        self._expected = 0
+        if not self.streamed_indices:
+            return
+        self._ring = SlotRing(self.device, self._nslots, self._slot_bytes, tel)
+        self._content: list[int | None] = [None] * self._nslots
+        self._view_cache: dict[tuple[int, int], list[torch.Tensor]] = {}
+        for i in self.streamed_indices:
+            self._packs[i].release()
+        self._hooks = BlockHooks([(i, self.blocks[i]) for i in self.streamed_indices], self._on_enter, self._on_exit)
+        self._fill()
+
+    def _teardown(self, keep_pack: bool) -> None:
+        """Undo attach from any partial state: hooks, device memory, bindings, and maybe the pack."""
+        if self._hooks is not None:
+            self._hooks.remove()
+            self._hooks = None
+        if self._ring is not None:
+            self._ring.close()
+            self._ring = None
+        elif self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        keep = keep_pack and self._host is not None
+        for p in self._packs + [self._shared]:
+            p.restore(keep_host=keep and p.host is not None)
+        self._slot_of = {}
+        self._running = None
+        self._view_cache = {}
+        self.telemetry.add_device_alloc(-sum(b.numel() for b in self._resident_bufs))
+        self.telemetry.add_materialized(-self.telemetry.materialized_bytes)
+        self._resident_bufs = []
+        self._attached = False
+        if not keep and self._host is not None:
+            self._host.release()
+            self._host = None
+
+    def _free_pack(self) -> None:
+        """Drop a kept pack while detached; slots the caller re-assigned meanwhile keep their new tensors."""
+        for p in self._packs + [self._shared]:
+            p.restore(keep_host=False, skip_reassigned=True)
+        if self._host is not None:
+            self._host.release()
+            self._host = None
+
+    # ---------------------------------------------------------------- hot path
+    def _on_enter(self, i: int) -> None:
+        if self._running is not None:  # the previous block never reached its exit hook
+            self._finish(self._running)
+        pos = self._pos[i]
+        retarget = pos != self._expected
+        if retarget:
+            self.telemetry.order_misses += 1
+            self._expected = pos
+        if i not in self._slot_of:
+            self.telemetry.sync_fallbacks += 1
+            log.debug("block %d was not prefetched; loading it now", i)
+            retarget = True
+        if retarget:
+            self._fill()
+        slot = self._slot_of[i]
+        self._ring.wait_ready(slot)
+        views = self._view_cache.get((i, slot))
+        if views is None:
+            views = self._view_cache[(i, slot)] = self._packs[i].views(self._ring.buffers[slot])
+        self._packs[i].bind(views)
+        self._running = i
+
+    def _on_exit(self, i: int) -> None:
+        if self._running != i:
+            return
+        self._finish(i)
+        self._expected = (self._pos[i] + 1) % len(self.streamed_indices)
+        self._fill()
+
+    def _finish(self, i: int) -> None:
+        self._ring.mark_free(self._slot_of[i])
+        self._packs[i].release()
+        self._unreserve(i)
+        self._running = None
+
+    def _fill(self) -> None:
+        """Reserve slots for the next ``slots`` streamed blocks, copying only what is not there yet."""
+        order = self.streamed_indices
+        window = [order[(self._expected + d) % len(order)] for d in range(self._nslots)]
+        wanted = set(window)
+        for b in [b for b in self._slot_of if b not in wanted and b != self._running]:
+            self._unreserve(b)
+        taken = set(self._slot_of.values())
+        for b in window:
+            if b in self._slot_of:
+                continue
+            free = [s for s in range(self._nslots) if s not in taken]
+            if not free:
+                break
+            slot = next((s for s in free if self._content[s] == b), None)
+            if slot is None:
+                slot = next((s for s in free if self._content[s] not in wanted), free[0])
+                self._ring.copy_in(slot, self._packs[b].host)
+                self._content[slot] = b
+            self._slot_of[b] = slot
+            taken.add(slot)
+            self.telemetry.add_materialized(self._packs[b].nbytes)
+
+    def _unreserve(self, b: int) -> None:
+        del self._slot_of[b]
+        self.telemetry.add_materialized(-self._packs[b].nbytes)

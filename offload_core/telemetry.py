@@ -1,0 +1,109 @@
+"""Counters that make the streaming engine's cost visible.
+
+Why: offload engines fail quietly (hidden stalls, silent fallbacks, VRAM creeping
+past the plan).  These counters let tests assert the plan is kept and let a UI
+show what a run really cost.  Stalls are measured on the GPU with CUDA events and
+resolved lazily, so measuring never adds a host sync to the hot path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class StallTimer:
+    """Times how long the compute stream sat waiting for copies, via event pairs."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._spare: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.total_s = 0.0
+
+    def begin(self, stream: torch.cuda.Stream) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        pair = self._spare.pop() if self._spare else (
+            torch.cuda.Event(enable_timing=True),
+            torch.cuda.Event(enable_timing=True),
+        )
+        pair[0].record(stream)
+        return pair
+
+    def end(self, pair: tuple[torch.cuda.Event, torch.cuda.Event], stream: torch.cuda.Stream) -> None:
+        pair[1].record(stream)
+        self._pending.append(pair)
+        if len(self._pending) > 64:
+            self.collect(wait=False)
+
+    def collect(self, wait: bool) -> None:
+        """Fold finished pairs into ``total_s``; with ``wait`` also the unfinished ones."""
+        keep = []
+        for start, end in self._pending:
+            if wait:
+                end.synchronize()
+            elif not end.query():
+                keep.append((start, end))
+                continue
+            self.total_s += start.elapsed_time(end) / 1000.0
+            self._spare.append((start, end))
+        self._pending = keep
+
+
+class Telemetry:
+    """Engine counters; ``snapshot()`` is JSON-serialisable."""
+
+    def __init__(self) -> None:
+        self.bound_bytes = 0
+        self.materialized_bytes = 0
+        self.device_alloc_bytes = 0
+        self.stalls: StallTimer | None = None
+        self.reset()
+
+    def reset(self) -> None:
+        """Zero the counters; peaks restart from the current values."""
+        self.bytes_copied = 0
+        self.copies = 0
+        self.sync_fallbacks = 0
+        self.order_misses = 0
+        self.blocks_packed = 0
+        self.peak_materialized_bytes = self.materialized_bytes
+        self.peak_device_alloc_bytes = self.device_alloc_bytes
+        if self.stalls is not None:
+            self.stalls.collect(wait=True)
+            self.stalls.total_s = 0.0
+
+    def record_copy(self, nbytes: int) -> None:
+        self.bytes_copied += nbytes
+        self.copies += 1
+
+    def add_materialized(self, delta: int) -> None:
+        self.materialized_bytes += delta
+        if self.materialized_bytes > self.peak_materialized_bytes:
+            self.peak_materialized_bytes = self.materialized_bytes
+
+    def add_device_alloc(self, delta: int) -> None:
+        self.device_alloc_bytes += delta
+        if self.device_alloc_bytes > self.peak_device_alloc_bytes:
+            self.peak_device_alloc_bytes = self.device_alloc_bytes
+
+    @property
+    def compute_wait_s(self) -> float:
+        return self.stalls.total_s if self.stalls is not None else 0.0
+
+    def snapshot(self, wait: bool = False) -> dict[str, Any]:
+        """Current counters.  ``wait=True`` first resolves in-flight stall timings (host sync)."""
+        if self.stalls is not None:
+            self.stalls.collect(wait=wait)
+        return {
+            "bytes_copied": self.bytes_copied,
+            "copies": self.copies,
+            "sync_fallbacks": self.sync_fallbacks,
+            "order_misses": self.order_misses,
+            "blocks_packed": self.blocks_packed,
+            "compute_wait_s": self.compute_wait_s,
+            "materialized_bytes": self.materialized_bytes,
+            "peak_materialized_bytes": self.peak_materialized_bytes,
+            "device_alloc_bytes": self.device_alloc_bytes,
+            "peak_device_alloc_bytes": self.peak_device_alloc_bytes,
+            "bound_bytes": self.bound_bytes,
+        }

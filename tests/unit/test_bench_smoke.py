@@ -1,0 +1,37 @@
+"""The layerwise benchmark's --smoke mode runs end to end and writes the documented JSON."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "layerwise.py"
+
+
+def test_bench_smoke_writes_json(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_layerwise", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # dataclasses look their module up while the class is built
+    try:
+        spec.loader.exec_module(bench)
+    finally:
+        sys.modules.pop(spec.name, None)
+    out = tmp_path / "smoke.json"
+    bench.main(["--smoke", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert {"device", "torch", "settings", "link", "models", "comparisons"} <= set(data)
+    assert data["smoke"] is True and "comfyui_native_offload" in data["comparisons"]
+    assert {"pinned_h2d_GBps", "pageable_h2d_GBps"} <= set(data["link"])
+    assert set(data["models"]) == {"wan-smoke", "flux-smoke"}
+    for model in data["models"].values():
+        assert model["resident_step_s"] > 0 and model["naive_swap_step_s"] > 0
+        assert "comfyui_native_offload" in model
+        assert len(model["streaming"]) >= 3
+        for s in model["streaming"]:
+            for key in ("resident", "prefetch", "step_s", "bound_s", "efficiency", "per_block_copy_GBps",
+                        "streamed_bytes_per_step", "bound_bytes", "pinned_over_packed", "telemetry"):
+                assert key in s, key
+            assert s["telemetry"]["peak_materialized_bytes"] <= s["bound_bytes"]
+            assert s["telemetry"]["sync_fallbacks"] == 0

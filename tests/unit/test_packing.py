@@ -1,0 +1,146 @@
+"""PackedBlock: layout, faithful round trips, zero-copy, refusals, fingerprints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from toy_models import ToyBlock, assert_restored, bits, snapshot
+from torch import nn
+
+from offload_core import PackedBlock, check_packable, tensor_refs
+from offload_core.packing import ALIGN
+
+
+def _block() -> ToyBlock:
+    torch.manual_seed(0)
+    return ToyBlock(32, 4, shared=nn.Parameter(torch.rand(32)))
+
+
+def _packed(module: nn.Module) -> tuple[PackedBlock, torch.Tensor]:
+    pb = PackedBlock(tensor_refs(module, 0), index=0)
+    host = torch.empty(pb.nbytes, dtype=torch.uint8)
+    pb.pack(host)
+    return pb, host
+
+
+def test_layout_is_aligned_grouped_and_dedups_tied_weights():
+    blk = _block()
+    pb = PackedBlock(tensor_refs(blk, 0), index=0)
+    assert pb.nbytes % ALIGN == 0
+    assert all(e.offset % ALIGN == 0 for e in pb.entries)
+    dtypes = [e.dtype for e in pb.entries]
+    groups = [d for i, d in enumerate(dtypes) if i == 0 or dtypes[i - 1] != d]
+    assert len(groups) == len(set(dtypes)), f"dtypes not grouped: {dtypes}"
+    assert {torch.float32, torch.bfloat16, torch.float8_e5m2, torch.float8_e4m3fn, torch.int64, torch.bool} <= set(
+        dtypes
+    )
+    # the tied weight is packed once and bound under both names
+    assert pb.num_bindings == len(pb.entries) + 1
+    labels = {e.label for e in pb.entries}
+    assert ("block 0: tied_a.weight" in labels) != ("block 0: tied_b.weight" in labels)
+    ends = sorted((e.offset, e.offset + e.nbytes) for e in pb.entries)
+    assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:]))  # no overlaps
+
+
+def test_views_round_trip_bitwise_over_host_and_slot():
+    blk = _block()
+    with torch.no_grad():  # bit patterns that value comparisons would hide
+        blk.qkv.bias[0] = float("nan")
+        blk.qkv.bias[1] = -0.0
+    before, keys = snapshot(blk), list(blk.state_dict())
+    pb, host = _packed(blk)
+    slot = torch.zeros(pb.nbytes + 4096, dtype=torch.uint8)  # a larger "device slot"
+    slot[: pb.nbytes].copy_(host)
+    for buf in (host, slot):
+        views = pb.views(buf)
+        pb.bind(views)
+        for name, (_, raw, dtype, _, shape, stride) in before.items():
+            t = dict([*blk.named_parameters(remove_duplicate=False), *blk.named_buffers(remove_duplicate=False)])[
+                name
+            ]
+            assert torch.equal(bits(t), raw) and t.dtype == dtype and t.shape == shape, name
+    assert blk.wt.stride() == (1, 32)  # a transposed weight keeps its strides
+    pb.restore(keep_host=False)
+    assert_restored(blk, before, keys)
+
+
+def test_pack_is_zero_copy_for_dense_tensors_and_keeps_non_dense_originals():
+    blk = _block()
+    before, keys = snapshot(blk), list(blk.state_dict())
+    original_qkv = blk.qkv.weight.data_ptr()
+    pb, host = _packed(blk)
+    lo, hi = host.data_ptr(), host.data_ptr() + host.numel()
+    assert lo <= blk.qkv.weight.data_ptr() < hi and blk.qkv.weight.data_ptr() != original_qkv
+    (exp,) = [e for e in pb.entries if e.label.endswith("bias_exp")]
+    assert not exp.dense and exp.original is not None  # an expanded buffer cannot be re-created from bytes
+    assert blk.bias_exp.stride() == (0, 1)
+    pb.restore(keep_host=True)  # CPU tensors alias the pack
+    assert lo <= blk.qkv.weight.data_ptr() < hi
+    assert_restored(blk, before, keys)
+    pb.restore(keep_host=False)  # the pack may now be freed: fresh memory
+    assert not lo <= blk.qkv.weight.data_ptr() < hi
+    del host
+    assert_restored(blk, before, keys)
+
+
+def test_release_drops_tensors_and_bind_brings_them_back():
+    blk = _block()
+    pb, host = _packed(blk)
+    pb.release()
+    assert blk.qkv._parameters["weight"] is None and blk._buffers["perm"] is None
+    assert blk.tied_a._parameters["weight"] is None and blk.tied_b._parameters["weight"] is None
+    pb.bind(pb.views(host))
+    assert blk.tied_a.weight is blk.tied_b.weight
+
+
+def test_views_reject_small_or_wrong_buffers():
+    pb = PackedBlock(tensor_refs(_block(), 0), index=0)
+    with pytest.raises(ValueError, match=f">= {pb.nbytes} bytes"):
+        pb.views(torch.empty(pb.nbytes - 1, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="uint8"):
+        pb.views(torch.empty(pb.nbytes, dtype=torch.float32))
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+@pytest.mark.filterwarnings("ignore:.*quantized tensor creation functions")
+@pytest.mark.parametrize(
+    "make,exc,match",
+    [
+        (lambda: torch.randn(4).as_subclass(_Sub), TypeError, "subclass .*_Sub"),
+        (lambda: nn.parameter.UninitializedParameter(), TypeError, "subclass .*UninitializedParameter"),
+        (lambda: torch.randn(4, 4).to_sparse(), TypeError, "not strided"),
+        (lambda: torch.empty(4, device="meta"), ValueError, "meta tensor"),
+        (lambda: torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8), TypeError, "quantized"),
+        (lambda: torch.randn(4, dtype=torch.complex64).conj(), ValueError, "conj/neg"),
+    ],
+)
+def test_unpackable_tensors_are_refused_by_name(make, exc, match):
+    with pytest.raises(exc, match=match):
+        check_packable(make(), "blk.weird")
+    m = nn.Module()
+    m.register_buffer("weird", make())
+    with pytest.raises(exc, match="weird"):
+        PackedBlock(tensor_refs(m, 3), index=3)
+
+
+def test_repack_follows_fingerprints():
+    blk = _block()
+    pb, host = _packed(blk)
+    calls = []
+
+    def double(block, name, w):
+        calls.append(name)
+        return w * 2 if name == "qkv.weight" else w
+
+    assert pb.repack(None, None) is False  # same (absent) fingerprint, no transform
+    assert pb.repack(double, "v1") is True and calls
+    calls.clear()
+    assert pb.repack(double, "v1") is False and not calls
+    assert pb.repack(double, None) is True  # a transform without a fingerprint always re-packs
+    assert pb.repack(double, None) is True
+    w = pb.views(host)[[e.label for e in pb.entries].index("block 0: qkv.weight")]
+    pb.restore(keep_host=True)
+    assert torch.equal(w, blk.qkv.weight * 2)  # baked from the original, never compounded

@@ -1,0 +1,448 @@
+"""LayerwiseStreamer on CPU: bit-equality, residency, accounting, robustness, lifecycle."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from toy_models import KwargsBlock, ToyDiT, assert_restored, inputs, snapshot
+
+from offload_core import LayerwiseStreamer, pinned_bytes
+
+GRID = [
+    # depth, resident, prefetch
+    (6, 0, 1),
+    (6, 0, 2),
+    (6, 2, 1),
+    (6, 3, 2),
+    (6, 6, 1),  # all resident
+    (6, 0, 10),  # prefetch deeper than the stack
+    (5, 1, 4),  # every streamed block gets its own slot
+    (1, 0, 1),  # one block, streamed
+    (1, 1, 1),  # one block, resident
+    (1, 0, 3),
+]
+
+
+def _bound_checker(model: ToyDiT, st: LayerwiseStreamer) -> list[int]:
+    """Pre-hooks that assert the device-bytes bound at every block; returns the list they append to."""
+    seen: list[int] = []
+
+    def check(i: int):
+        def hook(module, args, kwargs):
+            tel = st.telemetry
+            assert tel.materialized_bytes <= st.bound_bytes(), (i, tel.snapshot())
+            assert tel.device_alloc_bytes <= st.bound_bytes(), (i, tel.snapshot())
+            seen.append(i)
+
+        return hook
+
+    for i, b in enumerate(model.blocks):
+        b.register_forward_pre_hook(check(i), with_kwargs=True)
+    return seen
+
+
+@pytest.mark.parametrize("depth,resident,prefetch", GRID)
+def test_bit_identical_across_settings(depth, resident, prefetch):
+    model = ToyDiT(depth=depth)
+    x, t = inputs()
+    x2, t2 = inputs(seed=7)
+    with torch.no_grad():
+        ref_c, ref_u = model(x, t), model(x2, t2)
+    before, keys = snapshot(model), list(model.state_dict())
+    st = LayerwiseStreamer(model.blocks, "cpu", resident=resident, prefetch=prefetch)
+    assert len(st.resident_indices) == resident
+    assert sorted(st.resident_indices + st.streamed_indices) == list(range(depth))
+    seen = _bound_checker(model, st)
+    st.attach()
+    for i in st.streamed_indices:  # released until their turn
+        assert model.blocks[i].qkv._parameters["weight"] is None
+        assert model.blocks[i]._buffers["gate8"] is None
+    with torch.no_grad():
+        for _ in range(3):  # several steps, each with a cond and an uncond pass (wrap-around)
+            assert torch.equal(model(x, t), ref_c)
+            assert torch.equal(model(x2, t2), ref_u)
+    assert len(seen) == 6 * depth
+    snap = st.telemetry.snapshot()
+    assert snap["peak_materialized_bytes"] <= st.bound_bytes() == snap["bound_bytes"]
+    assert snap["peak_device_alloc_bytes"] <= st.bound_bytes()
+    assert snap["sync_fallbacks"] == 0 and snap["order_misses"] == 0
+    n_streamed = len(st.streamed_indices)
+    slots = min(prefetch + 1, n_streamed)
+    if n_streamed and slots == n_streamed:
+        assert snap["copies"] == n_streamed  # everything fits in the ring: copied once, then reused
+    elif n_streamed:
+        assert snap["copies"] == slots + 6 * n_streamed  # warm-up window + one copy per block run
+    st.detach()
+    assert_restored(model, before, keys)
+    with torch.no_grad():
+        assert torch.equal(model(x, t), ref_c)
+
+
+def test_shared_parameter_stays_resident():
+    model = ToyDiT(depth=4)
+    st = LayerwiseStreamer(model.blocks, "cpu", resident=0, prefetch=1)
+    shared = model.blocks[0].shared_scale
+    st.attach()
+    assert all(b.shared_scale is shared for b in model.blocks)
+    assert st.block_states() == ["in_flight", "in_flight", "streamed", "streamed"]
+    x, t = inputs()
+    with torch.no_grad():
+        model(x, t)
+    for b in model.blocks:  # released blocks lose their own tensors, never the shared one
+        assert b._parameters["shared_scale"] is shared and shared.numel() == 32
+        assert b._parameters["modulation"] is None
+    st.close()
+
+
+def test_kwargs_only_blocks():
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList([KwargsBlock(16) for _ in range(4)])
+    x = torch.randn(3, 16)
+
+    def run():
+        h = x
+        for b in blocks:
+            h = b(x=h, scale=0.5)
+        return h
+
+    with torch.no_grad():
+        ref = run()
+        st = LayerwiseStreamer(blocks, "cpu", prefetch=1)
+        st.attach()
+        assert torch.equal(run(), ref) and torch.equal(run(), ref)
+        st.close()
+
+
+def test_detach_restores_and_keep_pack_reattach():
+    model = ToyDiT(depth=5)
+    x, t = inputs()
+    with torch.no_grad():
+        ref = model(x, t)
+    before, keys = snapshot(model), list(model.state_dict())
+    base = pinned_bytes()
+    st = LayerwiseStreamer(model.blocks, "cpu", resident=1, prefetch=1)
+    st.attach()
+    with torch.no_grad():
+        model(x, t)
+    st.detach(keep_pack=True)
+    assert_restored(model, before, keys)
+    # unchanged CPU tensors now alias the kept host pack (zero-copy), so RAM stays ~1x
+    host_range = [(st._host.buffer(i).data_ptr(), st._host.buffer(i).numel()) for i in range(6)]
+    w = model.blocks[2].qkv.weight
+    assert any(lo <= w.data_ptr() < lo + n for lo, n in host_range)
+    with torch.no_grad():
+        assert torch.equal(model(x, t), ref)
+    packed = st.telemetry.blocks_packed
+    st.attach()  # same fingerprints (none, no transform): nothing is packed again
+    assert st.telemetry.blocks_packed == packed
+    with torch.no_grad():
+        assert torch.equal(model(x, t), ref)
+    st.detach(keep_pack=False)
+    assert_restored(model, before, keys)
+    assert not any(lo <= model.blocks[2].qkv.weight.data_ptr() < lo + n for lo, n in host_range)
+    assert pinned_bytes() == base
+    st.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        st.attach()
+
+
+def test_reassigned_tensor_forces_fresh_pack():
+    model = ToyDiT(depth=3, shared=False)
+    x, t = inputs()
+    st = LayerwiseStreamer(model.blocks, "cpu", prefetch=1)
+    st.attach()
+    st.detach(keep_pack=True)
+    with torch.no_grad():
+        model.blocks[1].mlp_out.weight.data = model.blocks[1].mlp_out.weight.data * 2  # new storage
+        ref = model(x, t)
+    st.attach()
+    with torch.no_grad():
+        assert torch.equal(model(x, t), ref)
+    st.close()
+
+
+def test_exception_mid_pass_leaves_engine_consistent():
+    model = ToyDiT(depth=6)
+    x, t = inputs()
+    with torch.no_grad():
+        ref = model(x, t)
+    before, keys = snapshot(model), list(model.state_dict())
+    st = LayerwiseStreamer(model.blocks, "cpu", resident=1, prefetch=2)
+    st.attach()
+    victim = st.streamed_indices[2]
+    model.blocks[victim].fail = True
+    with torch.no_grad(), pytest.raises(RuntimeError, match="injected"):
+        model(x, t)
+    assert st._running is None  # the always-call exit hook handed the slot back
+    assert st.telemetry.materialized_bytes <= st.bound_bytes()
+    model.blocks[victim].fail = False
+    with torch.no_grad():
+        assert torch.equal(model(x, t), ref)
+        assert torch.equal(model(x, t), ref)
+    st.detach()
+    assert_restored(model, before, keys)
+
+
+@pytest.mark.parametrize(
+    "order,fallbacks",
+    [
+        ([0, 2, 1, 3, 4, 5], True),  # swapped pair
+        ([0, 1, 4, 5], True),  # two blocks skipped (block cache)
+        ([0, 1, 1, 2, 3, 4, 5], True),  # a block run twice
+        ([0, 1, 3, 4, 5], False),  # one skip: block 3 is already in flight, only the order is off
+        ([5, 4, 3, 2, 1, 0], True),  # reversed
+    ],
+)
+def test_out_of_order_and_skipped_blocks(order, fallbacks):
+    model = ToyDiT(depth=6)
+    x, t = inputs()
+    with torch.no_grad():
+        ref_order, ref_full = model(x, t, order=order), model(x, t)
+    st = LayerwiseStreamer(model.blocks, "cpu", resident=0, prefetch=1)
+    seen = _bound_checker(model, st)
+    st.attach()
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(x, t, order=order), ref_order)
+            assert torch.equal(model(x, t), ref_full)
+    snap = st.telemetry.snapshot()
+    assert snap["order_misses"] > 0
+    assert (snap["sync_fallbacks"] > 0) == fallbacks
+    assert snap["peak_materialized_bytes"] <= st.bound_bytes()
+    assert len(seen) == 2 * (len(order) + 6)
+    st.close()
+
+
+def test_inference_mode_attach_and_run_then_restore():
+    model = ToyDiT(depth=4)
+    x, t = inputs()
+    with torch.no_grad():
+        ref = model(x, t)
+    before, keys = snapshot(model), list(model.state_dict())
+    st = LayerwiseStreamer(model.blocks, "cpu", resident=1, prefetch=1)
+    with torch.inference_mode():
+        st.attach()
+        assert torch.equal(model(x, t), ref)
+        st.detach()
+    assert_restored(model, before, keys)
+    for p in model.parameters():
+        assert not p.is_inference()
+    with torch.no_grad():
+        model.blocks[0].qkv.weight.add_(0)  # in-place use outside inference mode still allowed
+
+
+def _lora_delta(block: int, name: str, salt: int) -> torch.Tensor | None:
+    if name not in ("qkv.weight", "proj.weight", "wt"):
+        return None
+    g = torch.Generator().manual_seed(1000 * salt + 10 * block + len(name))
+    return torch.randn(32 if name != "qkv.weight" else 96, 32, generator=g) * 0.05
+
+
+def _make_transform(salts: dict[int, int], calls: list[int]):
+    def transform(block: int, name: str, w: torch.Tensor) -> torch.Tensor:
+        calls.append(block)
+        d = _lora_delta(block, name, salts[block])
+        if d is None:
+            return w
+        return (w.float() + d).to(w.dtype)
+
+    return transform
+
+
+def _reference(model: ToyDiT, salts: dict[int, int]) -> ToyDiT:
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for i, blk in enumerate(ref.blocks):
+            for name, p in blk.named_parameters():
+                d = _lora_delta(i, name, salts[i])
+                if d is not None:
+                    p.copy_((p.float() + d).to(p.dtype))
+    return ref
+
+
+def test_transform_bakes_lora_and_detach_restores_originals():
+    model = ToyDiT(depth=6)
+    x, t = inputs()
+    before, keys = snapshot(model), list(model.state_dict())
+    salts1 = {i: 1 for i in range(6)}
+    salts2 = {**salts1, 1: 2, 4: 2}
+    with torch.no_grad():
+        plain = model(x, t)
+        lora1 = _reference(model, salts1)(x, t)
+        lora2 = _reference(model, salts2)(x, t)
+    assert not torch.equal(plain, lora1) and not torch.equal(lora1, lora2)
+    calls: list[int] = []
+    st = LayerwiseStreamer(model.blocks, "cpu", resident=2, prefetch=1)
+
+    st.attach(_make_transform(salts1, calls), fingerprints=["a"] * 6)
+    with torch.no_grad():
+        assert torch.equal(model(x, t), lora1)
+    st.detach(keep_pack=True)
+    assert_restored(model, before, keys)  # the originals, not the baked weights
+    with torch.no_grad():
+        assert torch.equal(model(x, t), plain)
+
+    packed, calls[:] = st.telemetry.blocks_packed, []
+    st.attach(_make_transform(salts1, calls), fingerprints=["a"] * 6)
+    assert st.telemetry.blocks_packed == packed and calls == []  # same fingerprints: nothing re-done
+    with torch.no_grad():
+        assert torch.equal(model(x, t), lora1)
+    st.detach(keep_pack=True)
+
+    packed = st.telemetry.blocks_packed
+    st.attach(_make_transform(salts2, calls), fingerprints=["a", "b", "a", "a", "b", "a"])
+    # only blocks 1 and 4 changed; the tensor shared by all blocks is transformed under its
+    # first owner (block 0) and follows that block's fingerprint, so it is left alone
+    assert st.telemetry.blocks_packed - packed == 2
+    assert set(calls) == {1, 4}
+    with torch.no_grad():
+        assert torch.equal(model(x, t), lora2)
+    st.detach(keep_pack=True)
+    assert_restored(model, before, keys)
+
+    st.attach(None, fingerprints=None)  # LoRA removed: baked blocks go back to their originals
+    with torch.no_grad():
+        assert torch.equal(model(x, t), plain)
+    st.close()
+    assert_restored(model, before, keys)
+
+
+def test_transform_is_validated():
+    model = ToyDiT(depth=2, shared=False)
+    before, keys = snapshot(model), list(model.state_dict())
+    st = LayerwiseStreamer(model.blocks, "cpu")
+    with pytest.raises(ValueError, match="shape and dtype.*qkv.weight"):
+        st.attach(lambda b, n, w: w[:1] if n == "qkv.weight" else w)
+    assert_restored(model, before, keys)
+    with pytest.raises(ValueError, match="shape and dtype"):
+        st.attach(lambda b, n, w: w.double() if w.is_floating_point() else w)
+    with pytest.raises(ValueError, match="in place"):
+        st.attach(lambda b, n, w: w.mul_(1) if n == "mlp_out.bias" else w)
+    with pytest.raises(TypeError, match="plain torch.Tensor"):
+        st.attach(lambda b, n, w: w.tolist())
+    assert not st.attached
+    assert_restored(model, before, keys)
+
+
+def test_vram_budget_derives_resident_count():
+    model = ToyDiT(depth=6)
+    probe = LayerwiseStreamer(model.blocks, "cpu", resident=3, prefetch=1)
+    budget = probe.bound_bytes()
+    st = LayerwiseStreamer(model.blocks, "cpu", vram_budget_bytes=budget, prefetch=1)
+    assert len(st.resident_indices) == 3 and st.bound_bytes() <= budget
+    assert st.resident_indices == [1, 3, 5]  # spread evenly
+    everything = LayerwiseStreamer(model.blocks, "cpu", vram_budget_bytes=10**12)
+    assert everything.streamed_indices == []
+    minimal = LayerwiseStreamer(model.blocks, "cpu", resident=0, prefetch=2).bound_bytes()
+    assert LayerwiseStreamer(model.blocks, "cpu", vram_budget_bytes=minimal, prefetch=2).resident_indices == []
+    with pytest.raises(ValueError, match="too small"):
+        LayerwiseStreamer(model.blocks, "cpu", vram_budget_bytes=minimal - 1, prefetch=2)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"resident": -1}, "resident must be >= 0"),
+        ({"resident": 7}, "only 6 blocks"),
+        ({"resident": 1.5}, "resident must be an int"),
+        ({"resident": 1, "vram_budget_bytes": 10**9}, "not both"),
+        ({"prefetch": 0}, "prefetch must be >= 1"),
+        ({"prefetch": True}, "prefetch must be an int"),
+        ({"vram_budget_bytes": 0}, "vram_budget_bytes must be >= 1"),
+        ({"vram_budget_bytes": 10}, "too small"),
+        ({"ram_budget_bytes": -5}, "ram_budget_bytes"),
+        ({"pin": "yes"}, "pin must be a bool"),
+        ({"host_chunk_bytes": 0}, "host_chunk_bytes"),
+    ],
+)
+def test_invalid_settings(kwargs, match):
+    model = ToyDiT(depth=6)
+    with pytest.raises(ValueError, match=match):
+        LayerwiseStreamer(model.blocks, "cpu", **kwargs)
+
+
+def test_invalid_blocks_and_device():
+    model = ToyDiT(depth=2)
+    with pytest.raises(ValueError, match="empty"):
+        LayerwiseStreamer([], "cpu")
+    with pytest.raises(ValueError, match="more than once"):
+        LayerwiseStreamer([model.blocks[0], model.blocks[0]], "cpu")
+    with pytest.raises(ValueError, match="nested"):
+        LayerwiseStreamer([model.blocks[0], model.blocks[0].qkv], "cpu")
+    with pytest.raises(ValueError, match="not an nn.Module"):
+        LayerwiseStreamer([model.blocks[0], "block"], "cpu")
+    with pytest.raises(ValueError, match="not supported"):
+        LayerwiseStreamer(model.blocks, "meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            LayerwiseStreamer(model.blocks, "cuda")
+    st = LayerwiseStreamer(model.blocks, "cpu")
+    with pytest.raises(ValueError, match="fingerprints for 2 blocks"):
+        st.attach(fingerprints=["a"])
+
+
+class _Tagged(torch.Tensor):
+    """A tensor subclass the engine cannot pack faithfully."""
+
+
+def test_unpackable_tensor_is_named_and_module_untouched():
+    model = ToyDiT(depth=3)
+    model.blocks[1].mlp_in.weight = torch.nn.Parameter(
+        torch.randn(64, 32, dtype=torch.bfloat16).as_subclass(_Tagged), requires_grad=False
+    )
+    before, keys = snapshot(model), list(model.state_dict())
+    with pytest.raises(TypeError, match=r"block 1: mlp_in\.weight.*_Tagged"):
+        LayerwiseStreamer(model.blocks, "cpu")
+    assert_restored(model, before, keys)
+
+
+def test_block_states_and_attach_twice():
+    model = ToyDiT(depth=4)
+    st = LayerwiseStreamer(model.blocks, "cpu", resident=1, prefetch=1)
+    assert st.block_states() == ["streamed", "streamed", "resident", "streamed"]
+    st.attach()
+    assert st.block_states() == ["in_flight", "in_flight", "resident", "streamed"]
+    with pytest.raises(RuntimeError, match="already attached"):
+        st.attach()
+    st.close()
+    assert st.block_states() == ["streamed", "streamed", "resident", "streamed"]
+
+
+def test_model_built_in_inference_mode():
+    """ComfyUI loads weights under inference_mode: parameters are inference tensors."""
+    with torch.inference_mode():
+        model = ToyDiT(depth=5)
+        x, t = inputs()
+        ref = model(x, t)
+        before, keys = snapshot(model), list(model.state_dict())
+    assert model.blocks[0].qkv.weight.is_inference()
+    st = LayerwiseStreamer(model.blocks, "cpu", resident=1, prefetch=1)
+    for keep in (True, False):
+        st.attach(lambda b, n, w: w * 1 if n == "proj.weight" else w, fingerprints=None)
+        with torch.inference_mode():
+            assert torch.equal(model(x, t), ref) and torch.equal(model(x, t), ref)
+        st.detach(keep_pack=keep)
+        with torch.inference_mode():
+            assert_restored(model, before, keys)
+            assert torch.equal(model(x, t), ref)
+    assert all(p.is_inference() for p in model.parameters())
+
+
+def test_telemetry_snapshot_is_json_and_resets():
+    import json
+
+    model = ToyDiT(depth=3)
+    st = LayerwiseStreamer(model.blocks, "cpu", prefetch=1)
+    st.attach()
+    x, t = inputs()
+    with torch.no_grad():
+        model(x, t)
+    snap = json.loads(json.dumps(st.telemetry.snapshot(wait=True)))
+    assert snap["copies"] > 0 and snap["bytes_copied"] > 0 and snap["compute_wait_s"] == 0.0
+    st.telemetry.reset()
+    snap = st.telemetry.snapshot()
+    assert snap["copies"] == 0 and snap["peak_materialized_bytes"] == snap["materialized_bytes"] > 0
+    st.close()
+    assert st.telemetry.snapshot()["materialized_bytes"] == 0
