@@ -11,8 +11,9 @@ How core is kept from fighting it (classic ModelPatcher):
 - Parking a partner also unloads it through core (`LoadedModel.model_unload`), so
   `current_loaded_models` and core's free-memory figures stay true.
 - The diffusion model is brought in by a PREPARE_SAMPLING wrapper before core's
-  `load_models_gpu`, which then finds the weights in place; the text encoder's partner is parked
-  from an ON_LOAD callback when the encoder is loaded for encoding.
+  `load_models_gpu`, which then finds the weights in place. The text encoder's partner is parked
+  from an injection on the encoder's patcher: core injects on every load for encoding, also for
+  a clone of an already loaded encoder, where ON_LOAD does not fire.
 - With Apply Layerwise Offload on the same model, the engine owns the blocks while sampling, so
   this node then only parks the text encoder and leaves the diffusion model's loading to core.
 """
@@ -50,6 +51,7 @@ class SwapMember:
     def __init__(self, module: torch.nn.Module, name: str) -> None:
         self.name = name
         self.swap = ModuleSwap(module)
+        self.turns = 0
         self.loads = 0
         self.parks = 0
         self.bytes_loaded = 0
@@ -95,7 +97,7 @@ class SwapMember:
 
     def report(self) -> dict[str, Any]:
         return {"name": self.name, "device": None if self.swap.device is None else str(self.swap.device),
-                "loads": self.loads, "parks": self.parks, "bytes_loaded": self.bytes_loaded,
+                "turns": self.turns, "loads": self.loads, "parks": self.parks, "bytes_loaded": self.bytes_loaded,
                 "bytes": self.swap.bytes_by_tier()}
 
 
@@ -149,6 +151,7 @@ def layerwise_active(module: torch.nn.Module) -> bool:
 def _take_turn(incoming: SwapMember, incoming_module: torch.nn.Module,
                outgoing: SwapMember, outgoing_module: torch.nn.Module,
                device: torch.device | None) -> None:
+    incoming.turns += 1
     unload_from_core(outgoing_module)
     outgoing.park()
     if device is not None and not layerwise_active(incoming_module):
@@ -182,13 +185,12 @@ class ModelLevelSwap:
             _take_turn(dit, dit_module, te, te_module, patcher.load_device)
             return executor(patcher, *args, **kwargs)
 
-        def on_encoder_load(patcher, *args):
+        def on_encoder_load(patcher):
             _take_turn(te, te_module, dit, dit_module, None)
 
         model.remove_wrappers_with_key(comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING, KEY)
         model.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING, KEY,
                                    prepare_sampling)
-        clip.patcher.remove_callbacks_with_key(comfy.patcher_extension.CallbacksMP.ON_LOAD, KEY)
-        clip.patcher.add_callback_with_key(comfy.patcher_extension.CallbacksMP.ON_LOAD, KEY,
-                                           on_encoder_load)
+        clip.patcher.set_injections(KEY, [comfy.patcher_extension.PatcherInjection(
+            inject=on_encoder_load, eject=lambda patcher: None)])
         return (model, clip)

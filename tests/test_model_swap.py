@@ -38,7 +38,11 @@ def test_swap_keeps_samples_and_encodings_identical(comfy):
     assert latent_sha(again) == latent_sha(plain) and encode_sha(again) == encode_sha(plain)
     members = {m["name"]: m for m in comfy.get("/offload/swap")["members"]}
     assert {"WAN21", "SD1ClipModel"} <= set(members), members
-    assert members["WAN21"]["loads"] >= 1 and members["SD1ClipModel"]["parks"] >= 1
+    # Both took turns: the encoder when it loaded to encode (once: the repeated encode is
+    # answered from ComfyUI's cache), the diffusion model at each of the two samplings, which
+    # brings it in from its master. (On CPU nothing is on a device to park.)
+    assert members["WAN21"]["turns"] >= 2 and members["SD1ClipModel"]["turns"] >= 1, members
+    assert members["WAN21"]["loads"] >= 1
 
 
 def test_swap_with_layerwise_offload_is_identical(comfy):

@@ -67,3 +67,16 @@ def test_invalid_arguments(kwargs, match):
         HostStorage([10], **kwargs)
     with pytest.raises(ValueError, match="sizes"):
         HostStorage([-1])
+
+
+def test_release_item_frees_a_chunk_once_all_its_items_are_done():
+    hs = HostStorage([3000, 3000, 3000], pin=False, chunk_bytes=6400)
+    for i in range(3):
+        hs.buffer(i)
+    full = hs.allocated_bytes
+    hs.release_item(0)
+    assert hs.allocated_bytes == full
+    hs.release_item(1)  # chunk [0, 1] is now unused
+    assert hs.allocated_bytes == full - hs._chunks[0].nbytes
+    hs.release_item(2)
+    assert hs.allocated_bytes == 0

@@ -1,0 +1,231 @@
+"""GPU-only checks: equality, VRAM bound, no device-to-host traffic, ordering under delays, pinning."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import random
+
+import pytest
+import torch
+from toy_models import ToyDiT, assert_restored, bits, inputs, snapshot
+
+from offload_core import HostStorage, LayerwiseStreamer, ModuleSwap, pinned_bytes
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+DEV = torch.device("cuda", 0) if torch.cuda.is_available() else None
+
+
+def _models(depth: int = 6, dim: int = 128, blocks_on_gpu: bool = False) -> tuple[ToyDiT, ToyDiT]:
+    """The model to stream (everything but the blocks on the GPU) and a fully resident twin."""
+    model = ToyDiT(depth=depth, dim=dim)
+    ref = copy.deepcopy(model).to(DEV)
+    for m in (model.embed, model.cond, model.head):
+        m.to(DEV)
+    if blocks_on_gpu:
+        model.blocks.to(DEV)
+    return model, ref
+
+
+def _inputs(tokens: int = 16, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    x, t = inputs(tokens=tokens, seed=seed)
+    return x.to(DEV), t.to(DEV)
+
+
+@pytest.mark.parametrize("resident,prefetch", [(0, 1), (0, 2), (2, 1), (3, 3), (6, 1), (0, 10)])
+def test_gpu_bit_identical(resident, prefetch):
+    model, ref_model = _models()
+    x, t = _inputs()
+    x2, t2 = _inputs(seed=7)  # the "uncond" pass of each step
+    with torch.no_grad():
+        ref_c, ref_u = ref_model(x, t), ref_model(x2, t2)
+    before, keys = snapshot(model), list(model.state_dict())
+    base_pinned = pinned_bytes()
+    st = LayerwiseStreamer(model.blocks, DEV, resident=resident, prefetch=prefetch)
+    st.attach()
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(model(x, t), ref_c)
+            assert torch.equal(model(x2, t2), ref_u)
+    snap = st.telemetry.snapshot(wait=True)
+    assert snap["sync_fallbacks"] == 0 and snap["peak_materialized_bytes"] <= st.bound_bytes()
+    host = st.host_bytes()
+    assert 0 < host["pinned"] <= 1.05 * host["packed"] + 2 * 4096, host
+    st.detach()
+    assert pinned_bytes() == base_pinned
+    assert_restored(model, before, keys)
+
+
+def test_gpu_resident_model_is_freed_and_restored_on_device():
+    model, ref_model = _models(depth=6, dim=256, blocks_on_gpu=True)
+    x, t = _inputs()
+    with torch.no_grad():
+        ref = ref_model(x, t)
+    before, keys = snapshot(model), list(model.state_dict())
+    torch.cuda.synchronize()
+    used = torch.cuda.memory_allocated(DEV)
+    st = LayerwiseStreamer(model.blocks, DEV, resident=0, prefetch=1)
+    st.attach()
+    freed = used - torch.cuda.memory_allocated(DEV)
+    assert freed >= st.packed_bytes - st.bound_bytes() - (1 << 20)  # originals left the GPU
+    with torch.no_grad():
+        assert torch.equal(model(x, t), ref)
+    st.detach(keep_pack=True)
+    assert_restored(model, before, keys)  # back on the GPU, same objects, same bits
+    st.attach()
+    with torch.no_grad():
+        assert torch.equal(model(x, t), ref)
+    st.close()
+    assert_restored(model, before, keys)
+
+
+def test_gpu_peak_memory_within_bound():
+    model, ref_model = _models(depth=8, dim=512)
+    x, t = _inputs(tokens=32)
+    weights = sum(p.numel() * p.element_size() for p in ref_model.blocks.state_dict().values())
+    with torch.no_grad():
+        ref_model(x, t)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(DEV)
+        start = torch.cuda.memory_allocated(DEV)
+        ref_model(x, t)
+        activations = torch.cuda.max_memory_allocated(DEV) - start
+    del ref_model
+    torch.cuda.empty_cache()
+    for resident, prefetch in [(0, 1), (2, 2)]:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(DEV)
+        base = torch.cuda.memory_allocated(DEV)
+        st = LayerwiseStreamer(model.blocks, DEV, resident=resident, prefetch=prefetch)
+        st.attach()
+        with torch.no_grad():
+            for _ in range(2):
+                model(x, t)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(DEV) - base
+        assert st.bound_bytes() < weights
+        assert peak <= st.bound_bytes() + activations + (1 << 20), (peak, st.bound_bytes(), activations)
+        st.close()
+
+
+def test_gpu_no_device_to_host_copies_while_streaming():
+    model, ref_model = _models(depth=6, dim=128)
+    x, t = _inputs()
+    with torch.no_grad():
+        ref = ref_model(x, t)
+    st = LayerwiseStreamer(model.blocks, DEV, resident=1, prefetch=2)
+    st.attach()
+    with torch.no_grad():
+        model(x, t)  # warm-up outside the profile
+        torch.cuda.synchronize()
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as prof:
+            out1 = model(x, t)
+            out2 = model(x, t)
+            torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    assert not [n for n in names if "DtoH" in n or "Device -> Pageable" in n or "Device -> Pinned" in n]
+    assert [n for n in names if "HtoD" in n], "expected the streamed blocks' host-to-device copies"
+    assert torch.equal(out1, ref) and torch.equal(out2, ref)
+    st.close()
+
+
+def test_gpu_ordering_under_random_delays():
+    """Slow compute must not let the copy stream overwrite a slot in use, and slow copies must be waited for."""
+    model, ref_model = _models(depth=6, dim=128)
+    x, t = _inputs()
+    with torch.no_grad():
+        ref = ref_model(x, t)
+    rng = random.Random(0)
+    st = LayerwiseStreamer(model.blocks, DEV, resident=1, prefetch=2)
+    st.attach()
+
+    def slow_compute(module, args, kwargs):
+        torch.cuda._sleep(rng.randrange(0, 2_000_000))  # after our pre-hook: weights are bound
+
+    for b in model.blocks:
+        b.register_forward_pre_hook(slow_compute, with_kwargs=True)
+    ring = st._ring
+    copy_in = ring.copy_in
+
+    def slow_copy(slot, host):
+        with torch.cuda.stream(ring.stream):
+            torch.cuda._sleep(rng.randrange(0, 2_000_000))
+        copy_in(slot, host)
+
+    ring.copy_in = slow_copy
+    with torch.no_grad():
+        for i in range(12):
+            out = model(x, t, order=[0, 1, 2, 4, 5] if i % 5 == 4 else None)  # some skips too
+            if i % 5 != 4:
+                assert torch.equal(out, ref), f"pass {i}"
+    assert st.telemetry.snapshot(wait=True)["compute_wait_s"] > 0
+    st.close()
+
+
+def test_gpu_exception_and_out_of_order_recover():
+    model, ref_model = _models(depth=6, dim=128)
+    x, t = _inputs()
+    with torch.no_grad():
+        ref = ref_model(x, t)
+        ref_order = ref_model(x, t, order=[0, 3, 1, 2, 5])
+    before, keys = snapshot(model), list(model.state_dict())
+    st = LayerwiseStreamer(model.blocks, DEV, resident=0, prefetch=1)
+    st.attach()
+    model.blocks[3].fail = True
+    with torch.no_grad(), pytest.raises(RuntimeError, match="injected"):
+        model(x, t)
+    model.blocks[3].fail = False
+    with torch.no_grad():
+        assert torch.equal(model(x, t), ref)
+        assert torch.equal(model(x, t, order=[0, 3, 1, 2, 5]), ref_order)
+        assert torch.equal(model(x, t), ref)
+    assert st.telemetry.sync_fallbacks > 0
+    st.detach()
+    assert_restored(model, before, keys)
+
+
+def test_gpu_pinned_storage_counts_and_budget_fallback(caplog):
+    base = pinned_bytes()
+    hs = HostStorage([3 << 20, 5 << 20], pin=True, chunk_bytes=4 << 20)
+    a, b = hs.buffer(0), hs.buffer(1)
+    assert a.is_pinned() and b.is_pinned()
+    assert pinned_bytes() - base == hs.pinned_bytes <= 1.05 * (8 << 20)
+    hs.release()
+    assert pinned_bytes() == base
+    with caplog.at_level(logging.WARNING, logger="offload_core.pinned"):
+        capped = HostStorage([1 << 20], pin=True, ram_budget_bytes=0)
+        assert not capped.buffer(0).is_pinned()
+    assert "cap" in caplog.text
+    capped.release()
+    assert pinned_bytes() == base
+
+
+def test_gpu_module_swap_round_trip_without_device_to_host():
+    model, ref_model = _models(depth=3, dim=128)
+    for m in (model.embed, model.cond, model.head):
+        m.to("cpu")
+    x, t = _inputs()
+    with torch.no_grad():
+        ref = ref_model(x, t)
+    before, keys = snapshot(model), list(model.state_dict())
+    swap = ModuleSwap(model, pin=True)
+    tiers = swap.bytes_by_tier()
+    assert tiers["vram"] == 0 and tiers["pinned"] > 0 and tiers["pageable"] == 0
+    swap.load(DEV)
+    assert swap.bytes_by_tier()["vram"] == tiers["pinned"]
+    with torch.no_grad():
+        assert torch.equal(model(x, t), ref)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        swap.park()
+        torch.cuda.synchronize()
+    assert not [e.name for e in prof.events() if "DtoH" in e.name]
+    assert swap.bytes_by_tier()["vram"] == 0
+    assert model.blocks[0].qkv.weight.device.type == "cpu"
+    swap.load(DEV)
+    with torch.no_grad():
+        assert torch.equal(bits(model(x, t)), bits(ref))
+    swap.close()
+    assert_restored(model, before, keys)
