@@ -99,13 +99,15 @@ class ComfyModelBackend:
         if self.outputs is None:
             return {"vram": 0, "ram": 0}
         vram = 0
-        total = 0
+        host = 0
         for patcher in _patchers(self.outputs):
-            total += patcher.model_size()
-            # Under --cpu the "device" core loads onto is the CPU; it is still reported as the
-            # device tier, because that is where core placed the model for compute.
-            vram += max((lm.model_loaded_memory() for lm in _loaded_entries(patcher)), default=0)
-        return {"vram": vram, "ram": max(0, total - vram)}
+            size = patcher.model_size()
+            loaded = max((lm.model_loaded_memory() for lm in _loaded_entries(patcher)), default=0)
+            vram += loaded
+            # With a CPU compute device (--cpu) a "loaded" model still sits in RAM, so all of
+            # it counts against the RAM budget.
+            host += size if patcher.load_device.type == "cpu" else size - loaded
+        return {"vram": vram, "ram": max(0, host)}
 
     def current_tier(self) -> Tier:
         if self.outputs is None:

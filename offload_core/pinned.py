@@ -13,13 +13,16 @@ memory would not fit, allocation is refused before any RAM is touched.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 import mmap
+import os
 import sys
 import threading
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import psutil
 import torch
@@ -74,35 +77,63 @@ def available_ram_bytes() -> int:
     return avail if cg is None else min(avail, cg)
 
 
+@functools.lru_cache(maxsize=1)
+def _libcudart() -> ctypes.CDLL | None:
+    """The CUDA runtime torch already loaded (dlopen by soname returns the loaded copy)."""
+    major = (torch.version.cuda or "").split(".")[0]
+    names = [f"cudart64_{major}.dll", f"cudart64_{major}0.dll"] if os.name == "nt" else [f"libcudart.so.{major}"]
+    for name in names:
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    return None
+
+
+def _clear_cuda_error() -> None:
+    """A failed runtime call leaves a per-thread error that torch's next kernel-launch check would raise."""
+    lib = _libcudart()
+    if lib is None:
+        log.warning("could not reset the CUDA error left by a failed host-memory registration")
+        return
+    lib.cudaGetLastError()
+
+
 def _cuda_register(ptr: int, nbytes: int) -> bool:
-    cudart = torch.cuda.cudart()
-    return cudart.cudaHostRegister(ptr, nbytes, 0) == cudart.cudaError.success
+    if int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)) == 0:
+        return True
+    _clear_cuda_error()
+    return False
 
 
 def _cuda_unregister(ptr: int) -> None:
-    cudart = torch.cuda.cudart()
-    err = cudart.cudaHostUnregister(ptr)
-    if err != cudart.cudaError.success:
-        log.warning("cudaHostUnregister(0x%x) failed: %s", ptr, err)
+    err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+    if err != 0:
+        _clear_cuda_error()
+        log.warning("cudaHostUnregister(0x%x) failed with CUDA error %d", ptr, err)
 
 
 @dataclass
 class _Chunk:
     items: list[int]  # indices of the items that live in this chunk
-    offsets: list[int]  # byte offset of each item inside the chunk
     nbytes: int
     data: torch.Tensor | None = None  # page-aligned uint8 view of exactly nbytes
     pinned_len: int = 0  # bytes registered with CUDA (page-rounded), 0 if pageable
+    done: set[int] = field(default_factory=set)  # items the owner no longer needs
 
 
-def _unregister_all(chunks: list[_Chunk]) -> None:
+def _drop_chunk(c: _Chunk) -> None:
+    if c.pinned_len and c.data is not None:
+        _cuda_unregister(c.data.data_ptr())
+        _count_pinned(-c.pinned_len)
+    c.pinned_len = 0
+    c.data = None
+
+
+def _drop_all(chunks: list[_Chunk]) -> None:
     """Finalizer body: must not reference the owning HostStorage."""
     for c in chunks:
-        if c.pinned_len and c.data is not None:
-            _cuda_unregister(c.data.data_ptr())
-            _count_pinned(-c.pinned_len)
-            c.pinned_len = 0
-        c.data = None
+        _drop_chunk(c)
 
 
 class HostStorage:
@@ -110,7 +141,10 @@ class HostStorage:
 
     Chunks are allocated lazily, on the first ``buffer(i)`` of one of their items,
     so a caller that frees its original tensors as it packs never holds two full
-    copies of a model at once.
+    copies of a model at once.  ``ram_budget_bytes`` caps page-locked bytes
+    process-wide (default: a share of physical RAM); beyond it chunks stay pageable.
+    ``reserve_bytes`` of RAM are always left free: a chunk that would eat into them
+    is refused with ``MemoryError`` before anything is allocated.
     """
 
     def __init__(
@@ -139,15 +173,15 @@ class HostStorage:
             cur = self._chunks[-1] if self._chunks else None
             start = _align_up(cur.nbytes, ALIGN) if cur else 0
             if cur is None or (cur.items and start + size > chunk_bytes):
-                cur = _Chunk(items=[], offsets=[], nbytes=0)
+                cur = _Chunk(items=[], nbytes=0)
                 self._chunks.append(cur)
                 start = 0
             cur.items.append(i)
-            cur.offsets.append(start)
             cur.nbytes = start + size
             self._where.append((len(self._chunks) - 1, start))
         self._sizes = list(sizes)
-        self._finalizer = weakref.finalize(self, _unregister_all, self._chunks)
+        self._finalizer = weakref.finalize(self, _drop_all, self._chunks)
+        self._finalizer.atexit = False  # at exit the process frees everything; CUDA may be gone
 
     @property
     def total_bytes(self) -> int:
@@ -204,7 +238,7 @@ class HostStorage:
         if not self._pin or self._pin_refused:
             return False
         if not torch.cuda.is_available():
-            self._refuse_pin("CUDA is not available")
+            self._refuse_pin("CUDA is not available", logging.INFO)  # nothing to speed up: not a problem
             return False
         cap = self._cap
         if cap is None:
@@ -217,13 +251,29 @@ class HostStorage:
             return False
         return True
 
-    def _refuse_pin(self, why: str) -> None:
+    def _refuse_pin(self, why: str, level: int = logging.WARNING) -> None:
         self._pin_refused = True
-        log.warning("host storage: %s; remaining chunks stay pageable (correct but slower copies)", why)
+        log.log(level, "host storage: %s; remaining chunks stay pageable (correct but slower copies)", why)
+
+    def release_item(self, i: int) -> None:
+        """Mark item ``i`` unused; its chunk is freed once all of its items are.
+
+        Lets an owner copy a model out of the pack piece by piece without ever
+        holding the pack and the copy in full at the same time.
+        """
+        ci, _ = self._where[i]
+        chunk = self._chunks[ci]
+        chunk.done.add(i)
+        if len(chunk.done) == len(chunk.items):
+            self._release([chunk])
 
     def release(self) -> None:
         """Unregister and drop every chunk; views still held elsewhere become plain pageable memory."""
-        if any(c.pinned_len for c in self._chunks) and torch.cuda.is_available():
+        self._release(self._chunks)
+
+    def _release(self, chunks: list[_Chunk]) -> None:
+        if any(c.pinned_len for c in chunks) and torch.cuda.is_available():
             torch.cuda.synchronize()  # no async copy may still read a range we unlock
-        _unregister_all(self._chunks)
-        self._pinned_here = 0
+        for c in chunks:
+            self._pinned_here -= c.pinned_len
+            _drop_chunk(c)

@@ -127,8 +127,16 @@ class LayerwiseStreamer:
         self._pos = {b: j for j, b in enumerate(self.streamed_indices)}
         self._slot_bytes = max((sizes[i] for i in self.streamed_indices), default=0)
         self._nslots = slot_count(self._settings["prefetch"], len(self.streamed_indices))
+        self._signature = self._current_signature()
         if shared:
             log.info("%d tensors are shared between blocks; they stay resident", len(self._shared.entries))
+
+    def _current_signature(self) -> list[list[tuple[int, str, str, int]]]:
+        """Which tensor objects sit in which slots of each block: detects added or replaced tensors."""
+        return [
+            [(id(ref.module), ref.kind, ref.attr, id(t)) for ref, t in tensor_refs(b, i)]
+            for i, b in enumerate(self.blocks)
+        ]
 
     @property
     def packed_bytes(self) -> int:
@@ -176,7 +184,7 @@ class LayerwiseStreamer:
             raise RuntimeError("already attached; call detach() first")
         fps = self._fingerprint_list(fingerprints)
         packs = self._packs + [self._shared]
-        if not all(p.is_current() for p in packs):
+        if self._current_signature() != self._signature or not all(p.is_current() for p in packs):
             if self._host is not None:
                 log.info("block tensors were re-assigned since the pack was kept; packing from scratch")
                 self._free_pack()
@@ -285,8 +293,10 @@ class LayerwiseStreamer:
         elif self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         keep = keep_pack and self._host is not None
-        for p in self._packs + [self._shared]:
+        for i, p in enumerate(self._packs + [self._shared]):
             p.restore(keep_host=keep and p.host is not None)
+            if not keep and self._host is not None:
+                self._host.release_item(i)
         self._slot_of = {}
         self._running = None
         self._view_cache = {}
@@ -300,8 +310,10 @@ class LayerwiseStreamer:
 
     def _free_pack(self) -> None:
         """Drop a kept pack while detached; slots the caller re-assigned meanwhile keep their new tensors."""
-        for p in self._packs + [self._shared]:
+        for i, p in enumerate(self._packs + [self._shared]):
             p.restore(keep_host=False, skip_reassigned=True)
+            if self._host is not None:
+                self._host.release_item(i)
         if self._host is not None:
             self._host.release()
             self._host = None

@@ -95,8 +95,9 @@ class ModuleSwap:
             torch.cuda.current_stream(self._device_buf.device).synchronize()
         self._device_buf = None
         self.device = None
-        for p in self._packs:
+        for i, p in enumerate(self._packs):
             p.restore(keep_host=False)
+            self._host.release_item(i)  # copy out part by part: never 2x RAM
         self._host.release()
         self._host = None
 

@@ -8,45 +8,53 @@ resolved lazily, so measuring never adds a host sync to the hot path.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
 
 
 class StallTimer:
-    """Times how long the compute stream sat waiting for copies, via event pairs."""
+    """Times how long the compute stream sat waiting for copies, via event pairs.
+
+    Locked because a UI thread may read it while the sampling thread records.
+    """
 
     def __init__(self) -> None:
         self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._spare: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._lock = threading.Lock()
         self.total_s = 0.0
 
     def begin(self, stream: torch.cuda.Stream) -> tuple[torch.cuda.Event, torch.cuda.Event]:
-        pair = self._spare.pop() if self._spare else (
-            torch.cuda.Event(enable_timing=True),
-            torch.cuda.Event(enable_timing=True),
-        )
+        with self._lock:
+            pair = self._spare.pop() if self._spare else None
+        if pair is None:
+            pair = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         pair[0].record(stream)
         return pair
 
     def end(self, pair: tuple[torch.cuda.Event, torch.cuda.Event], stream: torch.cuda.Stream) -> None:
         pair[1].record(stream)
-        self._pending.append(pair)
-        if len(self._pending) > 64:
+        with self._lock:
+            self._pending.append(pair)
+            backlog = len(self._pending) > 64
+        if backlog:
             self.collect(wait=False)
 
     def collect(self, wait: bool) -> None:
         """Fold finished pairs into ``total_s``; with ``wait`` also the unfinished ones."""
-        keep = []
-        for start, end in self._pending:
-            if wait:
-                end.synchronize()
-            elif not end.query():
-                keep.append((start, end))
-                continue
-            self.total_s += start.elapsed_time(end) / 1000.0
-            self._spare.append((start, end))
-        self._pending = keep
+        with self._lock:
+            keep = []
+            for start, end in self._pending:
+                if wait:
+                    end.synchronize()
+                elif not end.query():
+                    keep.append((start, end))
+                    continue
+                self.total_s += start.elapsed_time(end) / 1000.0
+                self._spare.append((start, end))
+            self._pending = keep
 
 
 class Telemetry:

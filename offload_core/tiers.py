@@ -623,6 +623,9 @@ class TierManager:
             self._step(entry, Tier.VRAM, reason)
         if start is Tier.RAM:
             entry.loads_from_ram += 1
+        if start is not Tier.DISK:
+            logger.info("%s '%s' (%s) served from %s, no disk read (%s)", entry.kind, entry.name,
+                        entry.id, start.value.upper(), reason)
         entry.load_count += 1
         self._touch(entry)
 

@@ -157,7 +157,7 @@ def test_gpu_ordering_under_random_delays():
     ring.copy_in = slow_copy
     with torch.no_grad():
         for i in range(12):
-            out = model(x, t, order=[0, 1, 2, 4, 5] if i % 5 == 4 else None)  # some skips too
+            out = model(x, t, order=[0, 1, 4, 5] if i % 5 == 4 else None)  # streamed blocks skipped too
             if i % 5 != 4:
                 assert torch.equal(out, ref), f"pass {i}"
     assert st.telemetry.snapshot(wait=True)["compute_wait_s"] > 0

@@ -40,7 +40,7 @@ def test_chunks_are_allocated_lazily():
 
 def test_pinning_impossible_falls_back_to_pageable_and_says_so(caplog):
     base = pinned_bytes()
-    with caplog.at_level(logging.WARNING, logger="offload_core.pinned"):
+    with caplog.at_level(logging.INFO, logger="offload_core.pinned"):
         hs = HostStorage([1 << 16], pin=True)
         hs.buffer(0).fill_(7)
     if not torch.cuda.is_available():

@@ -1,0 +1,176 @@
+// comfyui-tiered-offload: the "Offload" sidebar tab.
+// Data flow: one GET /api/offload/tiers when the tab opens (and after a websocket reconnect),
+// then only websocket pushes ("tiered_offload.tiers" on every tier change,
+// "tiered_offload.layerwise" after each sampling run). No polling. While the tab is closed the
+// latest payload is kept and nothing touches the DOM.
+import { app } from "../../scripts/app.js";
+import { api } from "../../scripts/api.js";
+import { Panel } from "./panel.js";
+
+const TAB_ID = "tiered-offload";
+const SETTING_UNITS = "TieredOffload.Panel.ByteUnits";
+const SETTING_STRIPS = "TieredOffload.Panel.ShowBlockStrips";
+
+const state = {
+  payload: null,      // last GET /api/offload/tiers body (or websocket copy of it)
+  lastRuns: {},       // model_id -> Layerwise from "tiered_offload.layerwise" (null id: "")
+  status: "idle",     // idle | loading | ok | unavailable | error
+  error: null,        // text for status "error" / "unavailable"
+  notice: null,       // {kind: "error"|"info", text} shown above the models
+  pending: {},        // model_id -> action in flight
+  stale: true,        // a GET is due the next time the tab opens
+};
+
+function setting(id, fallback) {
+  try {
+    const v = app.extensionManager?.setting?.get(id);
+    return v === undefined || v === null ? fallback : v;
+  } catch {
+    return fallback;
+  }
+}
+
+const panel = new Panel({
+  state,
+  settings: () => ({ units: setting(SETTING_UNITS, "GB"), strips: setting(SETTING_STRIPS, true) }),
+  onAction: (id, action) => runAction(id, action),
+  onRefresh: () => fetchTiers(),
+  onDismiss: () => { state.notice = null; panel.update(); },
+});
+
+async function fetchTiers() {
+  state.status = state.payload ? state.status : "loading";
+  state.stale = false;
+  panel.update();
+  try {
+    const res = await api.fetchApi("/offload/tiers", { cache: "no-store" });
+    if (res.status === 404) {
+      state.status = "unavailable";
+      state.error = "Server side not available: this ComfyUI has no /api/offload/tiers route. " +
+        "Update comfyui-tiered-offload and restart ComfyUI.";
+    } else if (!res.ok) {
+      state.status = "error";
+      state.error = `GET /api/offload/tiers failed: ${res.status} ${await errorText(res)}`;
+    } else {
+      state.payload = await res.json();
+      state.status = "ok";
+      state.error = null;
+    }
+  } catch (e) {
+    state.status = "error";
+    state.error = `GET /api/offload/tiers failed: ${e?.message ?? e}`;
+    state.stale = true;
+  }
+  panel.update();
+}
+
+async function errorText(res) {
+  try {
+    const body = await res.json();
+    return body?.error ?? JSON.stringify(body);
+  } catch {
+    return res.statusText || "";
+  }
+}
+
+async function runAction(id, action) {
+  const model = state.payload?.models?.find((m) => m.id === id);
+  const label = model?.name ?? id;
+  state.pending[id] = action;
+  panel.update();
+  let failure = null;
+  try {
+    const res = await api.fetchApi(
+      `/offload/models/${encodeURIComponent(id)}/${action}`, { method: "POST" });
+    if (!res.ok) failure = `${await errorText(res)} (HTTP ${res.status})`;
+  } catch (e) {
+    failure = String(e?.message ?? e);
+  }
+  delete state.pending[id];
+  // Success needs no redraw of its own: the server pushes "tiered_offload.tiers" for the change.
+  if (failure) {
+    // The row already names the model; the toast (seen from anywhere) says which one.
+    state.notice = { kind: "error", text: `${action[0].toUpperCase()}${action.slice(1)} refused: ${failure}`, model_id: id };
+    toast(`Offload: ${action} refused`, `“${label}”: ${failure}`);
+  } else if (state.notice?.model_id === id) {
+    state.notice = null;
+  }
+  panel.update();
+}
+
+function toast(summary, detail) {
+  const t = app.extensionManager?.toast;
+  try {
+    if (typeof t?.add === "function") t.add({ severity: "warn", summary, detail, life: 6000 });
+    else if (typeof t?.warning === "function") t.warning(summary, { description: detail });
+  } catch {
+    /* the panel message is the primary channel */
+  }
+}
+
+function onTiers(e) {
+  if (!e.detail || typeof e.detail !== "object") return;
+  state.payload = e.detail;
+  state.status = "ok";
+  state.error = null;
+  panel.update();
+}
+
+function onLayerwise(e) {
+  const { model_id: id = null, layerwise = null } = e.detail ?? {};
+  if (!layerwise) return;
+  state.lastRuns[id ?? ""] = layerwise;
+  const model = id && state.payload?.models?.find((m) => m.id === id);
+  if (model) model.layerwise = layerwise;
+  panel.update();
+}
+
+function onReconnected() {
+  state.stale = true;
+  if (panel.isOpen()) fetchTiers();
+}
+
+app.registerExtension({
+  name: "comfyui-tiered-offload.panel",
+  settings: [
+    {
+      id: SETTING_UNITS,
+      category: ["Tiered Offload", "Panel", "Byte units"],
+      name: "Byte units",
+      tooltip: "GB = 10^9 bytes, GiB = 2^30 bytes",
+      type: "combo",
+      options: ["GB", "GiB"],
+      defaultValue: "GB",
+      onChange: () => panel.update(),
+    },
+    {
+      id: SETTING_STRIPS,
+      category: ["Tiered Offload", "Panel", "Block strips"],
+      name: "Show block strips of layerwise-offloaded models",
+      type: "boolean",
+      defaultValue: true,
+      onChange: () => panel.update(),
+    },
+  ],
+  async setup() {
+    api.addEventListener("tiered_offload.tiers", onTiers);
+    api.addEventListener("tiered_offload.layerwise", onLayerwise);
+    api.addEventListener("reconnected", onReconnected);
+    const em = app.extensionManager;
+    if (typeof em?.registerSidebarTab === "function") {
+      em.registerSidebarTab({
+        id: TAB_ID,
+        icon: "pi pi-server",
+        title: "Offload",
+        tooltip: "Tiered offload: models in VRAM / RAM / disk",
+        type: "custom",
+        render: (el) => {
+          panel.mount(el);
+          if (state.stale) fetchTiers();
+        },
+        destroy: () => panel.unmount(),
+      });
+    }
+    window.__tieredOffload = { ready: true, renders: 0 };
+  },
+});
