@@ -17,18 +17,19 @@ How it cooperates with core's ModelPatcher (classic, as in 0.3.75):
 from __future__ import annotations
 
 import logging
-import threading
-import weakref
+import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 import torch
 
 import comfy.patcher_extension
+import comfy.utils
 
 from ..offload_core.discovery import find_blocks
 from ..offload_core.streamer import LayerwiseStreamer
 from . import comfy_weights
+from .per_module import PerModule
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,10 @@ class LayerwiseSession:
         if any(fingerprints):
             transform = comfy_weights.lora_transform(patcher, self.prefixes)
         self.streamer.telemetry.reset()
-        self.streamer.attach(transform=transform, fingerprints=fingerprints)
+        self.started = time.perf_counter()
+        progress = comfy.utils.ProgressBar(len(self.blocks) + 1)
+        self.streamer.attach(transform=transform, fingerprints=fingerprints,
+                             progress=lambda done, total: progress.update_absolute(done, total))
         self.active = True
 
     def account(self, patcher) -> None:
@@ -96,7 +100,8 @@ class LayerwiseSession:
                 0, patcher.model.model_loaded_weight_memory - self.accounted_bytes)
             self.accounted_bytes = 0
         try:
-            self.last_run = self.streamer.telemetry.snapshot(wait=True)
+            self.last_run = run_figures(self.streamer.telemetry.snapshot(wait=True),
+                                        time.perf_counter() - self.started, self.device)
             self.runs += 1
         finally:
             self.active = False
@@ -123,19 +128,32 @@ class LayerwiseSession:
         }
 
 
+def run_figures(snapshot: dict[str, Any], seconds: float, device: torch.device) -> dict[str, Any]:
+    """The engine's counters plus what a person reads first: rate and overlap of the run.
+
+    `gbps` is streamed bytes over the run's wall time. `overlap_efficiency` is the share of the
+    run that compute did not spend waiting for copies; on CPU copies are synchronous and not
+    timed, so it is left out there rather than shown as a flattering 100%.
+    """
+    figures = dict(snapshot, seconds=seconds)
+    figures["gbps"] = snapshot["bytes_copied"] / seconds / 1e9 if seconds > 0 else 0.0
+    if device.type != "cpu" and seconds > 0:
+        figures["overlap_efficiency"] = max(0.0, 1.0 - snapshot["compute_wait_s"] / seconds)
+    return figures
+
+
 class _Registry:
-    """One session per diffusion nn.Module; closed when that module is freed."""
+    """One session per diffusion nn.Module (shared by all its clones)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._sessions: dict[int, tuple[weakref.ref, LayerwiseSession]] = {}
+        self._sessions: PerModule[LayerwiseSession] = PerModule()
         self._listeners: list[Callable[[dict[str, Any]], None]] = []
 
     def subscribe(self, fn: Callable[[dict[str, Any]], None]) -> None:
         """Call fn(report) after every sampling run of a layerwise-offloaded model."""
         self._listeners.append(fn)
 
-    def publish(self, session: "LayerwiseSession") -> None:
+    def publish(self, session: LayerwiseSession) -> None:
         report = session.report()
         for fn in list(self._listeners):
             try:
@@ -145,37 +163,22 @@ class _Registry:
 
     def session_for(self, diffusion_model: torch.nn.Module, device: torch.device,
                     settings: LayerwiseSettings) -> LayerwiseSession:
-        key = id(diffusion_model)
-        with self._lock:
-            entry = self._sessions.get(key)
-            if entry is not None and entry[0]() is diffusion_model:
-                session = entry[1]
-                if session.settings == settings and session.device == device:
-                    return session
-                log.info("Layerwise offload: settings changed for %s, rebuilding the engine",
-                         session.model_class)
-                session.close()
-            session = LayerwiseSession(diffusion_model, device, settings)
-            ref = weakref.ref(diffusion_model, lambda _r, k=key: self._drop(k))
-            self._sessions[key] = (ref, session)
-            return session
-
-    def _drop(self, key: int) -> None:
-        with self._lock:
-            entry = self._sessions.pop(key, None)
-        if entry is not None:
-            entry[1].close()
+        def same(session: LayerwiseSession) -> bool:
+            if session.settings == settings and session.device == device:
+                return True
+            log.info("Layerwise offload: settings changed for %s, rebuilding the engine",
+                     session.model_class)
+            return False
+        return self._sessions.get_or_create(
+            diffusion_model, lambda: LayerwiseSession(diffusion_model, device, settings), same)
 
     def is_active(self, diffusion_model: torch.nn.Module) -> bool:
         """Whether the engine holds this model's blocks right now (a sampling run is on)."""
-        with self._lock:
-            entry = self._sessions.get(id(diffusion_model))
-        return entry is not None and entry[0]() is diffusion_model and entry[1].active
+        session = self._sessions.get(diffusion_model)
+        return session is not None and session.active
 
     def report(self) -> list[dict[str, Any]]:
-        with self._lock:
-            sessions = [s for _, s in self._sessions.values()]
-        return [s.report() for s in sessions]
+        return [s.report() for s in self._sessions.values()]
 
 
 REGISTRY = _Registry()
@@ -245,6 +248,15 @@ class ApplyLayerwiseOffload:
             log.warning("Apply Layerwise Offload: this ComfyUI runs the model with Dynamic VRAM "
                         "and offers no classic patcher; stepping aside, core streams the weights.")
             return (model,)
+        from . import swap  # swap builds on this module
+        if patcher.get_wrappers(comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING, swap.KEY):
+            raise ValueError(
+                "Apply Layerwise Offload got a model that is already under Model-Level Swap, "
+                "which keeps the whole model in pinned RAM; streaming its blocks would hold them "
+                "twice. Put Apply Layerwise Offload first, then Model-Level Swap.")
+        # A whole-model master left by an earlier workflow would double the RAM: retire it.
+        if swap.MEMBERS.discard(patcher.model) is not None:
+            log.info("Apply Layerwise Offload: released the Model-Level Swap master of this model")
         settings = LayerwiseSettings(resident_blocks, vram_budget_gb, prefetch, pin)
         diffusion_model = patcher.get_model_object("diffusion_model")
         # Fail in this node, with the model named, rather than later inside the sampler.

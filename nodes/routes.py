@@ -78,7 +78,7 @@ async def get_layerwise(request: web.Request) -> web.Response:
 
 async def get_swap(request: web.Request) -> web.Response:
     """Models under Model-Level Swap: where each is, and how often it moved."""
-    return web.json_response({"members": SWAP_MEMBERS.report()})
+    return web.json_response({"members": [m.report() for m in SWAP_MEMBERS.values()]})
 
 
 async def post_action(request: web.Request) -> web.Response:

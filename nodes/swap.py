@@ -14,13 +14,14 @@ How core is kept from fighting it (classic ModelPatcher):
   `load_models_gpu`, which then finds the weights in place. The text encoder's partner is parked
   from an injection on the encoder's patcher: core injects on every load for encoding, also for
   a clone of an already loaded encoder, where ON_LOAD does not fire.
-- With Apply Layerwise Offload on the same model, the engine owns the blocks while sampling, so
-  this node then only parks the text encoder and leaves the diffusion model's loading to core.
+- With Apply Layerwise Offload before it, the engine already keeps the blocks in pinned RAM, so
+  only the text encoder gets a master; the model's small non-block rest is left to core. Used the
+  other way round (swap first), Apply Layerwise Offload refuses with a message, because the blocks
+  would be held in RAM twice.
 """
 from __future__ import annotations
 
 import logging
-import threading
 import weakref
 from typing import Any
 
@@ -31,6 +32,8 @@ import comfy.patcher_extension
 
 from ..offload_core.swap import ModuleSwap
 from .layerwise import REGISTRY as LAYERWISE
+from .layerwise import WRAPPER_KEY as LAYERWISE_KEY
+from .per_module import PerModule
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +54,7 @@ class SwapMember:
     def __init__(self, module: torch.nn.Module, name: str) -> None:
         self.name = name
         self.swap = ModuleSwap(module)
+        self.closed = False
         self.turns = 0
         self.loads = 0
         self.parks = 0
@@ -61,21 +65,19 @@ class SwapMember:
         def guarded_to(*args: Any, **kwargs: Any):
             member = member_ref()
             device = _target_device(args, kwargs)
-            if member is not None and device is not None and len(args) + len(kwargs) == 1:
-                if device.type == "cpu" and member.swap.device is not None and member.swap.device.type != "cpu":
+            if member is not None and device is not None and not layerwise_active(module):
+                if device.type == "cpu":
                     member.park()
-                    return module
-                if device.type != "cpu" and member.swap.device != device \
-                        and not layerwise_active(module):
+                else:
                     member.load(device)
-                    return module
+            # Packed tensors are in place now, so this moves only what the master does not hold.
             return original_to(*args, **kwargs)
 
         module.to = guarded_to
         self._module_ref = weakref.ref(module)
 
     def load(self, device: torch.device) -> None:
-        if self.swap.device == device:
+        if self.closed or self.swap.device == device:
             return
         self.swap.load(device)
         self.loads += 1
@@ -83,9 +85,8 @@ class SwapMember:
         log.info("Model-Level Swap: %s in on %s from its pinned master", self.name, device)
 
     def park(self) -> None:
-        if self.swap.device is None:
+        if self.closed or not self.swap.park():
             return
-        self.swap.park()
         self.parks += 1
         log.info("Model-Level Swap: %s parked, no device-to-host copy", self.name)
 
@@ -93,6 +94,7 @@ class SwapMember:
         module = self._module_ref()
         if module is not None:
             module.__dict__.pop("to", None)
+        self.closed = True
         self.swap.close()
 
     def report(self) -> dict[str, Any]:
@@ -101,36 +103,7 @@ class SwapMember:
                 "bytes": self.swap.bytes_by_tier()}
 
 
-class _Members:
-    """One SwapMember per root module, closed when the module is freed."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._members: dict[int, tuple[weakref.ref, SwapMember]] = {}
-
-    def member_for(self, module: torch.nn.Module, name: str) -> SwapMember:
-        with self._lock:
-            entry = self._members.get(id(module))
-            if entry is not None and entry[0]() is module:
-                return entry[1]
-            member = SwapMember(module, name)
-            key = id(module)
-            self._members[key] = (weakref.ref(module, lambda _r: self._drop(key)), member)
-            return member
-
-    def _drop(self, key: int) -> None:
-        with self._lock:
-            entry = self._members.pop(key, None)
-        if entry is not None:
-            entry[1].swap.close()
-
-    def report(self) -> list[dict[str, Any]]:
-        with self._lock:
-            members = [m for _, m in self._members.values()]
-        return [m.report() for m in members]
-
-
-MEMBERS = _Members()
+MEMBERS: PerModule[SwapMember] = PerModule()
 
 
 def unload_from_core(module: torch.nn.Module) -> None:
@@ -142,20 +115,27 @@ def unload_from_core(module: torch.nn.Module) -> None:
                 comfy.model_management.current_loaded_models.remove(lm)
 
 
+def _member(module: torch.nn.Module) -> SwapMember:
+    return MEMBERS.get_or_create(module, lambda: SwapMember(module, type(module).__name__))
+
+
 def layerwise_active(module: torch.nn.Module) -> bool:
     """Apply Layerwise Offload owns the blocks during sampling; loading them whole would undo it."""
     diffusion_model = getattr(module, "diffusion_model", None)
     return diffusion_model is not None and LAYERWISE.is_active(diffusion_model)
 
 
-def _take_turn(incoming: SwapMember, incoming_module: torch.nn.Module,
-               outgoing: SwapMember, outgoing_module: torch.nn.Module,
+def _take_turn(incoming: SwapMember | None, incoming_module: torch.nn.Module,
+               outgoing: SwapMember | None, outgoing_module: torch.nn.Module,
                device: torch.device | None) -> None:
-    incoming.turns += 1
+    """Unload the outgoing model through core (copy-free if it has a master), bring the other in."""
     unload_from_core(outgoing_module)
-    outgoing.park()
-    if device is not None and not layerwise_active(incoming_module):
-        incoming.load(device)
+    if outgoing is not None:
+        outgoing.park()
+    if incoming is not None:
+        incoming.turns += 1
+        if device is not None and not layerwise_active(incoming_module):
+            incoming.load(device)
 
 
 class ModelLevelSwap:
@@ -178,8 +158,13 @@ class ModelLevelSwap:
         model = model.clone()
         clip = clip.clone()
         dit_module, te_module = model.model, clip.patcher.model
-        dit = MEMBERS.member_for(dit_module, type(dit_module).__name__)
-        te = MEMBERS.member_for(te_module, type(te_module).__name__)
+        # A layerwise-offloaded model already keeps its blocks in pinned RAM; a second, whole-
+        # model master would hold them twice. Then only the encoder gets a master, and the
+        # model's small non-block rest stays with core.
+        streamed = bool(model.get_wrappers(comfy.patcher_extension.WrappersMP.OUTER_SAMPLE,
+                                           LAYERWISE_KEY))
+        dit = None if streamed else _member(dit_module)
+        te = _member(te_module)
 
         def prepare_sampling(executor, patcher, *args, **kwargs):
             _take_turn(dit, dit_module, te, te_module, patcher.load_device)

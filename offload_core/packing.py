@@ -326,6 +326,10 @@ class PackedBlock:
             b.obj.data = e.original if e.original is not None else regions[b.entry]
             b.table[b.attr] = b.obj
 
+    def off_host(self) -> bool:
+        """Whether any of the block's tensors currently lives off the host (e.g. moved by its owner)."""
+        return any(b.obj.device.type != "cpu" for b in self._bindings)
+
     def release(self) -> None:
         """Drop the block's tensors from its modules; the pack keeps the values."""
         for b in self._bindings:

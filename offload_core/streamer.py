@@ -22,7 +22,7 @@ Blocks must not share tensors with modules outside the block list.
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -170,13 +170,15 @@ class LayerwiseStreamer:
         return self._attached
 
     # ---------------------------------------------------------------- lifecycle
-    def attach(self, transform: Transform | None = None, fingerprints: Fingerprints = None) -> None:
+    def attach(self, transform: Transform | None = None, fingerprints: Fingerprints = None,
+               progress: Callable[[int, int], None] | None = None) -> None:
         """Pack (or re-pack changed blocks of a kept pack), pin, allocate slots, install hooks.
 
         ``transform(block_index, name, tensor)`` may rewrite a tensor (same shape and
         dtype) before it is packed, e.g. to bake a LoRA in; originals are kept for
         ``detach``.  ``fingerprints`` (one per block) let a kept pack skip blocks
-        whose fingerprint did not change.
+        whose fingerprint did not change.  ``progress(done, total)`` is called after each
+        block is packed, because packing and pinning a large model takes seconds.
         """
         if self._closed:
             raise RuntimeError("this streamer is closed")
@@ -190,7 +192,7 @@ class LayerwiseStreamer:
                 self._free_pack()
             self._plan()
         try:
-            repacked = self._pack(transform, fps)
+            repacked = self._pack(transform, fps, progress)
             self._materialize()
         except BaseException:
             self._teardown(keep_pack=False)
@@ -233,7 +235,8 @@ class LayerwiseStreamer:
             raise ValueError(f"got {len(fps)} fingerprints for {n} blocks")
         return fps
 
-    def _pack(self, transform: Transform | None, fps: list[Hashable]) -> int:
+    def _pack(self, transform: Transform | None, fps: list[Hashable],
+              progress: Callable[[int, int], None] | None = None) -> int:
         owners = sorted({e.owner[0] for e in self._shared.entries})
         shared_fp = tuple(fps[i] for i in owners)
         if transform is not None and any(fps[i] is None for i in owners):
@@ -251,8 +254,13 @@ class LayerwiseStreamer:
             for i, (p, fp) in enumerate(zip(packs, all_fps)):
                 p.pack(self._host.buffer(i), transform, fp)
                 count += bool(p.entries)
+                if progress is not None:
+                    progress(i + 1, len(packs))
         else:
-            count = sum(p.repack(transform, fp) and bool(p.entries) for p, fp in zip(packs, all_fps))
+            for i, (p, fp) in enumerate(zip(packs, all_fps)):
+                count += bool(p.repack(transform, fp) and p.entries)
+                if progress is not None:
+                    progress(i + 1, len(packs))
         self.telemetry.blocks_packed += count
         return count
 

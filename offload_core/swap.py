@@ -77,15 +77,24 @@ class ModuleSwap:
         self.device = dev
         log.info("module loaded to %s (%.1f MiB)", dev, buf.numel() / 2**20)
 
-    def park(self) -> None:
-        """Drop the device copy; the module points at the host master again.  No bytes move."""
-        if self._device_buf is None:
-            return
+    def park(self) -> bool:
+        """Point the module at the host master again and drop any device copy.  No bytes move.
+
+        This also covers tensors that the module's owner moved to a device by itself (a plain
+        ``module.to(device)``): their values equal the master, so re-pointing is enough.
+        Returns whether anything was off the host.
+        """
+        if self._host is None:
+            raise RuntimeError("this ModuleSwap is closed")
+        moved = self._device_buf is not None or any(p.off_host() for p in self._packs)
+        if not moved:
+            return False
         for p in self._packs:
             p.bind_host()
+        log.info("module parked from %s", self.device or "a device it was moved to")
         self._device_buf = None
-        log.info("module parked from %s", self.device)
         self.device = None
+        return True
 
     def close(self) -> None:
         """Give the module its original tensors back (original devices) and free the pack."""
