@@ -29,7 +29,7 @@ import comfy.utils
 from ..offload_core.discovery import find_blocks
 from ..offload_core.streamer import LayerwiseStreamer
 from . import comfy_weights
-from .per_module import PerModule
+from ..offload_core.per_module import PerModule
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ import comfy.patcher_extension
 from ..offload_core.swap import ModuleSwap
 from .layerwise import REGISTRY as LAYERWISE
 from .layerwise import WRAPPER_KEY as LAYERWISE_KEY
-from .per_module import PerModule
+from ..offload_core.per_module import PerModule
 
 log = logging.getLogger(__name__)
 

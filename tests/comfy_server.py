@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-COMFY_ROOT = REPO / ".comfyui"
+# Another ComfyUI tree (and the Python that runs it) can be tested against, e.g. a newer release.
+COMFY_ROOT = Path(os.environ.get("TIERED_OFFLOAD_COMFY_ROOT", REPO / ".comfyui"))
+COMFY_PYTHON = os.environ.get("TIERED_OFFLOAD_COMFY_PYTHON", sys.executable)
 PACK_LINK_NAME = "comfyui-tiered-offload"
 TEST_NODES_LINK_NAME = "tiered_offload_test_nodes"
 OUR_NODES = ("ApplyLayerwiseOffload",)
@@ -67,7 +69,7 @@ class ComfyServer:
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self, timeout: float = 180.0) -> "ComfyServer":
         env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), PYTHONUNBUFFERED="1")
-        cmd = [sys.executable, "main.py", "--listen", "127.0.0.1", "--port", str(self.port),
+        cmd = [COMFY_PYTHON, "main.py", "--listen", "127.0.0.1", "--port", str(self.port),
                "--disable-auto-launch", "--disable-api-nodes",
                "--base-directory", str(self.base),
                "--database-url", f"sqlite:///{self.base / 'user' / 'comfyui.db'}",

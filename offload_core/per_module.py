@@ -1,9 +1,9 @@
 """One engine object per nn.Module, closed when that module is freed.
 
-Clones of a ModelPatcher share one nn.Module, and the engine objects (a layerwise session, a
-swap master) change that module's tensors, so they are keyed by the module itself. ComfyUI
-frees modules whenever its caches drop them; the weakref callback then closes the engine object
-and its pinned memory goes with it.
+Engine objects (a layerwise session, a swap master) change a module's tensors, and every user
+of that module (in ComfyUI, all clones of a ModelPatcher) shares it, so they are keyed by the
+module itself. When the host application frees the module, the weakref callback closes the
+engine object and its pinned memory goes with it.
 """
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ class PerModule(Generic[T]):
             if entry is not None and entry[0]() is module:
                 if reuse(entry[1]):
                     return entry[1]
+                del self._entries[key]  # gone even if create() below fails
                 entry[1].close()
             value = create()
             self._entries[key] = (weakref.ref(module, lambda dead: self._drop(key, dead)), value)
