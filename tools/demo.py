@@ -59,7 +59,12 @@ def main() -> int:
             t = model_state["telemetry"] or {}
             print(f"layerwise offload: {model_state['model_class']} with {model_state['blocks']} blocks, "
                   f"resident {model_state['resident_indices']}, streamed {model_state['streamed_indices']}")
-            print("  last run telemetry: " + json.dumps(t, sort_keys=True))
+            print(f"  last run: streamed {t.get('bytes_copied', 0) / 1e6:.1f} MB in {t.get('copies', 0)} "
+                  f"copies ({t.get('gbps', 0):.2f} GB/s over {t.get('seconds', 0):.2f} s), "
+                  f"peak on the compute device {t.get('peak_materialized_bytes', 0) / 1e6:.1f} MB "
+                  f"(bound {model_state['bound_bytes'] / 1e6:.1f} MB), "
+                  f"{t.get('sync_fallbacks', 0)} synchronous fallbacks")
+            print("  full telemetry: " + json.dumps(t, sort_keys=True))
         print(f"saved latent under {base / 'output' / 'latents'}")
         print(f"ComfyUI UI is served at {server.url}/")
         if args.exit:
