@@ -40,44 +40,38 @@ class TieredTestConditioning:
         return (tiny_models.make_conditioning(model_kind, seed),)
 
 
-class TieredTestLatentStats:
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"samples": ("LATENT",)}}
+def tensor_report(t: torch.Tensor) -> dict:
+    """Shape, dtype, finiteness and the sha256 of the raw bytes: equal hashes = bit-identical."""
+    t = t.detach().cpu().contiguous()
+    return {"shape": list(t.shape), "dtype": str(t.dtype), "finite": bool(torch.isfinite(t).all()),
+            "sha256": hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()}
 
+
+class _StatsNode:
     RETURN_TYPES = ()
     FUNCTION = "stats"
     OUTPUT_NODE = True
     CATEGORY = "tiered_offload/testing"
 
+
+class TieredTestLatentStats(_StatsNode):
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"samples": ("LATENT",)}}
+
     def stats(self, samples):
-        t = samples["samples"].detach().cpu().contiguous()
-        info = {
-            "shape": list(t.shape),
-            "dtype": str(t.dtype),
-            "finite": bool(torch.isfinite(t).all()),
-            "sha256": hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest(),
-        }
-        return {"ui": {"latent_stats": [info]}}
+        return {"ui": {"latent_stats": [tensor_report(samples["samples"])]}}
 
 
-class TieredTestConditioningStats:
+class TieredTestConditioningStats(_StatsNode):
     """Output node: sha256 of an encoded CONDITIONING, to compare text encodes bit for bit."""
 
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {"conditioning": ("CONDITIONING",)}}
 
-    RETURN_TYPES = ()
-    FUNCTION = "stats"
-    OUTPUT_NODE = True
-    CATEGORY = "tiered_offload/testing"
-
     def stats(self, conditioning):
-        t = conditioning[0][0].detach().cpu().contiguous()
-        info = {"shape": list(t.shape), "finite": bool(torch.isfinite(t).all()),
-                "sha256": hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()}
-        return {"ui": {"conditioning_stats": [info]}}
+        return {"ui": {"conditioning_stats": [tensor_report(conditioning[0][0])]}}
 
 
 class TieredTestBlockReplace:
