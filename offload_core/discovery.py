@@ -39,6 +39,9 @@ LAYOUTS: tuple[tuple[str, tuple[str, ...]], ...] = (
      ("input_blocks", "middle_block", "output_blocks")),
 )
 
+# Layout attributes that may be None: UNetModel sets middle_block = None for checkpoints without one.
+OPTIONAL_ATTRS = frozenset({"middle_block"})
+
 SUPPORTED_DESCRIPTION = "; ".join(name for name, _ in LAYOUTS) + \
     "; or any model whose largest child is an in-order ModuleList of like blocks"
 
@@ -68,6 +71,22 @@ def _vace_order(model: nn.Module, main: list[tuple[str, nn.Module]],
     return order
 
 
+def _unet_layers(items: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """The UNet's streamable units are the layers inside each TimestepEmbedSequential.
+
+    UNetModel runs a block through `forward_timestep_embed`, which loops over the block's layers
+    and calls each one, never the block itself: hooks on the block would never fire. The layers
+    are called, in order, so they are what the engine hooks and streams.
+    """
+    out: list[tuple[str, nn.Module]] = []
+    for path, m in items:
+        if isinstance(m, nn.Sequential):
+            out.extend((f"{path}.{name}", layer) for name, layer in m.named_children())
+        else:
+            out.append((path, m))
+    return out
+
+
 def _param_count(m: nn.Module) -> int:
     return sum(p.numel() for p in m.parameters())
 
@@ -95,12 +114,15 @@ def _generic(model: nn.Module) -> BlockList | None:
 def find_blocks(model: nn.Module) -> BlockList:
     """Return the model's blocks in run order, or raise UnsupportedModelError naming the class."""
     for layout, attrs in LAYOUTS:
-        values = [getattr(model, a, None) for a in attrs]
-        if any(not isinstance(v, nn.Module) for v in values):
+        present = [(a, getattr(model, a, None)) for a in attrs]
+        if any(not isinstance(v, nn.Module)
+               and not (a in OPTIONAL_ATTRS and v is None and hasattr(model, a)) for a, v in present):
             continue
-        groups = [_children_of(a, v) for a, v in zip(attrs, values)]
+        groups = [_children_of(a, v) for a, v in present if v is not None]
         if layout.startswith("blocks+vace"):
             items = _vace_order(model, groups[0], groups[1])
+        elif layout.startswith("input_blocks"):
+            items = _unet_layers([item for g in groups for item in g])
         else:
             items = [item for g in groups for item in g]
         if len(items) == 0:

@@ -63,7 +63,7 @@ def test_wan_vace_blocks_follow_their_mapped_block():
 
 def test_unet_runs_input_middle_output():
     found = find_blocks(UNetLike())
-    assert found.paths == ("input_blocks.0", "input_blocks.1", "middle_block",
+    assert found.paths == ("input_blocks.0", "input_blocks.1", "middle_block.0",
                            "output_blocks.0", "output_blocks.1")
 
 
