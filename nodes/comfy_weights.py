@@ -1,8 +1,9 @@
 """ComfyUI-side weight handling for streamed blocks: LoRA baking and hand-over from core.
 
-Core merges LoRA into a fully loaded weight with `comfy.lora.calculate_weight` in fp32 on the
-load device and stochastic-rounds it with a per-key seed. Doing exactly that when packing makes
-a streamed block bit-identical to the same block loaded by core.
+Core merges LoRA into a fully loaded weight with `comfy.lora.calculate_weight` on the load device
+(in fp32 up to 0.3.x; newer ComfyUI uses `model_management.lora_compute_dtype(device)`, fp16 on
+GPUs that favour it) and stochastic-rounds it with a per-key seed. Doing exactly that when packing
+makes a streamed block bit-identical to the same block loaded by core.
 """
 from __future__ import annotations
 
@@ -15,6 +16,16 @@ import comfy.lora
 import comfy.model_management
 import comfy.model_patcher
 import comfy.utils
+
+# Newer ComfyUI moved string_to_seed to comfy.utils and left a shim in comfy.model_patcher that
+# logs a warning on every call (once per patched key here); 0.3.75 has only the latter.
+_string_to_seed = getattr(comfy.utils, "string_to_seed", None) or comfy.model_patcher.string_to_seed
+
+
+def lora_merge_dtype(device: torch.device) -> torch.dtype:
+    """The dtype core's `patch_weight_to_device` merges LoRA in on this device."""
+    probe = getattr(comfy.model_management, "lora_compute_dtype", None)
+    return probe(device) if callable(probe) else torch.float32
 
 
 def block_keys(prefix: str, block: torch.nn.Module) -> list[str]:
@@ -42,6 +53,7 @@ def lora_transform(patcher, block_prefixes: Sequence[str]) -> Callable:
     patches = patcher.patches
     device = patcher.load_device
     model = patcher.model
+    merge_dtype = lora_merge_dtype(device)
 
     def transform(block_index: int, name: str, tensor: torch.Tensor) -> torch.Tensor:
         key = f"{block_prefixes[block_index]}.{name}"
@@ -52,12 +64,12 @@ def lora_transform(patcher, block_prefixes: Sequence[str]) -> Callable:
             raise ValueError(
                 f"{key} is a quantized weight with a custom setter and a LoRA patch; layerwise "
                 "offload cannot bake that patch faithfully. Keep this block resident or drop the LoRA.")
-        work = comfy.model_management.cast_to_device(tensor, device, torch.float32, copy=True)
+        work = comfy.model_management.cast_to_device(tensor, device, merge_dtype, copy=True)
         if convert_func is not None:
             work = convert_func(work, inplace=True)
         merged = comfy.lora.calculate_weight(patches[key], work, key)
         merged = comfy.float.stochastic_rounding(
-            merged, tensor.dtype, seed=comfy.model_patcher.string_to_seed(key))
+            merged, tensor.dtype, seed=_string_to_seed(key))
         return merged.to(tensor.device)
 
     return transform

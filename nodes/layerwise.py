@@ -195,17 +195,29 @@ def _classic_patcher(model):
     Newer ComfyUI's Dynamic VRAM already streams per layer with its own pins; two streamers on
     one model fight. Where the API offers a classic patcher we take it, so the user's explicit
     choice of this node wins; otherwise we step aside.
+
+    Both of 0.33's ways rebuild the model from its loader (`cached_patcher_init`) with Dynamic
+    VRAM off. `get_non_dynamic_delegate()` keeps that rebuilt module on the dynamic patcher and
+    hands out clones of it, so a re-run (a changed setting) reuses it and the engine's pack;
+    `clone(disable_dynamic=True)` loads from disk anew on every call, so it is only the fallback.
+    Both raise RuntimeError for a model whose loader registered no `cached_patcher_init`.
     """
     if not _is_dynamic(model):
         return model.clone()
-    try:
-        patcher = model.clone(disable_dynamic=True)
-    except TypeError:
-        delegate = getattr(model, "get_non_dynamic_delegate", None)
-        patcher = delegate() if callable(delegate) else None
-    if patcher is None or _is_dynamic(patcher):
-        return None
-    return patcher
+    makers = []
+    delegate = getattr(model, "get_non_dynamic_delegate", None)
+    if callable(delegate):
+        makers.append(("get_non_dynamic_delegate()", delegate))
+    makers.append(("clone(disable_dynamic=True)", lambda: model.clone(disable_dynamic=True)))
+    for name, make in makers:
+        try:
+            patcher = make()
+        except (TypeError, RuntimeError) as e:
+            log.info("Apply Layerwise Offload: no classic patcher from %s: %s", name, e)
+            continue
+        if patcher is not None and not _is_dynamic(patcher):
+            return patcher
+    return None
 
 
 class ApplyLayerwiseOffload:

@@ -18,6 +18,11 @@ How core is kept from fighting it (classic ModelPatcher):
   only the text encoder gets a master; the model's small non-block rest is left to core. Used the
   other way round (swap first), Apply Layerwise Offload refuses with a message, because the blocks
   would be held in RAM twice.
+- A model that newer ComfyUI runs with Dynamic VRAM (`patcher.is_dynamic()`, 0.33 and later) gets
+  no master: core already keeps its weights in host memory (file mmap and its own pins), loads
+  them per layer and never copies them back, and it never calls the module's `.to()` that the
+  guard relies on. A master would re-point tensors core manages. Such a model is only unloaded
+  through core when its partner takes its turn.
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ import comfy.patcher_extension
 from ..offload_core.swap import ModuleSwap
 from .layerwise import REGISTRY as LAYERWISE
 from .layerwise import WRAPPER_KEY as LAYERWISE_KEY
+from .layerwise import _is_dynamic
 from ..offload_core.per_module import PerModule
 
 log = logging.getLogger(__name__)
@@ -163,8 +169,12 @@ class ModelLevelSwap:
         # model's small non-block rest stays with core.
         streamed = bool(model.get_wrappers(comfy.patcher_extension.WrappersMP.OUTER_SAMPLE,
                                            LAYERWISE_KEY))
-        dit = None if streamed else _member(dit_module)
-        te = _member(te_module)
+        dit = None if streamed or _is_dynamic(model) else _member(dit_module)
+        te = None if _is_dynamic(clip.patcher) else _member(te_module)
+        for name, patcher in (("diffusion model", model), ("text encoder", clip.patcher)):
+            if _is_dynamic(patcher):
+                log.info("Model-Level Swap: the %s runs with Dynamic VRAM; core keeps it in host "
+                         "memory itself, so it gets no pinned master", name)
 
         def prepare_sampling(executor, patcher, *args, **kwargs):
             _take_turn(dit, dit_module, te, te_module, patcher.load_device)

@@ -26,7 +26,7 @@ import torch.nn as nn
 from offload_core.discovery import LAYOUTS, UnsupportedModelError, find_blocks
 
 REPO = Path(__file__).resolve().parents[1]
-COMFYUI = Path(os.environ.get("COMFYUI_ROOT", REPO / ".comfyui"))
+COMFYUI = Path(os.environ.get("TIERED_OFFLOAD_COMFY_ROOT", REPO / ".comfyui"))
 SCRIPT = REPO / "tests" / "fixtures" / "discover_comfy_models.py"
 
 UNET_ATTRS = ("input_blocks", "middle_block", "output_blocks")
