@@ -6,7 +6,7 @@ import psutil
 import pytest
 
 from comfy_server import ComfyServer
-from conftest import write_fixture_models
+from conftest import ARTIFACTS, write_fixture_models
 from workflows import latent_sha, sample_workflow
 
 GIB = 1024 ** 3
@@ -191,5 +191,11 @@ def test_soak_alternating_workflows_does_not_leak(tier_server):
     rss = [r for r, _ in samples]
     pinned = [p for _, p in samples]
     growth = rss[-1] - rss[0]
+    ARTIFACTS.mkdir(exist_ok=True)
+    (ARTIFACTS / "soak.json").write_text(json.dumps(
+        {"prompts": 50, "warmup": 10, "rss_bytes_after_each": rss, "pinned_bytes_after_each": pinned,
+         "rss_growth_bytes": growth}, indent=1))
+    print(f"soak: RSS {rss[0] / 2**20:.1f} -> {rss[-1] / 2**20:.1f} MiB over 40 prompts "
+          f"(max {max(rss) / 2**20:.1f}), pinned {min(pinned)}..{max(pinned)} bytes")
     assert growth < 48 * 2**20, f"RSS grew {growth / 2**20:.1f} MiB over 40 prompts: {rss}"
     assert max(pinned) == min(pinned), pinned
