@@ -32,10 +32,10 @@ from typing import Any
 
 import torch
 
-import comfy.model_management
 import comfy.patcher_extension
 
 from ..offload_core.swap import ModuleSwap
+from .core_models import unload_from_core
 from .layerwise import REGISTRY as LAYERWISE
 from .layerwise import WRAPPER_KEY as LAYERWISE_KEY
 from .layerwise import _is_dynamic
@@ -65,22 +65,24 @@ class SwapMember:
         self.loads = 0
         self.parks = 0
         self.bytes_loaded = 0
-        original_to = module.to
+        # Only weak references: the guard lives in the module's own __dict__, and the module
+        # must still be freed (and this member closed) when ComfyUI drops the model.
         member_ref = weakref.ref(self)
+        module_ref = weakref.ref(module)
 
         def guarded_to(*args: Any, **kwargs: Any):
-            member = member_ref()
+            target, member = module_ref(), member_ref()
             device = _target_device(args, kwargs)
-            if member is not None and device is not None and not layerwise_active(module):
+            if member is not None and device is not None and not layerwise_active(target):
                 if device.type == "cpu":
                     member.park()
                 else:
                     member.load(device)
             # Packed tensors are in place now, so this moves only what the master does not hold.
-            return original_to(*args, **kwargs)
+            return type(target).to(target, *args, **kwargs)
 
         module.to = guarded_to
-        self._module_ref = weakref.ref(module)
+        self._module_ref = module_ref
 
     def load(self, device: torch.device) -> None:
         if self.closed or self.swap.device == device:
@@ -112,15 +114,6 @@ class SwapMember:
 MEMBERS: PerModule[SwapMember] = PerModule()
 
 
-def unload_from_core(module: torch.nn.Module) -> None:
-    """Unload every core LoadedModel holding this module; the guard makes it copy-free."""
-    for lm in list(comfy.model_management.current_loaded_models):
-        if lm.model is not None and lm.model.model is module:
-            lm.model_unload()
-            if lm in comfy.model_management.current_loaded_models:
-                comfy.model_management.current_loaded_models.remove(lm)
-
-
 def _member(module: torch.nn.Module) -> SwapMember:
     return MEMBERS.get_or_create(module, lambda: SwapMember(module, type(module).__name__))
 
@@ -131,17 +124,34 @@ def layerwise_active(module: torch.nn.Module) -> bool:
     return diffusion_model is not None and LAYERWISE.is_active(diffusion_model)
 
 
-def _take_turn(incoming: SwapMember | None, incoming_module: torch.nn.Module,
-               outgoing: SwapMember | None, outgoing_module: torch.nn.Module,
-               device: torch.device | None) -> None:
-    """Unload the outgoing model through core (copy-free if it has a master), bring the other in."""
-    unload_from_core(outgoing_module)
-    if outgoing is not None:
-        outgoing.park()
-    if incoming is not None:
-        incoming.turns += 1
-        if device is not None and not layerwise_active(incoming_module):
-            incoming.load(device)
+class _Turns:
+    """The two models that take turns. Weak references only: the encoder's patcher must not keep
+    the diffusion model alive (or the other way round) after ComfyUI dropped it."""
+
+    def __init__(self, dit_module: torch.nn.Module, te_module: torch.nn.Module) -> None:
+        self._dit = weakref.ref(dit_module)
+        self._te = weakref.ref(te_module)
+
+    def sampling(self, device: torch.device) -> None:
+        self._take_turn(self._dit(), self._te(), device)
+
+    def encoding(self) -> None:
+        self._take_turn(self._te(), self._dit(), None)
+
+    @staticmethod
+    def _take_turn(incoming: torch.nn.Module | None, outgoing: torch.nn.Module | None,
+                   device: torch.device | None) -> None:
+        """Unload the outgoing model through core (copy-free if it has a master), bring the other in."""
+        if outgoing is not None:
+            unload_from_core(outgoing)
+            member = MEMBERS.get(outgoing)
+            if member is not None:
+                member.park()
+        member = MEMBERS.get(incoming) if incoming is not None else None
+        if member is not None:
+            member.turns += 1
+            if device is not None and not layerwise_active(incoming):
+                member.load(device)
 
 
 class ModelLevelSwap:
@@ -169,19 +179,22 @@ class ModelLevelSwap:
         # model's small non-block rest stays with core.
         streamed = bool(model.get_wrappers(comfy.patcher_extension.WrappersMP.OUTER_SAMPLE,
                                            LAYERWISE_KEY))
-        dit = None if streamed or _is_dynamic(model) else _member(dit_module)
-        te = None if _is_dynamic(clip.patcher) else _member(te_module)
+        if not streamed and not _is_dynamic(model):
+            _member(dit_module)
+        if not _is_dynamic(clip.patcher):
+            _member(te_module)
         for name, patcher in (("diffusion model", model), ("text encoder", clip.patcher)):
             if _is_dynamic(patcher):
                 log.info("Model-Level Swap: the %s runs with Dynamic VRAM; core keeps it in host "
                          "memory itself, so it gets no pinned master", name)
+        turns = _Turns(dit_module, te_module)
 
         def prepare_sampling(executor, patcher, *args, **kwargs):
-            _take_turn(dit, dit_module, te, te_module, patcher.load_device)
+            turns.sampling(patcher.load_device)
             return executor(patcher, *args, **kwargs)
 
         def on_encoder_load(patcher):
-            _take_turn(te, te_module, dit, dit_module, None)
+            turns.encoding()
 
         model.remove_wrappers_with_key(comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING, KEY)
         model.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING, KEY,

@@ -28,6 +28,7 @@ import nodes as core_nodes
 
 from ..offload_core.tiers import Tier, TierManager, model_id
 from . import prompt_lifecycle
+from .core_models import loaded_entries, unload_from_core
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +44,6 @@ def _patchers(outputs: tuple) -> list:
         if patcher is not None:
             found.append(patcher)
     return found
-
-
-def _loaded_entries(patcher) -> list:
-    """core's LoadedModel entries holding this patcher's module (the patcher or a clone of it)."""
-    return [lm for lm in comfy.model_management.current_loaded_models
-            if lm.model is not None and lm.model.model is patcher.model]
 
 
 class ComfyModelBackend:
@@ -73,10 +68,7 @@ class ComfyModelBackend:
         if self.outputs is None:
             return
         for patcher in _patchers(self.outputs):
-            for lm in _loaded_entries(patcher):
-                lm.model_unload()
-                if lm in comfy.model_management.current_loaded_models:
-                    comfy.model_management.current_loaded_models.remove(lm)
+            unload_from_core(patcher.model)
 
     def drop(self) -> None:
         """Free the weights even if ComfyUI's output cache still holds these objects.
@@ -102,7 +94,7 @@ class ComfyModelBackend:
         host = 0
         for patcher in _patchers(self.outputs):
             size = patcher.model_size()
-            loaded = max((lm.model_loaded_memory() for lm in _loaded_entries(patcher)), default=0)
+            loaded = max((lm.model_loaded_memory() for lm in loaded_entries(patcher.model)), default=0)
             vram += loaded
             # With a CPU compute device (--cpu) a "loaded" model still sits in RAM, so all of
             # it counts against the RAM budget.
@@ -112,7 +104,7 @@ class ComfyModelBackend:
     def current_tier(self) -> Tier:
         if self.outputs is None:
             return Tier.DISK
-        if any(_loaded_entries(p) for p in _patchers(self.outputs)):
+        if any(loaded_entries(p.model) for p in _patchers(self.outputs)):
             return Tier.VRAM
         return Tier.RAM
 

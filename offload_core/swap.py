@@ -42,7 +42,6 @@ class ModuleSwap:
         refs = tensor_refs(module)
         for ref, t in refs:
             check_packable(t, ref.label)
-        self.module = module
         self._packs = [PackedBlock(items, index=i) for i, items in enumerate(_split(refs, part_bytes))]
         self._host: HostStorage | None = HostStorage(
             [p.nbytes for p in self._packs], pin=pin, ram_budget_bytes=ram_budget_bytes, chunk_bytes=part_bytes

@@ -1,0 +1,24 @@
+"""Core's list of loaded models, seen and changed the way core itself does it.
+
+Everything that moves a model out of VRAM goes through `LoadedModel.model_unload` and leaves
+`current_loaded_models`, so core's free-memory planning always matches what is really loaded.
+"""
+from __future__ import annotations
+
+import torch
+
+import comfy.model_management
+
+
+def loaded_entries(module: torch.nn.Module) -> list:
+    """Core's LoadedModel entries whose patcher (or a clone of it) holds this module."""
+    return [lm for lm in comfy.model_management.current_loaded_models
+            if lm.model is not None and lm.model.model is module]
+
+
+def unload_from_core(module: torch.nn.Module) -> None:
+    """Unload every LoadedModel holding this module and drop it from core's list."""
+    for lm in loaded_entries(module):
+        lm.model_unload()
+        if lm in comfy.model_management.current_loaded_models:
+            comfy.model_management.current_loaded_models.remove(lm)
