@@ -54,6 +54,10 @@ def comfy(comfy_base) -> ComfyServer:
     server = ComfyServer(comfy_base).start()
     yield server
     server.stop()
+    # Core warns when a model it unloaded is still referenced from somewhere: the pack must
+    # never keep a dropped model (and its pinned master) alive.
+    leaks = [line for line in server.log_text().splitlines() if "memory leak with model" in line]
+    assert not leaks, leaks[:5]
 
 
 @pytest.hookimpl(hookwrapper=True)
