@@ -68,6 +68,7 @@ class LayerwiseSession:
         self.streamer = LayerwiseStreamer(list(self.blocks), device, **settings.streamer_kwargs())
         self.module_id = id(diffusion_model)
         self.accounted_bytes = 0
+        self.started = 0.0
         self.runs = 0
         self.last_run: dict[str, Any] | None = None
         self.active = False
