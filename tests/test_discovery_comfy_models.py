@@ -16,17 +16,17 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch.nn as nn
 
+from comfy_server import COMFY_PYTHON
+from comfy_server import COMFY_ROOT as COMFYUI
 from offload_core.discovery import LAYOUTS, UnsupportedModelError, find_blocks
 
 REPO = Path(__file__).resolve().parents[1]
-COMFYUI = Path(os.environ.get("TIERED_OFFLOAD_COMFY_ROOT", REPO / ".comfyui"))
 SCRIPT = REPO / "tests" / "fixtures" / "discover_comfy_models.py"
 
 UNET_ATTRS = ("input_blocks", "middle_block", "output_blocks")
@@ -156,7 +156,8 @@ def comfy_models(tmp_path_factory) -> dict:
         pytest.skip(f"no ComfyUI tree at {COMFYUI}")
     out = tmp_path_factory.mktemp("discovery") / "results.json"
     env = dict(os.environ, OMP_NUM_THREADS="2")
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(out), "--comfyui", str(COMFYUI)],
+    # The tree's own Python: a newer ComfyUI imports packages (comfy-aimdo) the 0.3.75 venv lacks.
+    proc = subprocess.run([COMFY_PYTHON, str(SCRIPT), str(out), "--comfyui", str(COMFYUI)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{SCRIPT.name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return json.loads(out.read_text())
