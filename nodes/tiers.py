@@ -9,7 +9,7 @@ and its results are identical.
 
 Each tiered loader returns the manager's object for its (file, mtime, options) identity, so a
 workflow run again after another one gets its models from RAM instead of disk. A model is in use
-from the moment its loader runs in a prompt, or its sampling starts, until that prompt ends.
+from the start of any prompt whose graph contains its loader until that prompt ends.
 """
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ from typing import Any, Callable
 import torch
 
 import comfy.model_management
-import comfy.patcher_extension
 import folder_paths
 import nodes as core_nodes
 
@@ -33,7 +32,6 @@ from .core_models import loaded_entries, unload_from_core
 log = logging.getLogger(__name__)
 
 MANAGER = TierManager()
-WRAPPER_KEY = "tiered_offload.tiers"
 
 
 def _patchers(outputs: tuple) -> list:
@@ -110,20 +108,43 @@ class ComfyModelBackend:
 
 
 class _PromptUses:
-    """Which managed models the running prompt holds, released when it ends."""
+    """Which managed models each running prompt holds, released when it ends.
+
+    At prompt start every Tiered loader in the prompt's graph is held, before any node runs, so
+    a model is never evicted between the prompt's start and its use, even when the loader's
+    output comes from ComfyUI's cache. The loader also holds when it runs, in case the graph
+    could not be read.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._held: dict[str | None, list[str]] = {}
 
-    def hold(self, key: str) -> None:
-        prompt_id = prompt_lifecycle.current_prompt_id()
+    def hold(self, key: str, prompt_id: str | None = None) -> None:
+        prompt_id = prompt_id if prompt_id is not None else prompt_lifecycle.current_prompt_id()
         with self._lock:
             held = self._held.setdefault(prompt_id, [])
             if key in held:
                 return
             held.append(key)
-        MANAGER.acquire(key, to=Tier.RAM)
+        try:
+            MANAGER.acquire(key, to=Tier.RAM)
+        except Exception:
+            with self._lock:
+                self._held[prompt_id].remove(key)
+            raise
+
+    def hold_graph(self, prompt_id: str, graph: dict) -> None:
+        for node in graph.values():
+            loader = NODE_CLASS_MAPPINGS.get(node.get("class_type")) if isinstance(node, dict) else None
+            if loader is None or not issubclass(loader, _TieredLoader):
+                continue
+            try:
+                key, _ = loader.identity(**node.get("inputs", {}))
+                MANAGER.get(key)
+            except Exception:  # a link, a missing file or a new model: its loader will hold it
+                continue
+            self.hold(key, prompt_id)
 
     def release_prompt(self, prompt_id: str | None) -> None:
         with self._lock:
@@ -144,13 +165,6 @@ def sync_tiers() -> None:
             MANAGER.observe(entry["id"], backend.current_tier())
 
 
-def _hold_while_sampling(key: str) -> Callable:
-    def outer_sample(executor, *args, **kwargs):
-        PROMPT_USES.hold(key)
-        return executor(*args, **kwargs)
-    return outer_sample
-
-
 def _identity(kind: str, folder: str, name: str, options: dict[str, Any]) -> tuple[str, str]:
     path = folder_paths.get_full_path_or_raise(folder, name)
     return model_id(path, os.stat(path).st_mtime_ns, {"kind": kind, **options}), path
@@ -168,14 +182,7 @@ def managed_outputs(key: str) -> tuple:
     """The loader outputs for this id, from whichever tier holds them, held for this prompt."""
     MANAGER.wait_ready(key)
     PROMPT_USES.hold(key)
-    backend = MANAGER.get(key).backend
-    for patcher in _patchers(backend.outputs):
-        if hasattr(patcher.model, "diffusion_model"):
-            patcher.remove_wrappers_with_key(comfy.patcher_extension.WrappersMP.OUTER_SAMPLE,
-                                             WRAPPER_KEY)
-            patcher.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.OUTER_SAMPLE,
-                                         WRAPPER_KEY, _hold_while_sampling(key))
-    return backend.outputs
+    return MANAGER.get(key).backend.outputs
 
 
 def key_of(obj) -> str | None:
@@ -216,6 +223,12 @@ class _TieredLoader:
         return options.pop(cls.NAME_INPUT), options
 
     @classmethod
+    def identity(cls, **inputs: Any) -> tuple[str, str]:
+        """(manager id, file path) of these inputs."""
+        name, options = cls._split(inputs)
+        return _identity(cls.KIND, cls.FOLDER, name, options)
+
+    @classmethod
     def register(cls, **inputs: Any) -> str:
         name, options = cls._split(inputs)
         return register_model(cls.KIND, cls.FOLDER, name, options,
@@ -224,9 +237,8 @@ class _TieredLoader:
     @classmethod
     def IS_CHANGED(cls, **inputs):
         """Differs once the model was dropped to disk, so the loader runs again and reloads."""
-        name, options = cls._split(inputs)
         try:
-            key, _ = _identity(cls.KIND, cls.FOLDER, name, options)
+            key, _ = cls.identity(**inputs)
             return f"{key}:{MANAGER.get(key).loads_from_disk}"
         except Exception:  # unknown or missing: let the loader run and report it
             return float("nan")
@@ -363,6 +375,7 @@ def _preload_from_config() -> None:
 def install() -> None:
     """Server-side wiring: release a prompt's models when it ends, and start the preload."""
     prompt_lifecycle.install()
+    prompt_lifecycle.on_prompt_start(PROMPT_USES.hold_graph)
     prompt_lifecycle.on_prompt_end(PROMPT_USES.release_prompt)
     _preload_from_config()
 
