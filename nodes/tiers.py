@@ -157,12 +157,20 @@ class _PromptUses:
 PROMPT_USES = _PromptUses()
 
 
-def sync_tiers() -> None:
-    """Record where core really holds each model; core also loads and unloads on its own."""
+def _backends() -> list[tuple[str, ComfyModelBackend]]:
+    """(id, backend) of every model the Tiered loaders registered."""
+    found = []
     for entry in MANAGER.snapshot()["models"]:
         backend = MANAGER.get(entry["id"]).backend
         if isinstance(backend, ComfyModelBackend):
-            MANAGER.observe(entry["id"], backend.current_tier())
+            found.append((entry["id"], backend))
+    return found
+
+
+def sync_tiers() -> None:
+    """Record where core really holds each model; core also loads and unloads on its own."""
+    for key, backend in _backends():
+        MANAGER.observe(key, backend.current_tier())
 
 
 def _identity(kind: str, folder: str, name: str, options: dict[str, Any]) -> tuple[str, str]:
@@ -188,24 +196,21 @@ def managed_outputs(key: str) -> tuple:
 def key_of(obj) -> str | None:
     """The manager id of a loader output (MODEL, CLIP or VAE, or a clone of one)."""
     modules = {p.model for p in _patchers((obj,))}
-    for entry in MANAGER.snapshot()["models"]:
-        backend = MANAGER.get(entry["id"]).backend
-        if isinstance(backend, ComfyModelBackend) and backend.outputs is not None:
-            if modules & {p.model for p in _patchers(backend.outputs)}:
-                return entry["id"]
+    for key, backend in _backends():
+        if backend.outputs is not None and modules & {p.model for p in _patchers(backend.outputs)}:
+            return key
     return None
 
 
 def diffusion_module_ids() -> dict[str, int]:
     """Manager id → id() of the diffusion nn.Module it holds, to join layerwise reports."""
     out = {}
-    for entry in MANAGER.snapshot()["models"]:
-        backend = MANAGER.get(entry["id"]).backend
-        if isinstance(backend, ComfyModelBackend) and backend.outputs is not None:
+    for key, backend in _backends():
+        if backend.outputs is not None:
             for patcher in _patchers(backend.outputs):
                 diffusion_model = getattr(patcher.model, "diffusion_model", None)
                 if diffusion_model is not None:
-                    out[entry["id"]] = id(diffusion_model)
+                    out[key] = id(diffusion_model)
     return out
 
 

@@ -1,7 +1,6 @@
 """Model-Level Swap through a real server: the diffusion model and the text encoder take turns,
 and neither the samples nor the text encodings change."""
 import tiny_models
-from conftest import SECOND_WAN
 from workflows import latent_sha, sample_workflow
 
 
