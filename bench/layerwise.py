@@ -9,6 +9,7 @@ What one run measures, per model:
     setting gets to the physical bound (1.0 is the bound itself);
   * pinned RAM / packed bytes (the budget is <= 1.05).
 Prints a table and writes JSON (device, torch version, settings) to bench/results/.
+ComfyUI's own offloading is compared in a real workflow by bench/comfy_wan.py.
 ``--smoke`` runs tiny shapes on CPU in a few seconds so the script never rots.
 
 Weights are random bf16; blocks are self-contained (SDPA attention + MLP +
@@ -363,7 +364,6 @@ def bench_model(spec: Spec, device: torch.device, args: argparse.Namespace, link
         "resident_peak_vram_bytes": resident_peak,
         "naive_swap_step_s": naive,
         "streaming": streaming,
-        "comfyui_native_offload": None,  # filled by the separate ComfyUI-offload benchmark
     }
 
 
@@ -424,10 +424,6 @@ def main(argv: list[str] | None = None) -> dict:
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "link": link,
         "models": {},
-        "comparisons": {
-            "comfyui_native_offload": None,
-            "note": "ComfyUI's own offloading is measured by a separate benchmark and filled in here.",
-        },
     }
     for spec in specs(args):
         result["models"][spec.name] = bench_model(spec, device, args, link["pinned_h2d_GBps"])

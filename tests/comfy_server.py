@@ -34,11 +34,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def prepare_base(base: Path) -> Path:
-    """Lay out a ComfyUI base directory with our pack and the test nodes linked in."""
+def prepare_base(base: Path, extra_nodes: dict[str, Path] | None = None) -> Path:
+    """Lay out a ComfyUI base directory with our pack, the test nodes and any extra node
+    folders (name -> folder; the benchmarks link their own) linked into custom_nodes/."""
     custom = base / "custom_nodes"
     custom.mkdir(parents=True, exist_ok=True)
-    for name, target in ((PACK_LINK_NAME, REPO), (TEST_NODES_LINK_NAME, REPO / "tests" / "comfy_test_nodes")):
+    links = {PACK_LINK_NAME: REPO, TEST_NODES_LINK_NAME: REPO / "tests" / "comfy_test_nodes",
+             **(extra_nodes or {})}
+    for name, target in links.items():
         link = custom / name
         if not link.exists():
             link.symlink_to(target, target_is_directory=True)
@@ -57,8 +60,8 @@ class PromptFailed(AssertionError):
 
 class ComfyServer:
     def __init__(self, base: Path, *, extra_args: tuple[str, ...] = (), threads: int = 2,
-                 port: int | None = None) -> None:
-        self.base = prepare_base(base)
+                 port: int | None = None, extra_nodes: dict[str, Path] | None = None) -> None:
+        self.base = prepare_base(base, extra_nodes)
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.extra_args = extra_args
@@ -98,9 +101,9 @@ class ComfyServer:
         return () if torch.cuda.is_available() else ("--cpu",)
 
     def check_pack_loaded(self) -> None:
-        log = self.log_text()
-        for line in log.splitlines():
-            if "IMPORT FAILED" in line and (PACK_LINK_NAME in line or TEST_NODES_LINK_NAME in line):
+        ours = [link.name for link in (self.base / "custom_nodes").iterdir()]
+        for line in self.log_text().splitlines():
+            if "IMPORT FAILED" in line and any(name in line for name in ours):
                 raise RuntimeError(f"our pack failed to import: {line}\n{self.log_tail()}")
         info = self.get("/object_info")
         missing = [n for n in OUR_NODES if n not in info]

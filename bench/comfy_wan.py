@@ -1,0 +1,318 @@
+"""Mid-size Wan 2.1 through a real ComfyUI server: Apply Layerwise Offload against core's own
+partial loading at the same VRAM budget, and against no offload at all.
+
+Modes, each queued through POST /prompt --repeats times (the last run is reported, the first
+is the cold one that loads the model):
+  core_full     the plain workflow; core loads the whole model. Its step time is the compute
+                floor and its peak is "VRAM without offload".
+  core_partial  the plain workflow on a server started with --reserve-vram, so core sees only
+                --visible-gb of the card. It loads what fits and casts the rest to the device
+                layer by layer on every call (classic lowvram partial loading).
+  layerwise     Apply Layerwise Offload on that same server, with its block budget set to the
+                block bytes core kept loaded in core_partial, so both hold the same weight bytes
+                on the device.
+
+Per mode: step time from CUDA events around apply_model, peak allocated and reserved VRAM,
+what core believes is loaded, the engine's telemetry, the latent's sha256 (offloading must not
+change it) and the prompt's wall time. A streamed mode's bound is
+max(compute, streamed bytes per step / pinned link bandwidth), where compute is core_full's step
+time and the link is measured in this process before any server starts. Streamed bytes are the
+engine's own counter for layerwise. For core_partial they are estimated as the bytes core left
+unloaded, once per model call.
+
+The model is Wan 2.1 with 14B dimensions (dim 5120, ffn 13824, 40 heads) and --layers blocks,
+in random bf16 weights written here. The text context is 16 random tokens rather than T5's 512.
+--smoke runs a 6-block dim-128 Wan, in well under a minute. On a CPU-only machine it skips
+core_partial, because with --cpu core keeps everything on the CPU and has no partial loading
+to compare.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import subprocess
+import statistics
+import struct
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "fixtures"), str(BENCH)]
+import tiny_models  # noqa: E402
+from comfy_server import ComfyServer  # noqa: E402
+from layerwise import link_peak  # noqa: E402
+
+RESULTS = BENCH / "results"
+MODEL_FILE = "bench_wan21.safetensors"
+BENCH_NODES = {"tiered_offload_bench_nodes": BENCH / "comfy_nodes"}
+GB = 1e9
+
+
+# ------------------------------------------------------------------ the model on disk
+def tensor_bytes(path: Path) -> dict[str, int]:
+    """Bytes of each tensor in a safetensors file, read from its header alone."""
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    return {k: v["data_offsets"][1] - v["data_offsets"][0]
+            for k, v in header.items() if k != "__metadata__"}
+
+
+def write_model(base: Path, args: argparse.Namespace) -> Path:
+    path = base / "models" / "diffusion_models" / MODEL_FILE
+    if not path.exists():
+        print(f"writing a {args.layers}-block dim-{args.dim} Wan 2.1 to {path} ...", flush=True)
+        tiny_models.write_tiny_wan21(path, layers=args.layers, dim=args.dim, ffn_dim=args.ffn,
+                                     seed=0, dtype=getattr(torch, args.dtype))
+    return path
+
+
+def probe_device(link_bytes: int) -> dict[str, Any]:
+    """The link's pinned bandwidth, and the device's name and size (see probe_in_child)."""
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    return {"link": link_peak(device, link_bytes, 5),
+            "name": torch.cuda.get_device_name(device) if cuda else "cpu",
+            "total_bytes": torch.cuda.mem_get_info(device)[1] if cuda else None}
+
+
+def probe_in_child(link_bytes: int) -> dict[str, Any]:
+    """probe_device in a child process, so this one never holds a CUDA context: the servers
+    then see the whole card, less only what --reserve-vram takes."""
+    out = subprocess.run([sys.executable, __file__, "--probe-device", str(link_bytes)],
+                         check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+# ------------------------------------------------------------------ the workflow
+def workflow(args: argparse.Namespace, label: str, seed: int,
+             layerwise: dict[str, Any] | None) -> dict:
+    """UNETLoader → [Apply Layerwise Offload] → clock → KSampler → latent sha + bench report."""
+    wf: dict[str, dict] = {
+        "load": {"class_type": "UNETLoader",
+                 "inputs": {"unet_name": MODEL_FILE, "weight_dtype": "default"}},
+        "pos": {"class_type": "TieredTestConditioning", "inputs": {"model_kind": "wan21", "seed": 1}},
+        "neg": {"class_type": "TieredTestConditioning", "inputs": {"model_kind": "wan21", "seed": 2}},
+        "latent": {"class_type": "EmptyHunyuanLatentVideo",
+                   "inputs": {"width": args.width, "height": args.height, "length": args.frames,
+                              "batch_size": 1}},
+        "stats": {"class_type": "TieredTestLatentStats", "inputs": {"samples": ["sample", 0]}},
+        "report": {"class_type": "TieredBenchReport",
+                   "inputs": {"samples": ["sample", 0], "label": label}},
+    }
+    model = ["load", 0]
+    if layerwise is not None:
+        wf["offload"] = {"class_type": "ApplyLayerwiseOffload",
+                         "inputs": {"model": model, "resident_blocks": -1, "prefetch": args.prefetch,
+                                    "pin": True, **layerwise}}
+        model = ["offload", 0]
+    wf["clock"] = {"class_type": "TieredBenchClock", "inputs": {"model": model}}
+    wf["sample"] = {"class_type": "KSampler",
+                    "inputs": {"model": ["clock", 0], "positive": ["pos", 0],
+                               "negative": ["neg", 0], "latent_image": ["latent", 0],
+                               "seed": seed, "steps": args.steps, "cfg": args.cfg,
+                               "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0}}
+    return wf
+
+
+def prompt_seconds(entry: dict) -> float | None:
+    """Wall time of a prompt from its execution_start and execution_success messages."""
+    stamps = {kind: data.get("timestamp") for kind, data in entry["status"]["messages"]}
+    start, end = stamps.get("execution_start"), stamps.get("execution_success")
+    return (end - start) / 1000 if start is not None and end is not None else None
+
+
+def run_mode(server: ComfyServer, args: argparse.Namespace, mode: str,
+             layerwise: dict[str, Any] | None) -> dict:
+    """Queue the mode's workflow --repeats times from a clean server; report the last run."""
+    server.free()
+    runs = []
+    for i in range(args.repeats):
+        entry = server.wait(server.queue(workflow(args, mode, args.seed, layerwise)),
+                            timeout=args.prompt_timeout)
+        if entry["status"]["status_str"] != "success":
+            raise RuntimeError(f"{mode} run {i} failed: {json.dumps(entry['status'])[:4000]}\n"
+                               f"{server.log_tail(60)}")
+        figures = entry["outputs"]["report"]["bench"][0]
+        figures["latent_sha256"] = entry["outputs"]["stats"]["latent_stats"][0]["sha256"]
+        figures["prompt_s"] = prompt_seconds(entry)
+        runs.append(figures)
+    last = dict(runs[-1])
+    calls = last.pop("call_s")
+    last.update(calls=len(calls), calls_per_step=len(calls) / args.steps,
+                call_s_median=statistics.median(calls),
+                step_s=sum(calls) / args.steps,
+                cold_prompt_s=runs[0]["prompt_s"])
+    if layerwise is not None:
+        reports = server.get("/offload/layerwise")["models"]
+        last["layerwise"] = next(r for r in reports if r["model_class"] == "WanModel")
+    return last
+
+
+# ------------------------------------------------------------------ figures
+def wan_loaded_bytes(mode: dict) -> int:
+    return sum(m["loaded_bytes"] for m in mode["loaded_models"] if m["class"] == "WAN21")
+
+
+def add_bounds(result: dict, link_gbps: float | None) -> None:
+    """Streamed bytes per step, the bound and how close each streamed mode gets to it."""
+    modes = result["modes"]
+    compute = modes["core_full"]["step_s"]
+    total = result["model"]["bytes"]
+    for name, mode in modes.items():
+        if name == "core_full" or "step_s" not in mode:
+            continue
+        if name == "layerwise":
+            telemetry = mode["layerwise"]["telemetry"]
+            streamed = telemetry["bytes_copied"] / result["settings"]["steps"]
+        else:  # core casts every weight it left unloaded, once per model call
+            streamed = (total - wan_loaded_bytes(mode)) * mode["calls_per_step"]
+        mode["streamed_bytes_per_step"] = streamed
+        if link_gbps:
+            bound = max(compute, streamed / (link_gbps * GB))
+            mode.update(bound_s=bound, efficiency=bound / mode["step_s"],
+                        over_compute=mode["step_s"] / compute - 1)
+
+
+def _gib(n: int | float | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f}"
+
+
+def print_table(result: dict) -> None:
+    link = result["link"]
+    print(f"device: {result['device']}  torch {result['torch']}  model: {result['model']['layers']} "
+          f"blocks, {_gib(result['model']['bytes'])} GiB  link: "
+          f"{link['pinned_h2d_GBps']:.1f} GB/s pinned")
+    head = (f"{'mode':<13} {'step s':>8} {'bound s':>8} {'eff':>5} {'peak GiB':>9} "
+            f"{'core-loaded GiB':>16} {'streamed/step GiB':>18} {'cold prompt s':>14} {'sha':>10}")
+    print(head)
+    print("-" * len(head))
+    for name, m in result["modes"].items():
+        if "skipped" in m:
+            print(f"{name:<13} skipped: {m['skipped']}")
+            continue
+        bound = f"{m['bound_s']:.3f}" if "bound_s" in m else "-"
+        eff = f"{m['efficiency']:.2f}" if "efficiency" in m else "-"
+        print(f"{name:<13} {m['step_s']:>8.3f} {bound:>8} {eff:>5} {_gib(m['peak_allocated_bytes']):>9} "
+              f"{_gib(wan_loaded_bytes(m)):>16} {_gib(m.get('streamed_bytes_per_step')):>18} "
+              f"{m['cold_prompt_s'] or 0:>14.2f} {m['latent_sha256'][:10]:>10}")
+    print(f"latents bit-identical across modes: {result['bit_identical']}")
+
+
+# ------------------------------------------------------------------ main
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="a 6-block dim-128 Wan, under a minute")
+    ap.add_argument("--layers", type=int, default=16, help="Wan blocks (Wan 2.1 14B has 40)")
+    ap.add_argument("--dim", type=int, default=5120)
+    ap.add_argument("--ffn", type=int, default=13824)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--width", type=int, default=832)
+    ap.add_argument("--height", type=int, default=480)
+    ap.add_argument("--frames", type=int, default=33)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--cfg", type=float, default=5.0)
+    ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--repeats", type=int, default=2, help="runs per mode; the last is reported")
+    ap.add_argument("--visible-gb", type=float, default=10.0,
+                    help="VRAM (GiB) core may use in core_partial and layerwise")
+    ap.add_argument("--budget-gb", type=float,
+                    help="layerwise block budget (GB); default: the block bytes core kept loaded")
+    ap.add_argument("--prefetch", type=int, default=2)
+    ap.add_argument("--prompt-timeout", type=float, default=1200)
+    ap.add_argument("--base", type=Path, help="ComfyUI base directory (kept; reuses the model)")
+    ap.add_argument("--out", type=Path, help="JSON path (default: bench/results/comfy_wan-<device>-<time>.json)")
+    ap.add_argument("--probe-device", type=int, metavar="LINK_BYTES", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.layers, args.dim, args.ffn, args.dtype, args.prefetch = 6, 128, 256, "float32", 1
+        args.width, args.height, args.frames, args.steps = 64, 64, 5, 3
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse(argv)
+    if args.probe_device:
+        probe = probe_device(args.probe_device)
+        print(json.dumps(probe))
+        return probe
+    cuda = torch.cuda.is_available()
+    base = args.base or Path(tempfile.mkdtemp(prefix="comfy_wan_bench_"))
+    path = write_model(base, args)
+    sizes = tensor_bytes(path)
+    block_bytes = sum(n for k, n in sizes.items() if k.startswith("blocks."))
+    # The engine needs prefetch + 1 block-sized slots before it can keep anything resident.
+    min_budget = (args.prefetch + 1) * block_bytes / args.layers / GB
+    probe = probe_in_child(8 << 20 if args.smoke else 1 << 30)
+    link, total_vram = probe["link"], probe["total_bytes"]
+    result: dict[str, Any] = {
+        "device": probe["name"],
+        "device_total_bytes": total_vram,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "time": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "smoke": args.smoke,
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "model": {"layers": args.layers, "dim": args.dim, "ffn": args.ffn, "dtype": args.dtype,
+                  "bytes": sum(sizes.values()), "block_bytes": block_bytes},
+        "link": link,
+        "modes": {},
+    }
+    modes = result["modes"]
+    threads = torch.get_num_threads()
+    with _server(base, (), threads) as server:
+        modes["core_full"] = run_mode(server, args, "core_full", None)
+        if not cuda:
+            modes["core_partial"] = {"skipped": "with --cpu core keeps the whole model on the CPU; "
+                                                "it has no partial loading to compare"}
+            budget = args.budget_gb or min_budget + block_bytes / args.layers / GB  # 1 resident
+            modes["layerwise"] = run_mode(server, args, "layerwise", {"vram_budget_gb": budget})
+    if cuda:
+        reserve_gib = max(0.0, total_vram / 2**30 - args.visible_gb)
+        result["settings"]["reserve_vram_gib"] = reserve_gib
+        with _server(base, ("--reserve-vram", f"{reserve_gib:.3f}"), threads) as server:
+            modes["core_partial"] = run_mode(server, args, "core_partial", None)
+            nonblock = result["model"]["bytes"] - block_bytes
+            kept = max(0, wan_loaded_bytes(modes["core_partial"]) - nonblock)
+            budget = args.budget_gb or max(kept / GB, min_budget)
+            result["settings"]["core_kept_block_gb"] = kept / GB
+            modes["layerwise"] = run_mode(server, args, "layerwise", {"vram_budget_gb": budget})
+    result["settings"]["layerwise_budget_gb"] = budget
+    result["settings"]["layerwise_min_budget_gb"] = min_budget
+    shas = {m["latent_sha256"] for m in modes.values() if "latent_sha256" in m}
+    result["bit_identical"] = len(shas) == 1
+    add_bounds(result, link["pinned_h2d_GBps"] if cuda else None)
+    print_table(result)
+    out = args.out
+    if out is None:
+        slug = "smoke" if args.smoke else result["device"].lower().replace(" ", "-")
+        out = RESULTS / f"comfy_wan-{slug}-{dt.datetime.now():%Y%m%d-%H%M%S}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+    return result
+
+
+class _server:
+    """A ComfyServer with the bench nodes, stopped on exit; its log is kept beside the base."""
+
+    def __init__(self, base: Path, extra_args: tuple[str, ...], threads: int) -> None:
+        self.server = ComfyServer(base, extra_args=extra_args, threads=threads,
+                                  extra_nodes=BENCH_NODES)
+
+    def __enter__(self) -> ComfyServer:
+        return self.server.start()
+
+    def __exit__(self, *exc) -> None:
+        self.server.stop()
+
+
+if __name__ == "__main__":
+    main()
