@@ -51,7 +51,11 @@ from layerwise import link_peak  # noqa: E402
 RESULTS = BENCH / "results"
 MODEL_FILE = "bench_wan21.safetensors"
 BENCH_NODES = {"tiered_offload_bench_nodes": BENCH / "comfy_nodes"}
-GB = 1e9
+# PyTorch's own caching allocator rather than core's default cudaMallocAsync: its peak counters
+# are complete, and bench/layerwise.py measures under the same allocator.
+SERVER_ARGS = ("--disable-cuda-malloc",)
+GB = 1e9  # link rates
+GIB = 2**30  # the node's vram_budget_gb and --reserve-vram are binary gigabytes
 
 
 # ------------------------------------------------------------------ the model on disk
@@ -224,7 +228,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--visible-gb", type=float, default=10.0,
                     help="VRAM (GiB) core may use in core_partial and layerwise")
     ap.add_argument("--budget-gb", type=float,
-                    help="layerwise block budget (GB); default: the block bytes core kept loaded")
+                    help="layerwise block budget (GiB); default: the block bytes core kept loaded")
     ap.add_argument("--prefetch", type=int, default=2)
     ap.add_argument("--prompt-timeout", type=float, default=1200)
     ap.add_argument("--base", type=Path, help="ComfyUI base directory (kept; reuses the model)")
@@ -249,7 +253,7 @@ def main(argv: list[str] | None = None) -> dict:
     sizes = tensor_bytes(path)
     block_bytes = sum(n for k, n in sizes.items() if k.startswith("blocks."))
     # The engine needs prefetch + 1 block-sized slots before it can keep anything resident.
-    min_budget = (args.prefetch + 1) * block_bytes / args.layers / GB
+    min_budget = (args.prefetch + 1) * block_bytes / args.layers / GIB
     probe = probe_in_child(8 << 20 if args.smoke else 1 << 30)
     link, total_vram = probe["link"], probe["total_bytes"]
     result: dict[str, Any] = {
@@ -267,25 +271,25 @@ def main(argv: list[str] | None = None) -> dict:
     }
     modes = result["modes"]
     threads = torch.get_num_threads()
-    with _server(base, (), threads) as server:
+    with _server(base, SERVER_ARGS, threads) as server:
         modes["core_full"] = run_mode(server, args, "core_full", None)
         if not cuda:
             modes["core_partial"] = {"skipped": "with --cpu core keeps the whole model on the CPU; "
                                                 "it has no partial loading to compare"}
-            budget = args.budget_gb or min_budget + block_bytes / args.layers / GB  # 1 resident
+            budget = args.budget_gb or min_budget + block_bytes / args.layers / GIB  # 1 resident
             modes["layerwise"] = run_mode(server, args, "layerwise", {"vram_budget_gb": budget})
     if cuda:
         reserve_gib = max(0.0, total_vram / 2**30 - args.visible_gb)
         result["settings"]["reserve_vram_gib"] = reserve_gib
-        with _server(base, ("--reserve-vram", f"{reserve_gib:.3f}"), threads) as server:
+        with _server(base, (*SERVER_ARGS, "--reserve-vram", f"{reserve_gib:.3f}"), threads) as server:
             modes["core_partial"] = run_mode(server, args, "core_partial", None)
             nonblock = result["model"]["bytes"] - block_bytes
             kept = max(0, wan_loaded_bytes(modes["core_partial"]) - nonblock)
-            budget = args.budget_gb or max(kept / GB, min_budget)
-            result["settings"]["core_kept_block_gb"] = kept / GB
+            budget = args.budget_gb or max(kept / GIB, min_budget)
+            result["settings"]["core_kept_block_gib"] = kept / GIB
             modes["layerwise"] = run_mode(server, args, "layerwise", {"vram_budget_gb": budget})
-    result["settings"]["layerwise_budget_gb"] = budget
-    result["settings"]["layerwise_min_budget_gb"] = min_budget
+    result["settings"]["layerwise_budget_gib"] = budget
+    result["settings"]["layerwise_min_budget_gib"] = min_budget
     shas = {m["latent_sha256"] for m in modes.values() if "latent_sha256" in m}
     result["bit_identical"] = len(shas) == 1
     add_bounds(result, link["pinned_h2d_GBps"] if cuda else None)

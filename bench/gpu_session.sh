@@ -4,8 +4,9 @@
 # Here, first: `make gpu-kit` (the ComfyUI tree and the wheels the offline GPU image lacks).
 # Then the device tool: carry [".comfyui", ".gpu_kit"], command `bench/gpu_session.sh STAGE`:
 #   tests   tests/unit with its CUDA-only tests, then every server test on CUDA (not the panel)
-#   bench   bench/layerwise.py, then bench/comfy_wan.py (core full / core partial / layerwise);
-#           LAYERWISE_ARGS and COMFY_WAN_ARGS add options to each
+#   bench-engine  bench/layerwise.py (LAYERWISE_ARGS adds options)
+#   bench-comfy   bench/comfy_wan.py: core full / core partial / layerwise (COMFY_WAN_ARGS adds
+#                 options, e.g. "--visible-gb 8"; it writes an ~11 GB model first)
 # Results and logs go to $OUT, which the device tool brings back (bench/results/gpu elsewhere).
 # Commit the JSON under bench/results/; each file names the device it ran on.
 set -uo pipefail
@@ -44,13 +45,16 @@ case ${1:-} in
     run tests-server "$PY" -m pytest tests -q -rs -p no:cacheprovider --ignore=tests/unit \
       --ignore=tests/test_panel.py
     ;;
-  bench)
-    # shellcheck disable=SC2086  # the *_ARGS are word lists, e.g. COMFY_WAN_ARGS="--visible-gb 8"
+  bench-engine)
+    # shellcheck disable=SC2086  # a word list of options
     run layerwise "$PY" bench/layerwise.py ${LAYERWISE_ARGS:-} --out "$OUT/layerwise.json"
+    ;;
+  bench-comfy)
+    # shellcheck disable=SC2086  # a word list of options
     run comfy_wan "$PY" bench/comfy_wan.py ${COMFY_WAN_ARGS:-} --out "$OUT/comfy_wan.json"
     ;;
   *)
-    echo "usage: $0 tests|bench" >&2
+    echo "usage: $0 tests|bench-engine|bench-comfy" >&2
     exit 2
     ;;
 esac

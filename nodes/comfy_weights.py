@@ -101,9 +101,12 @@ def hand_over_from_core(patcher, keys: Sequence[str], blocks: Sequence[torch.nn.
 
 
 def settle_after_core_load(blocks: Sequence[torch.nn.Module]) -> None:
-    """Drop any LowVramPatch core attached to a streamed module during its load.
+    """Undo what core's load() left on the engine's modules: its "patched" mark and any
+    LowVramPatch.
 
-    The engine's weights already carry the LoRA merge; a LowVramPatch would apply it twice.
+    Core loaded the blocks while the engine held their tensors out of sight, so it marked them
+    patched with nothing merged. Without the mark a partial unload never moves them, and core's
+    next load of the model merges its patches into them again. The engine's weights already carry the LoRA merge; a LowVramPatch would apply it twice.
     Weight wrappers from `add_weight_wrapper` are kept: they are meant to run at forward time.
     `comfy_cast_weights` is left alone: the cast path is still right (and needed for fp8 storage)
     when the weight already sits on the compute device.
@@ -111,6 +114,8 @@ def settle_after_core_load(blocks: Sequence[torch.nn.Module]) -> None:
     lowvram_patch = comfy.model_patcher.LowVramPatch
     for block in blocks:
         for module in block.modules():
+            if hasattr(module, "comfy_patched_weights"):
+                del module.comfy_patched_weights
             for attr in ("weight_function", "bias_function"):
                 funcs = getattr(module, attr, None)
                 if funcs:

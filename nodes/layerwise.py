@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import torch
 
+import comfy.model_management
 import comfy.patcher_extension
 import comfy.utils
 
@@ -61,6 +62,8 @@ class LayerwiseSession:
         self.layout = found.layout
         self.prefixes = tuple(f"diffusion_model.{p}" for p in found.paths)
         self.blocks = found.blocks
+        # What the blocks weigh in core's own count of the model (its cached model_size()).
+        self.block_bytes = sum(comfy.model_management.module_size(b) for b in self.blocks)
         self.keys = [k for prefix, block in zip(self.prefixes, self.blocks)
                      for k in comfy_weights.block_keys(prefix, block)]
         self.device = device
@@ -86,14 +89,26 @@ class LayerwiseSession:
         progress = comfy.utils.ProgressBar(len(self.blocks) + 1)
         self.streamer.attach(transform=transform, fingerprints=fingerprints,
                              progress=lambda done, total: progress.update_absolute(done, total))
+        # Until account(), core's load() sees every block as empty: it neither counts nor moves
+        # them, and it merges no LoRA into resident blocks that already carry the engine's merge.
+        self.streamer.conceal_resident()
         self.active = True
 
     def account(self, patcher) -> None:
-        """Tell core what the engine holds on the device, once core has loaded the rest."""
+        """Make core's count of the model's device bytes true, once core has loaded the rest.
+
+        Core counted none of the concealed blocks, except after a full load, where it counts
+        its cached size of the whole model. Its own share is at most the model less the blocks;
+        the engine's device bytes (resident blocks, slots) come on top of that.
+        """
+        self.streamer.reveal_resident()
         comfy_weights.settle_after_core_load(self.blocks)
+        model = patcher.model
+        model.model_loaded_weight_memory = min(model.model_loaded_weight_memory,
+                                               max(0, patcher.model_size() - self.block_bytes))
         if self.device.type != "cpu":
             self.accounted_bytes = self.streamer.bound_bytes()
-            patcher.model.model_loaded_weight_memory += self.accounted_bytes
+            model.model_loaded_weight_memory += self.accounted_bytes
 
     def end(self, patcher) -> None:
         if self.accounted_bytes:
@@ -107,6 +122,10 @@ class LayerwiseSession:
         finally:
             self.active = False
             self.streamer.detach(keep_pack=True)
+            # The blocks are back on the host, untouched by core's patches. Core must not take
+            # the model for fully loaded: "lowvram" makes its next load of it bring the blocks
+            # to the device and merge its patches into them, as for any module it left behind.
+            patcher.model.model_lowvram = True
 
     def close(self) -> None:
         self.streamer.close()

@@ -316,6 +316,15 @@ class PackedBlock:
             b.obj.data = views[b.entry]
             b.table[b.attr] = b.obj
 
+    def conceal(self) -> None:
+        """Unset the block's tensors in their modules, keeping the objects; reveal() sets them back."""
+        for b in self._bindings:
+            b.table[b.attr] = None
+
+    def reveal(self) -> None:
+        for b in self._bindings:
+            b.table[b.attr] = b.obj
+
     def bind_host(self) -> None:
         """Point tensors at the host master (or their kept original), moving no bytes."""
         if self.host is None:

@@ -226,7 +226,8 @@ class HostStorage:
             raw = torch.empty(span + PAGE, dtype=torch.uint8)
         start = (-raw.data_ptr()) % PAGE  # page-aligned base: registrations never share a page
         chunk.data = raw[start : start + n]
-        if self._want_pin(span, headroom - span - PAGE):
+        # An empty chunk (a block with no tensors) has nothing to register; CUDA refuses size 0.
+        if span and self._want_pin(span, headroom - span - PAGE):
             if _cuda_register(chunk.data.data_ptr(), span):
                 chunk.pinned_len = span
                 self._pinned_here += span

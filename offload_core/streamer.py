@@ -207,6 +207,28 @@ class LayerwiseStreamer:
             host["packed"] / _MiB, host["pinned"] / _MiB, repacked,
         )  # fmt: skip
 
+    def conceal_resident(self) -> None:
+        """Unset the resident blocks' tensors (and shared ones) in their modules until
+        reveal_resident() or detach.
+
+        Streamed blocks hold no tensors between uses, so a framework that sizes, moves or
+        patches module tensors in between (ComfyUI's model load) sees every block as empty and
+        leaves it alone. Its own count of device memory then excludes the engine's, which the
+        caller adds from bound_bytes(). Nothing may run the blocks until reveal_resident().
+        """
+        if not self._attached:
+            raise RuntimeError("conceal_resident() needs an attached streamer")
+        for i in self.resident_indices:
+            self._packs[i].conceal()
+        self._shared.conceal()
+
+    def reveal_resident(self) -> None:
+        if not self._attached:
+            raise RuntimeError("reveal_resident() needs an attached streamer")
+        for i in self.resident_indices:
+            self._packs[i].reveal()
+        self._shared.reveal()
+
     def detach(self, keep_pack: bool = False) -> None:
         """Remove hooks, free device memory, give every tensor back bit-for-bit.
 

@@ -63,6 +63,24 @@ def test_lora_is_honoured_and_strength_change_repacks_only_touched_blocks(comfy)
     assert latent_sha(comfy.run(sample_workflow("wan21"))) == plain
 
 
+@pytest.mark.parametrize("settings", [{"resident_blocks": 2, "prefetch": 1},
+                                      {"resident_blocks": 1, "prefetch": 1}])
+def test_lora_on_resident_blocks_is_merged_once_on_a_fresh_load(comfy, settings):
+    """Core's load() merges LoRA into every module it loads in full. Resident blocks already
+    carry the engine's merge, so core must leave them alone, also on the prompt that loads the
+    model from disk."""
+    wf = sample_workflow("wan21", lora_strength=1.0)
+    wf["lora"]["inputs"]["lora_name"] = BLOCK0_LORA
+    base = latent_sha(comfy.run(wf))
+    offloaded = sample_workflow("wan21", lora_strength=1.0, layerwise=settings)
+    offloaded["lora"]["inputs"]["lora_name"] = BLOCK0_LORA
+    comfy.free()  # the next prompt loads the model again, so core's load() runs in full
+    assert latent_sha(comfy.run(offloaded)) == base
+    assert layerwise_state(comfy, "WanModel")["resident_indices"], "no block stayed resident"
+    assert latent_sha(comfy.run(offloaded)) == base
+    assert latent_sha(comfy.run(wf)) == base
+
+
 def test_other_dit_block_replace_patches_are_chained(comfy):
     def patched(layerwise=None):
         wf = sample_workflow("wan21", layerwise=layerwise)

@@ -109,6 +109,24 @@ def test_gpu_peak_memory_within_bound():
         st.close()
 
 
+def _profiled_event_names(fn) -> list[str]:
+    """Names of every event the profiler saw while fn ran (copies are named by direction)."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events()]
+
+
+def _device_to_host(names: list[str]) -> list[str]:
+    return [n for n in names if "DtoH" in n or "Device -> Pageable" in n or "Device -> Pinned" in n]
+
+
+def test_gpu_profiler_sees_device_to_host_copies():
+    """The control for the no-DtoH checks below: a real device-to-host copy is seen."""
+    assert _device_to_host(_profiled_event_names(lambda: torch.ones(1 << 20, device=DEV).cpu()))
+
+
 def test_gpu_no_device_to_host_copies_while_streaming():
     model, ref_model = _models(depth=6, dim=128)
     x, t = _inputs()
@@ -119,13 +137,10 @@ def test_gpu_no_device_to_host_copies_while_streaming():
     with torch.no_grad():
         model(x, t)  # warm-up outside the profile
         torch.cuda.synchronize()
-        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        with torch.profiler.profile(activities=activities) as prof:
-            out1 = model(x, t)
-            out2 = model(x, t)
-            torch.cuda.synchronize()
-    names = [e.name for e in prof.events()]
-    assert not [n for n in names if "DtoH" in n or "Device -> Pageable" in n or "Device -> Pinned" in n]
+        outs = []
+        names = _profiled_event_names(lambda: outs.extend([model(x, t), model(x, t)]))
+    out1, out2 = outs
+    assert not _device_to_host(names)
     assert [n for n in names if "HtoD" in n], "expected the streamed blocks' host-to-device copies"
     assert torch.equal(out1, ref) and torch.equal(out2, ref)
     st.close()
@@ -217,11 +232,7 @@ def test_gpu_module_swap_round_trip_without_device_to_host():
     assert swap.bytes_by_tier()["vram"] == tiers["pinned"]
     with torch.no_grad():
         assert torch.equal(model(x, t), ref)
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
-        swap.park()
-        torch.cuda.synchronize()
-    assert not [e.name for e in prof.events() if "DtoH" in e.name]
+    assert not _device_to_host(_profiled_event_names(swap.park))
     assert swap.bytes_by_tier()["vram"] == 0
     assert model.blocks[0].qkv.weight.device.type == "cpu"
     swap.load(DEV)

@@ -148,6 +148,31 @@ def test_detach_restores_and_keep_pack_reattach():
         st.attach()
 
 
+def test_conceal_resident_hides_every_block_tensor_until_reveal():
+    """While concealed, no block holds a tensor (a framework sizing or patching the model sees
+    empty blocks); reveal, or a detach while concealed, gives everything back bit for bit."""
+    model = ToyDiT(depth=5)
+    x, t = inputs()
+    with torch.no_grad():
+        ref = model(x, t)
+    before, keys = snapshot(model), list(model.state_dict())
+    st = LayerwiseStreamer(model.blocks, "cpu", resident=2, prefetch=1)
+    st.attach()
+    assert len(st.resident_indices) == 2
+    st.conceal_resident()
+    assert not list(model.blocks.parameters()) and not model.blocks.state_dict()
+    assert list(model.embed.parameters()), "only the blocks are concealed"
+    st.reveal_resident()
+    with torch.no_grad():
+        assert torch.equal(model(x, t), ref)
+    st.conceal_resident()
+    st.detach(keep_pack=True)
+    assert_restored(model, before, keys)
+    st.close()
+    with pytest.raises(RuntimeError, match="attached"):
+        st.conceal_resident()
+
+
 def test_reassigned_tensor_forces_fresh_pack():
     model = ToyDiT(depth=3, shared=False)
     x, t = inputs()
