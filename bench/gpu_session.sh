@@ -22,6 +22,7 @@ SITE=${TMPDIR:-/tmp}/tiered_offload_gpu_kit
 rm -rf "$SITE"
 for wheel in .gpu_kit/wheels/*.whl; do "$PY" -m zipfile -e "$wheel" "$SITE" || exit 1; done
 export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+"$PY" -c "import comfyui_frontend_package, torchsde, av" || { echo "!! the GPU kit does not import"; exit 1; }
 
 {
   "$PY" -c 'import platform, torch; print("python", platform.python_version(), "torch", torch.__version__,
