@@ -94,10 +94,28 @@ def hand_over_from_core(patcher, keys: Sequence[str], blocks: Sequence[torch.nn.
             else:
                 comfy.utils.set_attr_param(model, key, backup.weight)
     for block in blocks:
+        # A run without the node (or a model built on the GPU) may have left blocks on the
+        # device. The engine's master lives on the host, and detach hands tensors back where it
+        # found them, so they go to core's offload device first.
+        block.to(patcher.offload_device)
         for module in block.modules():
             comfy.model_patcher.wipe_lowvram_weight(module)
             if hasattr(module, "comfy_patched_weights"):
                 del module.comfy_patched_weights
+
+
+def return_to_core(patcher, blocks: Sequence[torch.nn.Module]) -> None:
+    """After a run: the blocks are back on the host with their pristine weights. Tell core so.
+
+    Core's partial load may have marked the empty block modules cast-at-forward; left in place,
+    that mark makes its next load skip them ("already lowvramed") and run them without its
+    patches. And core must not take the model for fully loaded: "lowvram" makes its next load
+    of it bring the blocks to the device and merge its patches into them.
+    """
+    for block in blocks:
+        for module in block.modules():
+            comfy.model_patcher.wipe_lowvram_weight(module)
+    patcher.model.model_lowvram = True
 
 
 def settle_after_core_load(blocks: Sequence[torch.nn.Module]) -> None:

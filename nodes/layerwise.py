@@ -86,6 +86,10 @@ class LayerwiseSession:
             transform = comfy_weights.lora_transform(patcher, self.prefixes)
         self.streamer.telemetry.reset()
         self.started = time.perf_counter()
+        if self.device.type != "cpu":
+            # The engine allocates before core's load makes room: ask core to make room first,
+            # so cached text encoders or VAEs are evicted rather than the attach running out.
+            comfy.model_management.free_memory(self.streamer.bound_bytes(), self.device)
         progress = comfy.utils.ProgressBar(len(self.blocks) + 1)
         self.streamer.attach(transform=transform, fingerprints=fingerprints,
                              progress=lambda done, total: progress.update_absolute(done, total))
@@ -122,10 +126,7 @@ class LayerwiseSession:
         finally:
             self.active = False
             self.streamer.detach(keep_pack=True)
-            # The blocks are back on the host, untouched by core's patches. Core must not take
-            # the model for fully loaded: "lowvram" makes its next load of it bring the blocks
-            # to the device and merge its patches into them, as for any module it left behind.
-            patcher.model.model_lowvram = True
+            comfy_weights.return_to_core(patcher, self.blocks)
 
     def close(self) -> None:
         self.streamer.close()

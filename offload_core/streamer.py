@@ -323,17 +323,21 @@ class LayerwiseStreamer:
         elif self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         keep = keep_pack and self._host is not None
-        for i, p in enumerate(self._packs + [self._shared]):
-            p.restore(keep_host=keep and p.host is not None)
-            if not keep and self._host is not None:
-                self._host.release_item(i)
-        self._slot_of = {}
-        self._running = None
-        self._view_cache = {}
-        self.telemetry.add_device_alloc(-sum(b.numel() for b in self._resident_bufs))
-        self.telemetry.add_materialized(-self.telemetry.materialized_bytes)
-        self._resident_bufs = []
-        self._attached = False
+        try:
+            for i, p in enumerate(self._packs + [self._shared]):
+                p.restore(keep_host=keep and p.host is not None)
+                if not keep and self._host is not None:
+                    self._host.release_item(i)
+        finally:
+            # Even if a restore failed (out of memory copying back to a device), the engine is
+            # no longer attached: a later attach re-checks every tensor and packs what changed.
+            self._slot_of = {}
+            self._running = None
+            self._view_cache = {}
+            self.telemetry.add_device_alloc(-sum(b.numel() for b in self._resident_bufs))
+            self.telemetry.add_materialized(-self.telemetry.materialized_bytes)
+            self._resident_bufs = []
+            self._attached = False
         if not keep and self._host is not None:
             self._host.release()
             self._host = None

@@ -60,8 +60,10 @@ class PromptFailed(AssertionError):
 
 class ComfyServer:
     def __init__(self, base: Path, *, extra_args: tuple[str, ...] = (), threads: int = 2,
-                 port: int | None = None, extra_nodes: dict[str, Path] | None = None) -> None:
+                 port: int | None = None, extra_nodes: dict[str, Path] | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.base = prepare_base(base, extra_nodes)
+        self.env = env or {}
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.extra_args = extra_args
@@ -71,7 +73,7 @@ class ComfyServer:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self, timeout: float = 180.0) -> "ComfyServer":
-        env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), PYTHONUNBUFFERED="1")
+        env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), PYTHONUNBUFFERED="1", **self.env)
         cmd = [COMFY_PYTHON, "main.py", "--listen", "127.0.0.1", "--port", str(self.port),
                "--disable-auto-launch", "--disable-api-nodes",
                "--base-directory", str(self.base),

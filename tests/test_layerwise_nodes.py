@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from comfy_server import ComfyServer
 from conftest import BLOCK0_LORA, SECOND_WAN
 from workflows import latent_sha, sample_workflow, with_inputs
 
@@ -79,6 +80,31 @@ def test_lora_on_resident_blocks_is_merged_once_on_a_fresh_load(comfy, settings)
     assert layerwise_state(comfy, "WanModel")["resident_indices"], "no block stayed resident"
     assert latent_sha(comfy.run(offloaded)) == base
     assert latent_sha(comfy.run(wf)) == base
+
+
+def test_lora_survives_core_partial_loading_around_offloaded_runs(tmp_path, comfy_base):
+    """Core's partial load marks the (empty) streamed modules as cast-at-forward. Those marks must
+    not outlive the offloaded run, or core's next load of the same model skips merging its LoRA
+    into the blocks."""
+    server = ComfyServer(tmp_path / "base", env={"TIERED_TEST_CORE_WEIGHT_BUDGET": "0.1"})
+    (server.base / "models").symlink_to(comfy_base / "models", target_is_directory=True)
+    server.start()
+    try:
+        wf = sample_workflow("wan21", lora_strength=1.0)
+        wf["lora"]["inputs"]["lora_name"] = BLOCK0_LORA
+        offloaded = sample_workflow("wan21", lora_strength=1.0,
+                                    layerwise={"resident_blocks": 1, "prefetch": 1})
+        offloaded["lora"]["inputs"]["lora_name"] = BLOCK0_LORA
+        base = latent_sha(server.run(wf))
+        assert "loaded partially" in server.log_text(), "core did not take its partial-load path"
+        server.free()
+        assert latent_sha(server.run(offloaded)) == base
+        assert latent_sha(server.run(wf)) == base
+        assert latent_sha(server.run(offloaded)) == base
+        assert latent_sha(server.run(with_inputs(wf, "lora", strength_model=0.5))) != base
+        assert latent_sha(server.run(wf)) == base
+    finally:
+        server.stop()
 
 
 def test_other_dit_block_replace_patches_are_chained(comfy):

@@ -9,8 +9,13 @@
   install; it scales each block's output slightly so its effect shows in the result.
 - TieredTestUnsupportedModel: swaps the diffusion model (through an object patch on a clone)
   for a module with no block list, to exercise the "unsupported model" error.
+
+With TIERED_TEST_CORE_WEIGHT_BUDGET=<bytes> in the server's environment, core loads every
+diffusion model with that weight budget: its real partial-loading ("lowvram") path, which
+--cpu otherwise never takes.
 """
 import hashlib
+import os
 import sys
 from pathlib import Path
 
@@ -118,6 +123,24 @@ class TieredTestUnsupportedModel:
         m = model.clone()
         m.add_object_patch("diffusion_model", OddDiffusionModel())
         return (m,)
+
+
+def _force_core_weight_budget(budget: float) -> None:
+    import comfy.model_base
+    import comfy.model_management
+
+    load = comfy.model_management.LoadedModel.model_load
+
+    def model_load(self, lowvram_model_memory=0, force_patch_weights=False):
+        if isinstance(self.model.model, comfy.model_base.BaseModel):
+            lowvram_model_memory = budget
+        return load(self, lowvram_model_memory, force_patch_weights)
+
+    comfy.model_management.LoadedModel.model_load = model_load
+
+
+if os.environ.get("TIERED_TEST_CORE_WEIGHT_BUDGET"):
+    _force_core_weight_budget(float(os.environ["TIERED_TEST_CORE_WEIGHT_BUDGET"]))
 
 
 NODE_CLASS_MAPPINGS = {
