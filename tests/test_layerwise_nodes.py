@@ -103,6 +103,12 @@ def test_lora_survives_core_partial_loading_around_offloaded_runs(tmp_path, comf
         assert latent_sha(server.run(offloaded)) == base
         assert latent_sha(server.run(with_inputs(wf, "lora", strength_model=0.5))) != base
         assert latent_sha(server.run(wf)) == base
+        # Every layout, streamed and resident blocks, beside core's partial load.
+        for kind in ("wan21", "sd3", "hunyuan_video"):
+            plain = latent_sha(server.run(sample_workflow(kind)))
+            for settings in SETTINGS[:2]:
+                assert latent_sha(server.run(sample_workflow(kind, layerwise=settings))) == plain
+            assert latent_sha(server.run(sample_workflow(kind))) == plain
     finally:
         server.stop()
 
