@@ -16,9 +16,10 @@ Per mode: step time from CUDA events around apply_model, peak allocated and rese
 what core believes is loaded, the engine's telemetry, the latent's sha256 (offloading must not
 change it) and the prompt's wall time. A streamed mode's bound is
 max(compute, streamed bytes per step / pinned link bandwidth), where compute is core_full's step
-time and the link is measured in this process before any server starts. Streamed bytes are the
-engine's own counter for layerwise. For core_partial they are estimated as the bytes core left
-unloaded, once per model call.
+time and the link is measured before any server starts. Streamed bytes per step are the
+streamed blocks' bytes once per model call for layerwise (the engine's own counter, which also
+holds the upload at attach and the prefetch past the last step, is in the JSON beside it), and
+for core_partial the bytes core left unloaded, once per model call.
 
 The model is Wan 2.1 with 14B dimensions (dim 5120, ffn 13824, 40 heads) and --layers blocks,
 in random bf16 weights written here. The text context is 16 random tokens rather than T5's 512.
@@ -172,9 +173,10 @@ def add_bounds(result: dict, link_gbps: float | None) -> None:
     for name, mode in modes.items():
         if name == "core_full" or "step_s" not in mode:
             continue
-        if name == "layerwise":
-            telemetry = mode["layerwise"]["telemetry"]
-            streamed = telemetry["bytes_copied"] / result["settings"]["steps"]
+        if name == "layerwise":  # every streamed block crosses the link once per model call
+            per_block = result["model"]["bytes_per_block"]
+            streamed = (sum(per_block[i] for i in mode["layerwise"]["streamed_indices"])
+                        * mode["calls_per_step"])
         else:  # core casts every weight it left unloaded, once per model call
             streamed = (total - wan_loaded_bytes(mode)) * mode["calls_per_step"]
         mode["streamed_bytes_per_step"] = streamed
@@ -251,7 +253,9 @@ def main(argv: list[str] | None = None) -> dict:
     base = args.base or Path(tempfile.mkdtemp(prefix="comfy_wan_bench_"))
     path = write_model(base, args)
     sizes = tensor_bytes(path)
-    block_bytes = sum(n for k, n in sizes.items() if k.startswith("blocks."))
+    bytes_per_block = [sum(n for k, n in sizes.items() if k.startswith(f"blocks.{i}."))
+                       for i in range(args.layers)]
+    block_bytes = sum(bytes_per_block)
     # The engine needs prefetch + 1 block-sized slots before it can keep anything resident.
     min_budget = (args.prefetch + 1) * block_bytes / args.layers / GIB
     probe = probe_in_child(8 << 20 if args.smoke else 1 << 30)
@@ -265,7 +269,8 @@ def main(argv: list[str] | None = None) -> dict:
         "smoke": args.smoke,
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "model": {"layers": args.layers, "dim": args.dim, "ffn": args.ffn, "dtype": args.dtype,
-                  "bytes": sum(sizes.values()), "block_bytes": block_bytes},
+                  "bytes": sum(sizes.values()), "block_bytes": block_bytes,
+                  "bytes_per_block": bytes_per_block},
         "link": link,
         "modes": {},
     }

@@ -42,7 +42,10 @@ def test_comfy_wan_smoke(tmp_path):
     telemetry = engine["telemetry"]
     assert telemetry["bytes_copied"] > 0 and telemetry["sync_fallbacks"] == 0
     assert telemetry["peak_materialized_bytes"] <= telemetry["bound_bytes"]
-    assert modes["layerwise"]["streamed_bytes_per_step"] == telemetry["bytes_copied"] / steps
+    # The engine copied every streamed block once per model call, and some more (the upload at
+    # attach, the prefetch past the last step).
+    streamed = modes["layerwise"]["streamed_bytes_per_step"]
+    assert 0 < streamed * steps <= telemetry["bytes_copied"]
     if torch.cuda.is_available():
         assert modes["core_partial"]["step_s"] > 0
         assert modes["core_full"]["peak_allocated_bytes"] > 0
