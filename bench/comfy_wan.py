@@ -30,13 +30,15 @@ to compare.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
-import subprocess
 import statistics
 import struct
+import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -309,18 +311,15 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
-class _server:
+@contextlib.contextmanager
+def _server(base: Path, extra_args: tuple[str, ...], threads: int) -> Iterator[ComfyServer]:
     """A ComfyServer with the bench nodes, stopped on exit; its log is kept beside the base."""
-
-    def __init__(self, base: Path, extra_args: tuple[str, ...], threads: int) -> None:
-        self.server = ComfyServer(base, extra_args=extra_args, threads=threads,
-                                  extra_nodes=BENCH_NODES)
-
-    def __enter__(self) -> ComfyServer:
-        return self.server.start()
-
-    def __exit__(self, *exc) -> None:
-        self.server.stop()
+    server = ComfyServer(base, extra_args=extra_args, threads=threads, extra_nodes=BENCH_NODES)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 if __name__ == "__main__":

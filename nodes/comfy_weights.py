@@ -98,8 +98,16 @@ def hand_over_from_core(patcher, keys: Sequence[str], blocks: Sequence[torch.nn.
         # device. The engine's master lives on the host, and detach hands tensors back where it
         # found them, so they go to core's offload device first.
         block.to(patcher.offload_device)
+    _forget_core_marks(blocks, lowvram=True)
+
+
+def _forget_core_marks(blocks: Sequence[torch.nn.Module], *, lowvram: bool) -> None:
+    """Drop core's "patched" mark from every block module, and with ``lowvram`` all its
+    partial-load state too (cast-at-forward marks and weight functions)."""
+    for block in blocks:
         for module in block.modules():
-            comfy.model_patcher.wipe_lowvram_weight(module)
+            if lowvram:
+                comfy.model_patcher.wipe_lowvram_weight(module)
             if hasattr(module, "comfy_patched_weights"):
                 del module.comfy_patched_weights
 
@@ -112,9 +120,7 @@ def return_to_core(patcher, blocks: Sequence[torch.nn.Module]) -> None:
     patches. And core must not take the model for fully loaded: "lowvram" makes its next load
     of it bring the blocks to the device and merge its patches into them.
     """
-    for block in blocks:
-        for module in block.modules():
-            comfy.model_patcher.wipe_lowvram_weight(module)
+    _forget_core_marks(blocks, lowvram=True)
     patcher.model.model_lowvram = True
 
 
@@ -124,16 +130,16 @@ def settle_after_core_load(blocks: Sequence[torch.nn.Module]) -> None:
 
     Core loaded the blocks while the engine held their tensors out of sight, so it marked them
     patched with nothing merged. Without the mark a partial unload never moves them, and core's
-    next load of the model merges its patches into them again. The engine's weights already carry the LoRA merge; a LowVramPatch would apply it twice.
-    Weight wrappers from `add_weight_wrapper` are kept: they are meant to run at forward time.
-    `comfy_cast_weights` is left alone: the cast path is still right (and needed for fp8 storage)
-    when the weight already sits on the compute device.
+    next load of the model merges its patches into them again. The engine's weights already
+    carry the LoRA merge; a LowVramPatch would apply it twice. Weight wrappers from
+    `add_weight_wrapper` are kept: they are meant to run at forward time. `comfy_cast_weights`
+    is left alone: the cast path is still right (and needed for fp8 storage) when the weight
+    already sits on the compute device.
     """
+    _forget_core_marks(blocks, lowvram=False)
     lowvram_patch = comfy.model_patcher.LowVramPatch
     for block in blocks:
         for module in block.modules():
-            if hasattr(module, "comfy_patched_weights"):
-                del module.comfy_patched_weights
             for attr in ("weight_function", "bias_function"):
                 funcs = getattr(module, attr, None)
                 if funcs:

@@ -216,18 +216,17 @@ class LayerwiseStreamer:
         leaves it alone. Its own count of device memory then excludes the engine's, which the
         caller adds from bound_bytes(). Nothing may run the blocks until reveal_resident().
         """
-        if not self._attached:
-            raise RuntimeError("conceal_resident() needs an attached streamer")
-        for i in self.resident_indices:
-            self._packs[i].conceal()
-        self._shared.conceal()
+        for pack in self._resident_packs("conceal_resident"):
+            pack.conceal()
 
     def reveal_resident(self) -> None:
+        for pack in self._resident_packs("reveal_resident"):
+            pack.reveal()
+
+    def _resident_packs(self, caller: str) -> list[PackedBlock]:
         if not self._attached:
-            raise RuntimeError("reveal_resident() needs an attached streamer")
-        for i in self.resident_indices:
-            self._packs[i].reveal()
-        self._shared.reveal()
+            raise RuntimeError(f"{caller}() needs an attached streamer")
+        return [self._packs[i] for i in self.resident_indices] + [self._shared]
 
     def detach(self, keep_pack: bool = False) -> None:
         """Remove hooks, free device memory, give every tensor back bit-for-bit.
