@@ -193,6 +193,10 @@ class _Registry:
         return self._sessions.get_or_create(
             diffusion_model, lambda: LayerwiseSession(diffusion_model, device, settings), same)
 
+    def discard(self, diffusion_model: torch.nn.Module) -> LayerwiseSession | None:
+        """Close this model's engine (its pinned pack is freed, its tensors handed back)."""
+        return self._sessions.discard(diffusion_model)
+
     def is_active(self, diffusion_model: torch.nn.Module) -> bool:
         """Whether the engine holds this model's blocks right now (a sampling run is on)."""
         session = self._sessions.get(diffusion_model)
