@@ -325,19 +325,37 @@ class PackedBlock:
         for b in self._bindings:
             b.table[b.attr] = b.obj
 
-    def bind_host(self) -> None:
-        """Point tensors at the host master (or their kept original), moving no bytes."""
+    def reclaim(self) -> int:
+        """Point every slot that still shows the master's values back at the master, moving no bytes.
+
+        The owner of the module may have moved our tensor objects elsewhere (to a device, or back
+        to fresh host memory by a copy): an object of ours still holds the master's values, because
+        owners move objects and put computed weights into new objects, so re-pointing is enough. An
+        owner may also have put a new object over the master's own host memory: it gets our object
+        back. A slot holding anything else (a weight the owner computed, such as a merged LoRA) is
+        left alone. Returns how many tensors were not in the master.
+        """
         if self.host is None:
             raise RuntimeError(f"block {self.index} is not packed")
         regions = self.views(self.host)
+        moved = 0
         for b in self._bindings:
-            e = self.entries[b.entry]
-            b.obj.data = e.original if e.original is not None else regions[b.entry]
-            b.table[b.attr] = b.obj
-
-    def off_host(self) -> bool:
-        """Whether any of the block's tensors currently lives off the host (e.g. moved by its owner)."""
-        return any(b.obj.device.type != "cpu" for b in self._bindings)
+            if self.entries[b.entry].original is not None:  # not held by the pack
+                continue
+            region = regions[b.entry]
+            current = b.table.get(b.attr)
+            if current is b.obj:
+                if _same_view(b.obj, region):
+                    continue
+                b.obj.data = region
+                moved += 1
+            elif current is not None and _same_view(current, region):
+                b.obj.data = region
+                b.table[b.attr] = b.obj
+            else:
+                continue
+            b.ptr = b.obj.data_ptr()
+        return moved
 
     def release(self) -> None:
         """Drop the block's tensors from its modules; the pack keeps the values."""

@@ -16,6 +16,7 @@ from comfy_server import ComfyServer  # noqa: E402
 ARTIFACTS = TESTS / "artifacts"
 SECOND_WAN = "tiny_wan21_low.safetensors"
 BLOCK0_LORA = "tiny_wan21_lora_block0.safetensors"
+WAN_CLIP_LORA = "tiny_wan21_and_clip_l_lora.safetensors"
 
 
 def write_fixture_models(base: Path) -> None:
@@ -36,6 +37,9 @@ def write_fixture_models(base: Path) -> None:
     lora = base / "models" / "loras" / BLOCK0_LORA
     if not lora.exists():
         tiny_models.write_tiny_wan_lora(lora, model_layers=1, seed=3)
+    both = base / "models" / "loras" / WAN_CLIP_LORA
+    if not both.exists():
+        tiny_models.write_wan_and_clip_lora(both)
     clip = base / "models" / "text_encoders" / tiny_models.CLIP_L_FILENAME
     if not clip.exists():
         tiny_models.write_random_clip_l(clip)
