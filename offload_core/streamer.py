@@ -120,6 +120,12 @@ class LayerwiseStreamer:
             for i, items in enumerate(refs)
         ]
         self._shared = PackedBlock([(r, t) for items in refs for r, t in items if alias_key(t) in shared], index=-1)
+        self._plan_residency()
+        self._signature = self._current_signature()
+        if shared:
+            log.info("%d tensors are shared between blocks; they stay resident", len(self._shared.entries))
+
+    def _plan_residency(self) -> None:
         sizes = [p.nbytes for p in self._packs]
         self.resident_indices: list[int] = plan_residency(sizes, self._shared.nbytes, **self._settings)
         res = set(self.resident_indices)
@@ -127,9 +133,26 @@ class LayerwiseStreamer:
         self._pos = {b: j for j, b in enumerate(self.streamed_indices)}
         self._slot_bytes = max((sizes[i] for i in self.streamed_indices), default=0)
         self._nslots = slot_count(self._settings["prefetch"], len(self.streamed_indices))
-        self._signature = self._current_signature()
-        if shared:
-            log.info("%d tensors are shared between blocks; they stay resident", len(self._shared.entries))
+
+    def replan(self, *, resident: int | None = None, vram_budget_bytes: int | None = None) -> None:
+        """Choose the resident blocks again, e.g. from the device memory free when a run starts.
+
+        Only while detached. The packs do not depend on residency, so a kept pack stays valid.
+        """
+        if self._attached:
+            raise RuntimeError("replan() needs a detached streamer")
+        settings = dict(self._settings, resident=resident, vram_budget_bytes=vram_budget_bytes)
+        plan_residency([p.nbytes for p in self._packs], self._shared.nbytes, **settings)  # validate first
+        self._settings = settings
+        self._plan_residency()
+
+    def bound_range(self) -> tuple[int, int]:
+        """The bound with every block streamed (the least device memory streaming can work in)
+        and with every block resident (the most the engine can use)."""
+        sizes = [p.nbytes for p in self._packs]
+        prefetch = self._settings["prefetch"]
+        return (bound_bytes(sizes, [], self._shared.nbytes, prefetch),
+                bound_bytes(sizes, range(len(sizes)), self._shared.nbytes, prefetch))
 
     def _current_signature(self) -> list[list[tuple[int, str, str, int]]]:
         """Which tensor objects sit in which slots of each block: detects added or replaced tensors."""

@@ -17,6 +17,8 @@ ARTIFACTS = TESTS / "artifacts"
 SECOND_WAN = "tiny_wan21_low.safetensors"
 BLOCK0_LORA = "tiny_wan21_lora_block0.safetensors"
 WAN_CLIP_LORA = "tiny_wan21_and_clip_l_lora.safetensors"
+SCALED_FP8_WAN = "tiny_wan21_scaled_fp8.safetensors"
+MIXED_PRECISION_WAN = "tiny_wan21_mixed_precision.safetensors"
 
 
 def write_fixture_models(base: Path) -> None:
@@ -37,6 +39,11 @@ def write_fixture_models(base: Path) -> None:
     lora = base / "models" / "loras" / BLOCK0_LORA
     if not lora.exists():
         tiny_models.write_tiny_wan_lora(lora, model_layers=1, seed=3)
+    for name, writer in ((SCALED_FP8_WAN, tiny_models.write_tiny_wan21_scaled_fp8),
+                         (MIXED_PRECISION_WAN, tiny_models.write_tiny_wan21_mixed_precision)):
+        path = base / "models" / "diffusion_models" / name
+        if not path.exists():
+            writer(path)
     both = base / "models" / "loras" / WAN_CLIP_LORA
     if not both.exists():
         tiny_models.write_wan_and_clip_lora(both)
