@@ -313,3 +313,21 @@ def test_reference_is_cores_full_load_also_beside_its_partial_load(tmp_path, com
         assert latent_sha(partial_server.run(offloaded)) == full
     finally:
         partial_server.stop()
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_highvram_keeps_the_master_on_the_host(tmp_path, comfy_base):
+    """With --highvram core's offload device is the GPU; the engine's master stays in host RAM,
+    so the second run finds its pack intact and packs nothing (issue 12.8)."""
+    server = ComfyServer(tmp_path / "base", extra_args=("--highvram",))
+    (server.base / "models").symlink_to(comfy_base / "models", target_is_directory=True)
+    server.start()
+    try:
+        plain = latent_sha(server.run(sample_workflow("wan21")))
+        offloaded = sample_workflow("wan21", layerwise={"resident_blocks": 1, "prefetch": 1})
+        for _ in range(2):
+            assert latent_sha(server.run(offloaded)) == plain
+        assert layerwise_state(server, "WanModel")["telemetry"]["blocks_packed"] == 0
+        assert latent_sha(server.run(sample_workflow("wan21"))) == plain
+    finally:
+        server.stop()
