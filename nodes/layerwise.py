@@ -91,7 +91,7 @@ class LayerwiseSession:
             # so cached text encoders or VAEs are evicted rather than the attach running out.
             comfy.model_management.free_memory(self.streamer.bound_bytes(), self.device)
         progress = comfy.utils.ProgressBar(len(self.blocks) + 1)
-        self.streamer.attach(transform=transform, fingerprints=fingerprints,
+        self.streamer.attach(transform=transform,
                              progress=lambda done, total: progress.update_absolute(done, total))
         # Until account(), core's load() sees every block as empty: it neither counts nor moves
         # them, and it merges no LoRA into resident blocks that already carry the engine's merge.

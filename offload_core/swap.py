@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .packing import PackedBlock, alias_key, check_packable, tensor_refs
-from .pinned import DEFAULT_CHUNK_BYTES, HostStorage
+from .pinned import DEFAULT_CHUNK_BYTES, HostStorage, return_freed_ram
 from .slots import resolve_device
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,7 @@ class ModuleSwap:
         )
         for i, p in enumerate(self._packs):
             p.pack(self._host.buffer(i))
+        return_freed_ram()  # the originals just given up may sit in the C heap: hand them to the OS
         self._device_buf: torch.Tensor | None = None
         self.device: torch.device | None = None
         log.info(
@@ -66,6 +67,7 @@ class ModuleSwap:
             self.park()
         with torch.inference_mode(False):
             buf = torch.empty(sum(p.nbytes for p in self._packs), dtype=torch.uint8, device=dev)
+        self._host.note_reader(dev)
         offset = 0
         for p in self._packs:
             part = buf[offset : offset + p.nbytes]
