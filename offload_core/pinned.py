@@ -81,7 +81,12 @@ def set_pin_accounting(cap: Callable[[], int | None] | None, report: Callable[[i
 def pin_cap(ram_budget_bytes: int | None = None) -> int:
     """Most bytes this package may hold page-locked now: the engine's own cap, lowered by the application's."""
     cap = int(PIN_FRACTION * psutil.virtual_memory().total) if ram_budget_bytes is None else ram_budget_bytes
-    external = _external_cap() if _external_cap is not None else None
+    external = None
+    if _external_cap is not None:
+        try:
+            external = _external_cap()
+        except Exception:
+            log.exception("the pinned-memory cap hook failed; using the engine's own cap")
     return cap if external is None else max(0, min(cap, int(external)))
 
 
@@ -234,7 +239,8 @@ class HostStorage:
     Chunks are allocated lazily, on the first ``buffer(i)`` of one of their items,
     so a caller that frees its original tensors as it packs never holds two full
     copies of a model at once.  ``ram_budget_bytes`` caps page-locked bytes
-    process-wide (default: a share of physical RAM); beyond it chunks stay pageable.
+    process-wide (default: a share of physical RAM), lowered by the application's
+    cap when one is shared (``set_pin_accounting``); beyond it chunks stay pageable.
     ``reserve_bytes`` of RAM are always left free: a chunk that would eat into them
     is refused with ``MemoryError`` before anything is allocated.
     """

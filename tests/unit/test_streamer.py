@@ -528,3 +528,30 @@ def test_telemetry_snapshot_is_json_and_resets():
     assert snap["copies"] == 0 and snap["peak_materialized_bytes"] == snap["materialized_bytes"] > 0
     st.close()
     assert st.telemetry.snapshot()["materialized_bytes"] == 0
+
+
+def test_streamed_block_refuses_torch_compile_tracing():
+    """A streamed block's weights move between slots each pass, so tracing it is refused in its hook.
+
+    With fullgraph=True the refusal is the compile error; without, dynamo gives up on the frame
+    and runs it eagerly, which the engine serves as usual.
+    """
+    import torch._dynamo
+
+    model = ToyDiT(depth=3, shared=False)
+    x, t = inputs()
+    with torch.no_grad():
+        ref = model(x, t)
+    st = LayerwiseStreamer(model.blocks, "cpu", resident=1, prefetch=1)
+    st.attach()
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad(), pytest.raises(Exception, match="cannot be traced by torch.compile"):
+            torch.compile(model, backend="eager", fullgraph=True)(x, t)
+        assert st._running is None and st.telemetry.materialized_bytes <= st.bound_bytes()
+        with torch.no_grad():
+            assert torch.equal(torch.compile(model, backend="eager")(x, t), ref)
+            assert torch.equal(model(x, t), ref)
+    finally:
+        torch._dynamo.reset()
+    st.close()
