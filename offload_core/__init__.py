@@ -22,7 +22,6 @@ _EXPORTS = {
     "pinned_bytes": "pinned",
     "pin_cap": "pinned",
     "set_pin_accounting": "pinned",
-    "return_freed_ram": "pinned",
     "available_ram_bytes": "pinned",
     "Telemetry": "telemetry",
     "BlockHooks": "hooks",
@@ -40,7 +39,6 @@ if TYPE_CHECKING:
         available_ram_bytes,
         pin_cap,
         pinned_bytes,
-        return_freed_ram,
         set_pin_accounting,
     )
     from .residency import plan_residency, spread_evenly
