@@ -5,13 +5,15 @@ launch and driver cost each.  The layout (dtype groups, 256-byte aligned offsets
 original strides for dense tensors) is planned once from metadata, so the same
 typed views can be laid over the host master or over any device slot.
 
-The host pack is the master copy.  Module tensors keep their original objects
-(``nn.Parameter`` / buffer) for life; only their ``.data`` is re-pointed, so
-anything holding a reference to a parameter keeps holding the right object.
-A tensor the transform leaves unchanged gives up its original storage and is
-re-pointed at the pack (zero-copy), so a packed model costs about 1x RAM, not 2x.
-A tensor the transform changes keeps its original, so ``restore`` always puts
-the untransformed weights back.
+The host pack is the master copy and always holds the untransformed values.
+Module tensors keep their original objects (``nn.Parameter`` / buffer) for life;
+only their ``.data`` is re-pointed, so anything holding a reference to a
+parameter keeps holding the right object.  A dense tensor gives up its original
+storage and is re-pointed at the pack (zero-copy), so a packed model costs 1x
+RAM, not 2x; only non-dense tensors (expanded views) keep their original, which
+bytes cannot describe.  A transform (e.g. a LoRA merge) is applied to a device
+copy of the pack, never to the pack: host RAM does not grow with it, and
+``restore`` always puts the untransformed weights back.
 
 Tensors created under ``torch.inference_mode`` (as ComfyUI loads models) are
 inference tensors; every tensor bound to such an object is made an inference
@@ -22,7 +24,7 @@ in and out of inference mode.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -137,11 +139,6 @@ def _placeholder(dtype: torch.dtype, inference: bool) -> torch.Tensor:
     return t
 
 
-def _version(t: torch.Tensor) -> int | None:
-    """In-place write counter; inference tensors have none."""
-    return None if t.is_inference() else t._version
-
-
 def _typed(buf: torch.Tensor, e: PackedTensor) -> torch.Tensor:
     return buf[e.offset : e.offset + e.nbytes].view(e.dtype).as_strided(e.shape, e.stride)
 
@@ -160,8 +157,7 @@ class PackedTensor:
     device: torch.device  # original device
     dense: bool
     inference: bool  # the original is an inference tensor; everything bound in its place must be too
-    original: torch.Tensor | None  # original values kept outside the pack; None: the pack holds them
-    transformed: bool = False
+    original: torch.Tensor | None  # original kept outside the pack (non-dense only); None: the pack holds it
 
 
 @dataclass(eq=False)
@@ -182,8 +178,6 @@ class PackedBlock:
             check_packable(t, ref.label)
         self.index = index
         self.host: torch.Tensor | None = None
-        self.fingerprint: Hashable = None
-        self.packed = False
 
         unique: dict[tuple, int] = {}
         firsts: list[tuple[TensorRef, torch.Tensor]] = []
@@ -254,40 +248,17 @@ class PackedBlock:
                 f"got {buf.dtype} {tuple(buf.shape)}"
             )
 
-    def pack(self, host: torch.Tensor, transform: Transform | None = None, fingerprint: Hashable = None) -> None:
-        """Write the (transformed) values into ``host`` and let the pack stand in for unchanged originals.
-
-        Values are read from the kept original when there is one, else from the
-        pack itself, so re-packing never compounds an earlier transform.
-        """
+    def pack(self, host: torch.Tensor) -> None:
+        """Write the original values into ``host`` and let the pack stand in for every dense original."""
         if host.device.type != "cpu":
             raise ValueError(f"block {self.index}: the host pack must live on the CPU, got {host.device}")
         self._check_buffer(host)
         with torch.no_grad(), torch.inference_mode(False):
             regions = [_typed(host, e) for e in self.entries]  # writable views
-            # Phase 1: write every region. Nothing is given up yet, so a failing
-            # transform leaves every original reachable.
             for e, region in zip(self.entries, regions):
-                src = e.original if e.original is not None else region
-                out = src
-                if transform is not None:
-                    version = _version(src)
-                    out = transform(e.owner[0], e.owner[1], src)
-                    if _version(src) != version:
-                        raise ValueError(f"transform modified {e.label!r} in place; it must return a new tensor")
-                    _check_transform_output(out, e)
-                changed = not _same_view(out, src)
-                if changed:
-                    if e.original is None:  # the pack held the only copy of the original
-                        with torch.inference_mode(e.inference):
-                            e.original = region.clone()
-                    region.copy_(out)
-                elif e.original is not None:
-                    region.copy_(e.original)
-                e.transformed = changed
-            # Phase 2: unchanged dense tensors are now fully described by the pack.
-            for e in self.entries:
-                if not e.transformed and e.dense:
+                region.copy_(e.original)
+            for e in self.entries:  # written in full: only now may originals go
+                if e.dense:
                     e.original = None
             bindable = self.views(host)
             for b in self._bindings:
@@ -295,20 +266,40 @@ class PackedBlock:
                     b.obj.data = bindable[b.entry]
                     b.ptr = b.obj.data_ptr()
         self.host = host
-        self.packed = True
-        self.fingerprint = fingerprint if transform is None or fingerprint is not None else object()
 
-    def repack(self, transform: Transform | None = None, fingerprint: Hashable = None) -> bool:
-        """Pack again into the same host buffer only if the fingerprint changed; True if it did.
+    def apply_transform(self, buf: torch.Tensor, transform: Transform) -> int:
+        """Rewrite the block's values in ``buf`` (a device copy of the pack) through ``transform``.
 
-        A transform without a fingerprint cannot be compared, so it always re-packs.
+        ``transform(block_index, name, view)`` gets the typed view of one tensor and
+        returns a tensor of the same shape and dtype, which is written into the view;
+        returning the view itself leaves it as it is.  The pack is never touched, so
+        the result is the same on every fresh copy.  While it runs, the block's modules
+        are bound to ``buf``: a transform may call a layer's own methods, which read the
+        layer's other tensors (a scaled-fp8 layer's scale), and they must see this copy.
+        The bindings are put back as they were afterwards.  Returns how many tensors
+        were rewritten.
         """
-        if self.host is None:
-            raise RuntimeError(f"block {self.index} has no host buffer; call pack() first")
-        if self.packed and fingerprint == self.fingerprint and not (transform is not None and fingerprint is None):
-            return False
-        self.pack(self.host, transform, fingerprint)
-        return True
+        self._check_buffer(buf)
+        saved = [(b.table.get(b.attr), b.obj.data) for b in self._bindings]
+        self.bind(self.views(buf))
+        count = 0
+        try:
+            with torch.no_grad(), torch.inference_mode(False):
+                for e in self.entries:
+                    view = _typed(buf, e)
+                    version = view._version
+                    out = transform(e.owner[0], e.owner[1], view)
+                    if view._version != version:
+                        raise ValueError(f"transform modified {e.label!r} in place; it must return a new tensor")
+                    _check_transform_output(out, e)
+                    if not _same_view(out, view):
+                        view.copy_(out)
+                        count += 1
+        finally:
+            for b, (current, data) in zip(self._bindings, saved):
+                b.obj.data = data
+                b.table[b.attr] = current
+        return count
 
     def bind(self, views: Sequence[torch.Tensor]) -> None:
         """Point every parameter/buffer of the block at ``views`` (from ``self.views``)."""
@@ -366,8 +357,8 @@ class PackedBlock:
     def restore(self, keep_host: bool, skip_reassigned: bool = False) -> None:
         """Hand every original object back with its original values, device, dtype and strides.
 
-        With ``keep_host`` unchanged CPU tensors alias the pack (zero-copy) and the
-        pack stays valid for ``repack``; without it they get fresh unpinned memory
+        With ``keep_host`` CPU tensors alias the pack (zero-copy) and the pack stays
+        valid for the next attach; without it they get fresh unpinned memory
         and the block returns to its unpacked state, so the host buffer may be freed.
         ``skip_reassigned`` (only meaningful while detached) leaves alone any slot the
         caller has re-assigned since, instead of overwriting it with the old values.
@@ -377,7 +368,7 @@ class PackedBlock:
         with torch.no_grad():
             for i, e in enumerate(self.entries):
                 if e.original is not None:
-                    val = e.original if e.original.device == e.device else _copy_as(e.original, e)
+                    val = e.original
                 elif keep_host and e.device.type == "cpu":
                     val = regions[i]
                 else:
@@ -392,10 +383,7 @@ class PackedBlock:
         if not keep_host:
             for e, val in zip(self.entries, values):
                 e.original = val
-                e.transformed = False
             self.host = None
-            self.packed = False
-            self.fingerprint = None
 
     def is_current(self) -> bool:
         """False if someone re-assigned a tensor of the block since we last handed it back."""

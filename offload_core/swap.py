@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import logging
 
+import torch
 from torch import nn
 
 from .packing import PackedBlock, alias_key, check_packable, tensor_refs
-from .pinned import DEFAULT_CHUNK_BYTES, HostStorage
+from .pinned import DEFAULT_CHUNK_BYTES, HostStorage, return_freed_ram
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ class ModuleSwap:
         )
         for i, p in enumerate(self._packs):
             p.pack(self._host.buffer(i))
+        return_freed_ram()  # the originals just given up may sit in the C heap: hand them to the OS
         log.info(
             "module packed: %.1f MiB in %d parts (%.1f MiB pinned)",
             self.nbytes / 2**20, len(self._packs), self._host.pinned_bytes / 2**20,
@@ -77,6 +79,11 @@ class ModuleSwap:
         """
         if self._host is None:
             return
+        if torch.cuda.is_available():
+            # The owner may have copied from the master asynchronously on any device (ComfyUI's
+            # partial load does, per layer): those copies finish before the memory goes.
+            for index in range(torch.cuda.device_count()):
+                self._host.note_reader(torch.device("cuda", index))
         for i, p in enumerate(self._packs):
             p.restore(keep_host=False)
             self._host.release_item(i)  # copy out part by part: never 2x RAM

@@ -1,4 +1,4 @@
-"""PackedBlock: layout, faithful round trips, zero-copy, refusals, fingerprints."""
+"""PackedBlock: layout, faithful round trips, zero-copy, refusals, transforms on device copies."""
 
 from __future__ import annotations
 
@@ -126,21 +126,39 @@ def test_unpackable_tensors_are_refused_by_name(make, exc, match):
         PackedBlock(tensor_refs(m, 3), index=3)
 
 
-def test_repack_follows_fingerprints():
+def test_transform_rewrites_a_copy_and_never_the_pack():
     blk = _block()
     pb, host = _packed(blk)
+    master = host.clone()
+    names = [e.label for e in pb.entries]
     calls = []
 
-    def double(block, name, w):
-        calls.append(name)
-        return w * 2 if name == "qkv.weight" else w
+    def double(block, name, view):
+        calls.append((block, name))
+        return view * 2 if name == "qkv.weight" else view
 
-    assert pb.repack(None, None) is False  # same (absent) fingerprint, no transform
-    assert pb.repack(double, "v1") is True and calls
-    calls.clear()
-    assert pb.repack(double, "v1") is False and not calls
-    assert pb.repack(double, None) is True  # a transform without a fingerprint always re-packs
-    assert pb.repack(double, None) is True
-    w = pb.views(host)[[e.label for e in pb.entries].index("block 0: qkv.weight")]
-    pb.restore(keep_host=True)
-    assert torch.equal(w, blk.qkv.weight * 2)  # baked from the original, never compounded
+    for _ in range(2):  # every fresh copy gets the same result: nothing compounds
+        slot = host.clone()  # what a device slot holds after its copy
+        assert pb.apply_transform(slot, double) == 1
+        w = pb.views(slot)[names.index("block 0: qkv.weight")]
+        assert torch.equal(w, blk.qkv.weight * 2)
+        others = [i for i, n in enumerate(names) if n != "block 0: qkv.weight"]
+        assert all(torch.equal(bits(pb.views(slot)[i]), bits(pb.views(host)[i])) for i in others)
+    assert torch.equal(host, master)  # the pack keeps the untransformed values
+    assert {n for _, n in calls} == {e.owner[1] for e in pb.entries} and {b for b, _ in calls} == {0}
+
+
+@pytest.mark.parametrize(
+    "transform,exc,match",
+    [
+        (lambda b, n, v: v[:1] if n == "qkv.weight" else v, ValueError, "shape and dtype.*qkv.weight"),
+        (lambda b, n, v: v.double() if v.is_floating_point() else v, ValueError, "shape and dtype"),
+        (lambda b, n, v: v.mul_(1) if n == "mlp_out.bias" else v, ValueError, "in place"),
+        (lambda b, n, v: v.tolist(), TypeError, "plain torch.Tensor"),
+    ],
+)
+def test_transform_output_is_checked(transform, exc, match):
+    blk = _block()
+    pb, host = _packed(blk)
+    with pytest.raises(exc, match=match):
+        pb.apply_transform(host.clone(), transform)
