@@ -72,11 +72,14 @@ async def read_json_object(request: web.Request) -> dict[str, Any]:
     charset = request.charset
     if charset is not None and charset.lower().replace("_", "-") not in ("utf-8", "utf8"):
         raise BadRequest(400, "the body must be JSON in UTF-8; drop the charset or use utf-8")
+    too_large = BadRequest(413, f"the body is larger than {MAX_BODY_BYTES // 1024} KiB")
     if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
-        raise BadRequest(413, f"the body is larger than {MAX_BODY_BYTES // 1024} KiB")
-    raw = await request.content.read(MAX_BODY_BYTES + 1)
-    if len(raw) > MAX_BODY_BYTES:
-        raise BadRequest(413, f"the body is larger than {MAX_BODY_BYTES // 1024} KiB")
+        raise too_large
+    raw = bytearray()
+    while chunk := await request.content.read(MAX_BODY_BYTES + 1 - len(raw)):
+        raw += chunk  # read() may return part of the body: read up to the end or the limit
+        if len(raw) > MAX_BODY_BYTES:
+            raise too_large
     try:
         body = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
     except _NotANumber:

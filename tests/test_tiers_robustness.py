@@ -7,6 +7,7 @@ leaked hold or an emptied model.
 """
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import threading
@@ -62,6 +63,19 @@ def send(server: ComfyServer, method: str, path: str, data: bytes | None = None,
         return status, json.loads(payload) if payload else None
     except ValueError:
         return status, payload.decode(errors="replace")
+
+
+def send_chunked(server: ComfyServer, path: str, chunks: list[bytes]) -> tuple[int, object]:
+    """A POST whose body comes in chunks with no Content-Length, as streaming clients send it."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    try:
+        connection.request("POST", path, body=iter(chunks), encode_chunked=True,
+                           headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        status, payload = response.status, response.read()
+    finally:
+        connection.close()
+    return status, json.loads(payload)
 
 
 def assert_refused(answer: tuple[int, object], status: int, *fragments: str) -> str:
@@ -142,6 +156,13 @@ def test_bad_input_on_every_route_gets_a_short_4xx_and_the_server_keeps_serving(
                 message = assert_refused(answer, status, *fragments)
                 assert "x" * 100 not in message and "y" * 100 not in message
                 assert s.alive()
+            # A streamed body is read to its end, and cut off past the limit.
+            status, body = send_chunked(s, f"{prefix}/offload/budgets",
+                                        [b'{"disk_tier"', b": ", b"true}"])
+            assert status == 200 and body["budgets"]["disk_tier"] is True, body
+            assert_refused(send_chunked(s, f"{prefix}/offload/budgets",
+                                        [b'{"x": "'] + [b"z" * 4096] * 40 + [b'"}']),
+                           413, "larger than")
             long_id = "z" * 4000
             assert_refused(send(s, "POST", f"{prefix}/offload/models/{long_id}/park"), 404,
                            "no model")
