@@ -168,9 +168,11 @@ class ComfyServer:
         return payload
 
     # -- prompts ----------------------------------------------------------------------------------
-    def queue(self, workflow: dict) -> str:
-        status, resp = self.request("POST", "/prompt",
-                                    {"prompt": workflow, "client_id": str(uuid.uuid4())})
+    def queue(self, workflow: dict, *, client_id: bool = True) -> str:
+        """Queue a workflow; `client_id=False` queues it the way API scripts often do, without
+        one (ComfyUI then sends that prompt no execution messages)."""
+        body = {"prompt": workflow, **({"client_id": str(uuid.uuid4())} if client_id else {})}
+        status, resp = self.request("POST", "/prompt", body)
         if status != 200:
             raise AssertionError(f"POST /prompt -> {status}: {json.dumps(resp)[:4000]}")
         return resp["prompt_id"]
