@@ -208,5 +208,21 @@ class ComfyServer:
         self.post("/interrupt", {})
 
     def free(self) -> None:
-        """Drop ComfyUI's output cache (and unload models) so the next prompt really runs."""
+        """Drop ComfyUI's output cache and unload every model; return once that is done.
+
+        POST /free only sets flags, which the prompt worker reads after each prompt and when it
+        wakes with an empty queue. A prompt queued right after the request can be taken before the
+        worker has read them: it then runs on the old state and the free lands after it, dropping
+        the model it just loaded (and the pack's state for that model). The worker reads its
+        flags once between any two prompts, so two barrier prompts of core nodes follow the
+        request: by the end of the second, the free has run.
+        """
         self.post("/free", {"unload_models": True, "free_memory": True})
+        # The cheapest prompt of core nodes on every version; a cached answer still passes
+        # through the worker's loop, which is all a barrier needs.
+        barrier = {"n": {"class_type": "PrimitiveInt", "inputs": {"value": 0}},
+                   "show": {"class_type": "PreviewAny", "inputs": {"source": ["n", 0]}}}
+        for prompt_id in [self.queue(barrier) for _ in range(2)]:
+            entry = self.wait(prompt_id)
+            if entry["status"]["status_str"] != "success":
+                raise PromptFailed(entry)
