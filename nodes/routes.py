@@ -17,6 +17,7 @@ import comfy.model_management
 
 from ..offload_core.pinned import pinned_bytes
 from ..offload_core.tiers import ModelInUseError, ModelPinnedError, TierCapacityError, UnknownModelError
+from . import loaded_models
 from .layerwise import REGISTRY as LAYERWISE
 from .swap import MEMBERS as SWAP_MEMBERS
 from .tiers import MANAGER, diffusion_module_ids, sync_tiers
@@ -63,7 +64,8 @@ def tiers_payload() -> dict[str, Any]:
     module_ids = diffusion_module_ids()
     for model in snapshot["models"]:
         model["layerwise"] = layerwise.get(module_ids.get(model["id"]))
-    return {"models": snapshot["models"], "devices": devices(), "budgets": snapshot["budgets"]}
+    return {"models": snapshot["models"], "devices": devices(), "budgets": snapshot["budgets"],
+            "loaded": loaded_models.report()}
 
 
 async def get_tiers(request: web.Request) -> web.Response:
@@ -140,6 +142,7 @@ def register() -> None:
     routes.get("/offload/swap")(get_swap)
     routes.post("/offload/models/{model}/{action}")(post_action)
     routes.post("/offload/budgets")(post_budgets)
+    loaded_models.register(server, tiers_payload, TIERS_EVENT)
 
     MANAGER.subscribe(lambda event: server.send_sync(TIERS_EVENT, tiers_payload()))
     LAYERWISE.subscribe(lambda report: server.send_sync(

@@ -1,0 +1,235 @@
+"""Every model ComfyUI has loaded, as the Offload panel lists it, and core's own unload.
+
+The tier manager only knows the models of the Tiered loaders, but a user's workflow loads most
+models with core's loaders. Core's `current_loaded_models` is the one list that holds them all,
+so the panel's cards start from it: each model with its class, its file where the loader left a
+trace of it, its bytes on the compute device and in RAM, and what the pack does with it (streamed
+by Apply Layerwise Offload, swapped by Model-Level Swap, kept by the tier manager). Models the
+pack still holds in RAM after core let go of them (a layerwise pack, a swap master) are listed
+too, so no pinned byte is hidden.
+
+Core's unload (`LoadedModel.model_unload`, what core itself does to make room) is offered only
+between prompts: the check and the unload run under the prompt queue's lock, so no prompt can
+start in between.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import weakref
+from typing import Any, Callable
+
+import torch
+from aiohttp import web
+
+import comfy.model_management
+
+from ..offload_core.tiers import TierError, UnknownModelError
+from . import prompt_lifecycle
+from .core_models import unload_from_core
+from .layerwise import REGISTRY as LAYERWISE
+from .swap import MEMBERS as SWAP_MEMBERS
+from .tiers import MANAGER, PROMPT_USES, diffusion_module_ids, key_of
+
+log = logging.getLogger(__name__)
+
+_ids: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
+_counter = itertools.count(1)
+
+
+def _card_id(module: torch.nn.Module) -> str:
+    """A short id per model module that is never reused, unlike id()."""
+    found = _ids.get(module)
+    if found is None:
+        found = _ids[module] = f"core-{next(_counter)}"
+    return found
+
+
+def _kind(module: torch.nn.Module) -> str:
+    import comfy.model_base
+    import comfy.sd1_clip
+
+    if isinstance(module, comfy.model_base.BaseModel):
+        return "diffusion model"
+    if isinstance(module, comfy.sd1_clip.SD1ClipModel):
+        return "text encoder"
+    name = f"{type(module).__module__}.{type(module).__name__}".lower()
+    return "VAE" if "vae" in name or "autoencoder" in name else "model"
+
+
+def _file_of(patcher) -> str | None:
+    """The file a core loader read, where core recorded it (0.33's `cached_patcher_init`)."""
+    init = getattr(patcher, "cached_patcher_init", None)
+    if not isinstance(init, tuple) or len(init) < 2 or not init[1]:
+        return None
+    paths = init[1][0]
+    paths = [paths] if isinstance(paths, (str, os.PathLike)) else paths
+    if not isinstance(paths, (list, tuple)) or not all(isinstance(p, (str, os.PathLike)) for p in paths):
+        return None
+    return " + ".join(os.path.basename(os.fspath(p)) for p in paths) or None
+
+
+def _layerwise_by_module() -> dict[int, dict]:
+    return {report["module_id"]: report for report in LAYERWISE.report()}
+
+
+def _card(lm, layerwise: dict[int, dict], tier_names: dict[str, str],
+          swapped: list) -> dict[str, Any] | None:
+    patcher = lm.model
+    if patcher is None:  # core's entry outlived its patcher; core drops it on its next pass
+        return None
+    module = patcher.model
+    diffusion_model = getattr(module, "diffusion_model", None)
+    total = lm.model_memory()
+    loaded = min(lm.model_loaded_memory(), total)
+    on_device = 0 if lm.device.type == "cpu" else loaded
+    tier_id = key_of(patcher)
+    swap = SWAP_MEMBERS.get(module)
+    swapped.append(swap)
+    return {
+        "id": _card_id(module),
+        "class": type(module).__name__,
+        "network": type(diffusion_model).__name__ if diffusion_model is not None else None,
+        "kind": _kind(module),
+        "file": tier_names.get(tier_id) or _file_of(patcher),
+        "device": str(lm.device),
+        "core": True,
+        # device + ram == total. With a CPU compute device (--cpu) what core "loaded" is in RAM.
+        "bytes": {"total": total, "device": on_device, "ram": total - on_device,
+                  "loaded_by_core": loaded},
+        "tier_id": tier_id,
+        "layerwise": layerwise.pop(id(diffusion_model), None) if diffusion_model is not None else None,
+        "swap": swap.report() if swap is not None else None,
+    }
+
+
+def report() -> list[dict[str, Any]]:
+    """Core's loaded models, newest first, then what the pack holds for models core let go."""
+    layerwise = _layerwise_by_module()
+    tier_names = {m["id"]: m["name"] for m in MANAGER.snapshot()["models"]}
+    swapped: list = []
+    cards = [card for lm in list(comfy.model_management.current_loaded_models)
+             if (card := _card(lm, layerwise, tier_names, swapped)) is not None]
+    managed = set(diffusion_module_ids().values())  # the tier manager's cards show these
+    for module_id, lw in layerwise.items():
+        if module_id in managed:
+            continue
+        cards.append({"id": f"layerwise-{module_id:x}", "class": lw["model_class"],
+                      "network": lw["model_class"], "kind": "diffusion model", "file": None,
+                      "device": lw["device"], "core": False, "bytes": None, "tier_id": None,
+                      "layerwise": lw, "swap": None})
+    for member in SWAP_MEMBERS.values():
+        if member not in swapped and not member.closed:
+            cards.append({"id": f"swap-{id(member):x}", "class": member.name, "network": None,
+                          "kind": "model", "file": None, "device": member.report()["device"],
+                          "core": False, "bytes": None, "tier_id": None, "layerwise": None,
+                          "swap": member.report()})
+    return cards
+
+
+def _running_prompts() -> int | None:
+    from server import PromptServer
+
+    running = getattr(getattr(PromptServer.instance, "prompt_queue", None), "currently_running", None)
+    return len(running) if isinstance(running, dict) else None
+
+
+def _queue_lock():
+    from server import PromptServer
+
+    return PromptServer.instance.prompt_queue.mutex
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+def unload(card_id: str) -> dict[str, Any]:
+    """Core's own unload of one loaded model, refused while a prompt runs.
+
+    Holding the queue's lock keeps the prompt worker from taking a prompt between the check and
+    the unload. Raises LookupError (unknown id) or TierError (a prompt runs, or the tier manager
+    owns the model).
+    """
+    with _queue_lock():
+        running = _running_prompts()
+        if running is None:
+            raise TierError("this ComfyUI does not say whether a prompt runs; unload refused")
+        if running:
+            raise TierError("a prompt is running; core's unload is offered between prompts only")
+        for lm in list(comfy.model_management.current_loaded_models):
+            patcher = lm.model
+            if patcher is None or _ids.get(patcher.model) != card_id:
+                continue
+            if key_of(patcher) is not None:
+                raise TierError("the tier manager keeps this model: use Park or Evict")
+            name = type(patcher.model).__name__
+            unload_from_core(patcher.model)
+            log.info("tiered offload: %s unloaded through core's unload (panel request)", name)
+            return {"id": card_id, "class": name}
+    raise LookupError(card_id)
+
+
+def _policy_body(body: Any) -> tuple[bool | None, int | None]:
+    if not isinstance(body, dict) or not body or set(body) - {"keep_in_ram", "priority"}:
+        raise ValueError("body must be a JSON object with keep_in_ram (true/false) and/or "
+                         "priority (a whole number from -100 to 100)")
+    keep, priority = body.get("keep_in_ram"), body.get("priority")
+    if "keep_in_ram" in body and not isinstance(keep, bool):
+        raise ValueError("keep_in_ram must be true or false")
+    if "priority" in body and (isinstance(priority, bool) or not isinstance(priority, int)
+                               or not -100 <= priority <= 100):
+        raise ValueError("priority must be a whole number from -100 to 100")
+    return keep, priority
+
+
+def register(server, payload: Callable[[], dict[str, Any]], event: str) -> None:
+    """Add the routes, and push `event` with `payload()` after every prompt and every change
+    made here (core's loads and unloads raise no event of their own)."""
+
+    def push() -> None:
+        server.send_sync(event, payload())
+
+    async def post_unload(request: web.Request) -> web.Response:
+        try:
+            done = unload(request.match_info["card"])
+        except LookupError:
+            return _error(404, f"no loaded model with id '{request.match_info['card']}'")
+        except TierError as e:
+            return _error(409, str(e))
+        push()
+        return web.json_response({"unloaded": done})
+
+    async def post_policy(request: web.Request) -> web.Response:
+        """A managed model's keep-in-RAM (never dropped to disk) and eviction priority."""
+        key = request.match_info["model"]
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _error(400, "body must be a JSON object")
+        try:
+            keep, priority = _policy_body(body)
+        except ValueError as e:
+            return _error(400, str(e))
+        try:
+            entry = MANAGER.get(key)
+            if keep is not None:
+                (MANAGER.pin if keep else MANAGER.unpin)(key)
+            if priority is not None:
+                MANAGER.set_priority(key, priority)
+        except UnknownModelError:
+            return _error(404, f"no model with id '{key}'")
+        push()
+        return web.json_response({"model": entry.to_dict()})
+
+    def after_prompt(prompt_id: str | None) -> None:
+        # The tier manager's own listener may run after this one; release the prompt's models
+        # first (a second release is a no-op), so the pushed figures no longer show them in use.
+        PROMPT_USES.release_prompt(prompt_id)
+        push()
+
+    server.routes.post("/offload/loaded/{card}/unload")(post_unload)
+    server.routes.post("/offload/policy/{model}")(post_policy)
+    prompt_lifecycle.on_prompt_end(after_prompt)
