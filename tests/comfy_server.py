@@ -34,13 +34,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def prepare_base(base: Path, extra_nodes: dict[str, Path] | None = None) -> Path:
-    """Lay out a ComfyUI base directory with our pack, the test nodes and any extra node
-    folders (name -> folder; the benchmarks link their own) linked into custom_nodes/."""
+def prepare_base(base: Path, extra_nodes: dict[str, Path] | None = None,
+                 test_nodes: bool = True) -> Path:
+    """Lay out a ComfyUI base directory with our pack, the test nodes (unless a user's server is
+    wanted, as for the demo) and any extra node folders (name -> folder; the benchmarks link
+    their own) linked into custom_nodes/."""
     custom = base / "custom_nodes"
     custom.mkdir(parents=True, exist_ok=True)
-    links = {PACK_LINK_NAME: REPO, TEST_NODES_LINK_NAME: REPO / "tests" / "comfy_test_nodes",
-             **(extra_nodes or {})}
+    links = {PACK_LINK_NAME: REPO, **(extra_nodes or {})}
+    if test_nodes:
+        links[TEST_NODES_LINK_NAME] = REPO / "tests" / "comfy_test_nodes"
     for name, target in links.items():
         link = custom / name
         if not link.exists():
@@ -61,8 +64,8 @@ class PromptFailed(AssertionError):
 class ComfyServer:
     def __init__(self, base: Path, *, extra_args: tuple[str, ...] = (), threads: int = 2,
                  port: int | None = None, extra_nodes: dict[str, Path] | None = None,
-                 env: dict[str, str] | None = None) -> None:
-        self.base = prepare_base(base, extra_nodes)
+                 env: dict[str, str] | None = None, test_nodes: bool = True) -> None:
+        self.base = prepare_base(base, extra_nodes, test_nodes)
         self.env = env or {}
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
