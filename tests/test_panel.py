@@ -501,6 +501,9 @@ def test_example_workflows_open_from_the_template_browser(comfy, ui):
     dialog.get_by_text("tiered_offload_demo", exact=True).click()
     page.wait_for_function("() => app.graph.nodes.some(n => n.type === 'ApplyLayerwiseOffload')",
                            timeout=10_000)
+    page.wait_for_timeout(500)
+    # The frontend validates a workflow as it loads and shows what it rejects.
+    assert page.get_by_text("Invalid workflow").count() == 0, page.locator("body").inner_text()[-3000:]
     for stem, api_graph in example_workflows.api_graphs().items():
         load_template(page, PACK_LINK_NAME, stem)
         prompt = page.evaluate("async () => (await app.graphToPrompt()).output")

@@ -149,7 +149,7 @@ _BUILD_JS = """async ([apiGraph, note, name]) => {
   n.size = [420, 160];
   app.graph.add(n);
   app.graph.arrange();
-  return app.graph.serialize();
+  return JSON.stringify(app.graph.serialize());  // as saved: no undefined turned into null
 }"""
 
 
@@ -169,7 +169,7 @@ def build_ui_files(url: str, out_dir: Path, chromium: str) -> list[Path]:
         page.wait_for_function("() => window.app && window.app.graph && window.LiteGraph",
                                timeout=120_000)
         for stem, (build, note) in EXAMPLES.items():
-            graph = page.evaluate(_BUILD_JS, [build(), note, stem])
+            graph = json.loads(page.evaluate(_BUILD_JS, [build(), note, stem]))
             path = out_dir / f"{stem}.json"
             path.write_text(json.dumps(graph, indent=1) + "\n")
             page.evaluate("app.extensionManager.command.execute('Comfy.Canvas.FitView')")

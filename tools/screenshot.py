@@ -1,9 +1,9 @@
 """`make screenshot`: the README's picture of the Offload panel, from a real workflow.
 
-A user's server (core's and the pack's nodes only) runs the demo workflow and the Tiered
-loaders' example, then headless Chromium shows the demo on the canvas with the Offload tab open:
-the models of a real workflow, one streamed by Apply Layerwise Offload, the text encoder, and the
-tier manager's models. Run on purpose only; `make test` never writes into the repository.
+A user's server (core's and the pack's nodes only) runs the demo workflow, then headless
+Chromium shows it on the canvas with the Offload tab open: the models of a real workflow, the
+diffusion model streamed by Apply Layerwise Offload with its blocks and figures, and the text
+encoder. Run on purpose only; `make test` never writes into the repository.
 """
 from __future__ import annotations
 
@@ -32,16 +32,19 @@ def main(argv: list[str]) -> int:
         example_workflows.write_models(base)
         server = ComfyServer(base, test_nodes=False).start()
         try:
-            server.run(example_workflows.tiered())
             server.run(example_workflows.demo())
             with sync_playwright() as pw:
                 browser = pw.chromium.launch(executable_path=chromium, headless=True, args=LAUNCH_ARGS)
-                page = browser.new_page(viewport={"width": 1600, "height": 1000})
+                page = browser.new_page(viewport={"width": 1800, "height": 1000})
                 wait_for_ui(page, server.url)
                 load_template(page, PACK_LINK_NAME, "tiered_offload_demo")
                 open_offload_tab(page)
                 page.wait_for_selector('#tiered-offload-panel [data-role="layerwise"]', timeout=10_000)
                 page.evaluate("app.extensionManager.command.execute('Comfy.Canvas.FitView')")
+                page.wait_for_timeout(800)
+                # The open tab covers the canvas's left side: move the graph out from under it.
+                page.evaluate("""() => { const ds = app.canvas.ds; ds.scale = Math.max(ds.scale * 0.85, 0.62);
+                    ds.offset[0] += 330 / ds.scale; app.canvas.setDirty(true, true); }""")
                 page.wait_for_timeout(500)
                 out.parent.mkdir(parents=True, exist_ok=True)
                 page.screenshot(path=str(out))
