@@ -18,13 +18,16 @@ import itertools
 import json
 import logging
 import os
+import threading
 import weakref
 from typing import Any, Callable
 
 import torch
 from aiohttp import web
 
+import comfy.model_base
 import comfy.model_management
+import comfy.sd1_clip
 
 from ..offload_core.tiers import TierError, UnknownModelError
 from . import prompt_lifecycle
@@ -36,21 +39,26 @@ from .tiers import MANAGER, PROMPT_USES, diffusion_module_ids, key_of
 log = logging.getLogger(__name__)
 
 _ids: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
+_ids_lock = threading.Lock()  # reports run on the prompt worker and on the server's loop
 _counter = itertools.count(1)
 
 
 def _card_id(module: torch.nn.Module) -> str:
     """A short id per model module that is never reused, unlike id()."""
-    found = _ids.get(module)
-    if found is None:
-        found = _ids[module] = f"core-{next(_counter)}"
-    return found
+    with _ids_lock:
+        found = _ids.get(module)
+        if found is None:
+            found = _ids[module] = f"core-{next(_counter)}"
+        return found
+
+
+def _find(card_id: str) -> list:
+    with _ids_lock:
+        return [lm for lm in list(comfy.model_management.current_loaded_models)
+                if lm.model is not None and _ids.get(lm.model.model) == card_id]
 
 
 def _kind(module: torch.nn.Module) -> str:
-    import comfy.model_base
-    import comfy.sd1_clip
-
     if isinstance(module, comfy.model_base.BaseModel):
         return "diffusion model"
     if isinstance(module, comfy.sd1_clip.SD1ClipModel):
@@ -129,17 +137,10 @@ def report() -> list[dict[str, Any]]:
     return cards
 
 
-def _running_prompts() -> int | None:
+def _prompt_queue():
     from server import PromptServer
 
-    running = getattr(getattr(PromptServer.instance, "prompt_queue", None), "currently_running", None)
-    return len(running) if isinstance(running, dict) else None
-
-
-def _queue_lock():
-    from server import PromptServer
-
-    return PromptServer.instance.prompt_queue.mutex
+    return getattr(PromptServer.instance, "prompt_queue", None)
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -153,15 +154,16 @@ def unload(card_id: str) -> dict[str, Any]:
     the unload. Raises LookupError (unknown id) or TierError (a prompt runs, or the tier manager
     owns the model).
     """
-    with _queue_lock():
-        running = _running_prompts()
-        if running is None:
-            raise TierError("this ComfyUI does not say whether a prompt runs; unload refused")
-        if running:
+    queue = _prompt_queue()
+    lock = getattr(queue, "mutex", None)
+    if lock is None or not isinstance(getattr(queue, "currently_running", None), dict):
+        raise TierError("this ComfyUI does not say whether a prompt runs; unload refused")
+    with lock:
+        if queue.currently_running:
             raise TierError("a prompt is running; core's unload is offered between prompts only")
-        for lm in list(comfy.model_management.current_loaded_models):
+        for lm in _find(card_id):
             patcher = lm.model
-            if patcher is None or _ids.get(patcher.model) != card_id:
+            if patcher is None:
                 continue
             if key_of(patcher) is not None:
                 raise TierError("the tier manager keeps this model: use Park or Evict")
