@@ -494,7 +494,7 @@ def test_example_workflows_open_from_the_template_browser(comfy, ui):
     assert sorted(listed.get(PACK_LINK_NAME, [])) == sorted(example_workflows.EXAMPLES), listed
     page = ui.page
     page.evaluate("app.extensionManager.command.execute('Comfy.BrowseTemplates')")
-    dialog = page.locator(".p-dialog").filter(has_text="Templates")
+    dialog = page.get_by_role("dialog").filter(has_text="Templates")
     dialog.get_by_text(PACK_LINK_NAME).first.click()
     for stem in example_workflows.EXAMPLES:
         sync_api.expect(dialog.get_by_text(stem, exact=True)).to_be_visible(timeout=10_000)
