@@ -36,7 +36,7 @@ def open_offload_tab(page) -> None:
     """Open the Offload sidebar tab (a no-op when it is open)."""
     if not page.locator("#tiered-offload-panel").count():
         page.locator(".tiered-offload-tab-button").first.click()
-    page.wait_for_selector("#tiered-offload-panel", timeout=10_000)
+    page.wait_for_selector("#tiered-offload-panel", timeout=30_000)
 
 
 def load_template(page, module: str, name: str) -> None:

@@ -26,6 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 import example_workflows  # noqa: E402
 
 sync_api = pytest.importorskip("playwright.sync_api")
+# Upper bounds for waits on a loaded machine (shared CI cores); no test asserts a time.
+sync_api.expect.set_options(timeout=20_000)
 
 CHROMIUM = chromium_path()
 WAN_FILE = "tiny_wan21_t2v.safetensors"
@@ -71,6 +73,7 @@ class PanelPage:
         self.requests: list[tuple[str, str]] = []   # (method, path) of /api/offload/*
         self.blocked: list[str] = []
         p = self.page
+        p.set_default_timeout(30_000)
         p.on("console", self._on_console)
         p.on("pageerror", lambda e: self.console.append({"text": f"pageerror: {e}", "url": ""}))
         p.on("response", lambda r: r.status >= 400 and self.http_errors.append((r.status, r.url)))
@@ -215,7 +218,7 @@ def test_tab_opens_with_device_totals(ui):
     assert ui.tier_gets() == 0, "no GET before the tab is opened"
     ui.open_tab()
     panel = ui.page.locator("#tiered-offload-panel")
-    ui.page.wait_for_selector('#tiered-offload-panel [data-dev="vram"]', timeout=10_000)
+    ui.page.wait_for_selector('#tiered-offload-panel [data-dev="vram"]', timeout=20_000)
     for dev in ("vram", "pinned", "ram"):
         box = panel.locator(f'[data-dev="{dev}"]')
         text = box.inner_text()
@@ -308,12 +311,12 @@ def test_park_updates_from_websocket(comfy, ui):
         comfy.post(f"/api/offload/models/{model['id']}/unpin")
     if model["tier"] != "vram":
         comfy.post(f"/api/offload/models/{model['id']}/load")
-    ui.wait_tier(model["id"], "vram", timeout_ms=5_000)
+    ui.wait_tier(model["id"], "vram", timeout_ms=20_000)
     ui.shot("panel_before_park.png")
 
     gets, posts = ui.tier_gets(), len(ui.requests)
     ui.row(model["id"]).locator('button[data-action="park"]').click()
-    ui.wait_tier(model["id"], "ram", timeout_ms=5_000)
+    ui.wait_tier(model["id"], "ram", timeout_ms=20_000)
     assert ("POST", f"/api/offload/models/{model['id']}/park") in ui.requests[posts:]
     assert ui.tier_gets() == gets, "the row must update from the websocket event, not a GET"
     assert server_model(comfy)["tier"] == "ram"
@@ -333,13 +336,13 @@ def test_evict_in_use_is_refused(comfy, ui):
         row = ui.row(model["id"])
         row.locator('button[data-action="evict"]').click()
         notice = row.locator('[data-role="notice"]')
-        sync_api.expect(notice).to_be_visible(timeout=5_000)
+        sync_api.expect(notice).to_be_visible(timeout=20_000)
         text = notice.inner_text()
         assert "evict refused" in text.lower() and "409" in text, text
         assert server_model(comfy)["in_use"] > 0, "the prompt ended before the click: not a refusal test"
         toast = ui.page.locator(".p-toast-message")
         if ui.page.evaluate("typeof app.extensionManager.toast?.add === 'function'"):
-            sync_api.expect(toast.filter(has_text="refused")).to_have_count(1, timeout=5_000)
+            sync_api.expect(toast.filter(has_text="refused")).to_have_count(1, timeout=20_000)
     finally:
         comfy.interrupt()
         comfy.wait(prompt_id, timeout=120)
@@ -370,10 +373,10 @@ def test_budgets_are_edited_from_the_panel(comfy, ui):
     panel = ui.page.locator("#tiered-offload-panel")
     panel.locator('[data-role="edit-budgets"]').click()
     form = panel.locator('[data-role="budget-form"]')
-    sync_api.expect(form).to_be_visible(timeout=5_000)
+    sync_api.expect(form).to_be_visible(timeout=20_000)
     form.locator('input[name="ram_budget_gb"]').fill("-1")
     form.locator('[data-role="save-budgets"]').click()
-    sync_api.expect(form.locator('[data-role="budget-error"]')).to_contain_text("GiB", timeout=5_000)
+    sync_api.expect(form.locator('[data-role="budget-error"]')).to_contain_text("GiB", timeout=20_000)
     form.locator('input[name="ram_budget_gb"]').fill("3.5")
     form.locator('input[name="ram_reserve_gb"]').fill("1.5")
     form.locator('input[name="vram_reserve_gb"]').fill("0.5")
@@ -385,7 +388,7 @@ def test_budgets_are_edited_from_the_panel(comfy, ui):
     assert form.locator('input[name="ram_budget_gb"]').input_value() == "3.5"
     ui.shot("panel_budgets_editing.png")
     form.locator('[data-role="save-budgets"]').click()
-    sync_api.expect(form).to_have_count(0, timeout=5_000)
+    sync_api.expect(form).to_have_count(0, timeout=20_000)
     budgets = comfy.get("/api/offload/tiers")["budgets"]
     assert budgets == {"ram_budget_bytes": int(3.5 * 2**30), "ram_reserve_bytes": int(1.5 * 2**30),
                        "vram_reserve_bytes": 2**29, "disk_tier": False}, budgets
@@ -434,7 +437,7 @@ def test_core_unload_refused_while_a_prompt_runs(comfy, ui):
         wait_until(lambda: comfy.get("/queue")["queue_running"], 60, "the long prompt to start")
         card.locator('button[data-action="unload"]').click()
         notice = card.locator('[data-role="notice"]')
-        sync_api.expect(notice).to_be_visible(timeout=5_000)
+        sync_api.expect(notice).to_be_visible(timeout=20_000)
         assert "409" in notice.inner_text() and "prompt is running" in notice.inner_text()
         assert comfy.get("/queue")["queue_running"], "the prompt ended before the click: not a refusal test"
     finally:
@@ -463,13 +466,13 @@ def test_core_unload_from_the_panel(comfy, ui):
 def test_closed_tab_does_no_dom_work(comfy, ui):
     model = wait_server(comfy, lambda m: m["in_use"] == 0, what="model idle")
     ui.toggle_tab()
-    ui.page.wait_for_selector("#tiered-offload-panel", state="detached", timeout=5_000)
+    ui.page.wait_for_selector("#tiered-offload-panel", state="detached", timeout=20_000)
     renders, gets = ui.renders(), ui.tier_gets()
     target = "ram" if model["tier"] != "ram" else "vram"
     ui.page.evaluate("""async () => { const { api } = await import('/scripts/api.js');
         window.__toEvents = 0; api.addEventListener('tiered_offload.tiers', () => window.__toEvents++); }""")
     comfy.post(f"/api/offload/models/{model['id']}/{'park' if target == 'ram' else 'load'}")
-    ui.page.wait_for_function("() => window.__toEvents > 0", timeout=5_000)
+    ui.page.wait_for_function("() => window.__toEvents > 0", timeout=20_000)
     ui.page.wait_for_timeout(200)
     assert ui.renders() == renders, "rendered while the tab was closed"
     ui.open_tab()
@@ -484,7 +487,7 @@ def test_missing_server_side_shows_message(browser, comfy):
         page.load()
         page.open_tab()
         sync_api.expect(page.page.locator('#tiered-offload-panel [data-role="status"]')).to_contain_text(
-            "not available", timeout=5_000)
+            "not available", timeout=20_000)
         assert not [c for c in page.console if "pageerror" in c["text"]], page.console
     finally:
         page.page.close()

@@ -387,6 +387,11 @@ export class Panel {
     root.className = "to-panel";
     root.addEventListener("click", (e) => this.onClick(e));
     root.addEventListener("change", (e) => this.onChange(e));
+    // A priority is sent when the input loses focus or on Enter. Not on "change": the input may
+    // be moved into new markup (and focused again) while the user types, which resets what
+    // "change" compares against.
+    root.addEventListener("focusout", (e) => this.commitPriority(e.target));
+    root.addEventListener("keydown", (e) => e.key === "Enter" && this.commitPriority(e.target));
     root.addEventListener("submit", (e) => { e.preventDefault(); this.submitBudgets(e.target); });
     el.replaceChildren(root);
     this.root = root;
@@ -439,14 +444,23 @@ export class Panel {
 
   onChange(e) {
     const input = e.target;
-    const key = input.dataset?.policy;
     const row = input.closest?.("[data-model-id]");
-    if (!key || !row) return;
-    if (key === "keep_in_ram") this.onPolicy(row.dataset.modelId, { keep_in_ram: input.checked });
-    else {
-      const v = Number(input.value);
-      if (Number.isInteger(v) && v >= -100 && v <= 100) this.onPolicy(row.dataset.modelId, { priority: v });
-      else input.setCustomValidity("a whole number from -100 to 100");
+    if (input.dataset?.policy === "keep_in_ram" && row) {
+      this.onPolicy(row.dataset.modelId, { keep_in_ram: input.checked });
+    }
+  }
+
+  commitPriority(input) {
+    const row = input?.closest?.("[data-model-id]");
+    if (this.rendering || input?.dataset?.policy !== "priority" || !row) return;
+    const id = row.dataset.modelId;
+    const known = this.state.payload?.models?.find((m) => m.id === id)?.policy?.priority;
+    const v = Number(input.value);
+    if (!Number.isInteger(v) || v < -100 || v > 100) {
+      input.setCustomValidity("a whole number from -100 to 100");
+    } else if (v !== known && !this.state.pending[id]) {
+      input.setCustomValidity("");
+      this.onPolicy(id, { priority: v });
     }
   }
 
@@ -514,6 +528,7 @@ export class Panel {
           : `<div class="to-empty">No model loaded yet. Every model ComfyUI loads appears here, from any loader.</div>`}</section>`;
     }
     const active = this.root.contains(document.activeElement) ? document.activeElement : null;
+    this.rendering = true;  // removing a focused input is no commit
     this.root.innerHTML = head + notice + body;
     const slot = this.root.querySelector('[data-role="budget-editor-slot"]');
     if (slot && this.editor) slot.replaceWith(this.editor);
@@ -521,5 +536,6 @@ export class Panel {
       this.root.querySelector(`[data-key="${CSS.escape(active.dataset.key)}"]`)?.replaceWith(active);
     }
     if (active?.isConnected) active.focus({ preventScroll: true });
+    this.rendering = false;
   }
 }
