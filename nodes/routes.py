@@ -26,11 +26,11 @@ import comfy.model_management
 from ..offload_core.pinned import pinned_bytes
 from ..offload_core.tiers import (
     ModelInUseError, ModelPinnedError, SourceChangedError, SourceGoneError, SourceUnreadableError,
-    TierCapacityError, UnknownModelError)
-from . import budgets
+    TierCapacityError, TierError, UnknownModelError)
+from . import budgets, loaded_models, prompt_lifecycle
 from .layerwise import REGISTRY as LAYERWISE
 from .swap import MEMBERS as SWAP_MEMBERS
-from .tiers import MANAGER, diffusion_module_ids, sync_tiers
+from .tiers import MANAGER, PROMPT_USES, diffusion_module_ids, sync_tiers
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,8 @@ def tiers_payload() -> dict[str, Any]:
     module_ids = diffusion_module_ids()
     for model in snapshot["models"]:
         model["layerwise"] = layerwise.get(module_ids.get(model["id"]))
-    return {"models": snapshot["models"], "devices": devices(), "budgets": snapshot["budgets"]}
+    return {"models": snapshot["models"], "devices": devices(), "budgets": snapshot["budgets"],
+            "loaded": loaded_models.report()}
 
 
 async def get_tiers(request: web.Request) -> web.Response:
@@ -182,6 +183,54 @@ async def post_budgets(request: web.Request) -> web.Response:
         return _error(400, str(e))
 
 
+async def post_unload(request: web.Request) -> web.Response:
+    """Core's own unload of a model in the panel's list of loaded models, between prompts."""
+    card = request.match_info["card"]
+    try:
+        return web.json_response({"unloaded": await _off_loop(loaded_models.unload, card)})
+    except LookupError:
+        return _error(404, f"no loaded model with id '{budgets.shorten(card)}'")
+    except TierError as e:
+        return _error(409, str(e))
+
+
+def policy_fields(body: dict[str, Any]) -> tuple[bool | None, int | None]:
+    """keep_in_ram and priority from a policy body; ValueError names what is wrong."""
+    if not body or set(body) - {"keep_in_ram", "priority"}:
+        raise ValueError("the body must be a JSON object with keep_in_ram (true/false) and/or "
+                         "priority (a whole number from -100 to 100)")
+    keep, priority = body.get("keep_in_ram"), body.get("priority")
+    if "keep_in_ram" in body and not isinstance(keep, bool):
+        raise ValueError("keep_in_ram must be true or false")
+    if "priority" in body and (isinstance(priority, bool) or not isinstance(priority, int)
+                               or not -100 <= priority <= 100):
+        raise ValueError("priority must be a whole number from -100 to 100")
+    return keep, priority
+
+
+def _policy(key: str, keep_in_ram: bool | None, priority: int | None) -> dict[str, Any]:
+    entry = MANAGER.get(key)
+    if keep_in_ram is not None:
+        (MANAGER.pin if keep_in_ram else MANAGER.unpin)(key)
+    if priority is not None:
+        MANAGER.set_priority(key, priority)
+    return entry.to_dict()
+
+
+async def post_policy(request: web.Request) -> web.Response:
+    """A managed model's keep-in-RAM (never dropped to disk) and eviction priority."""
+    key = request.match_info["model"]
+    try:
+        keep, priority = policy_fields(await read_json_object(request))
+        return web.json_response({"model": await _off_loop(_policy, key, keep, priority)})
+    except BadRequest as e:
+        return _error(e.status, str(e))
+    except ValueError as e:
+        return _error(400, str(e))
+    except UnknownModelError:
+        return _error(404, f"no model with id '{budgets.shorten(key)}'")
+
+
 def _send(server, event: str, payload: dict[str, Any]) -> None:
     """Hand an event to ComfyUI's websocket publisher only if it encodes: a payload that fails
     there would end core's publish loop, and with it the server."""
@@ -204,8 +253,17 @@ def register() -> None:
     routes.get("/offload/swap")(get_swap)
     routes.post("/offload/models/{model}/{action}")(post_action)
     routes.post("/offload/budgets")(post_budgets)
+    routes.post("/offload/loaded/{card}/unload")(post_unload)
+    routes.post("/offload/policy/{model}")(post_policy)
 
-    MANAGER.subscribe(lambda event: _send(server, TIERS_EVENT, tiers_payload()))
+    def push_tiers(*_: Any) -> None:
+        _send(server, TIERS_EVENT, tiers_payload())
+
+    MANAGER.subscribe(push_tiers)
+    # Core's own loads and unloads raise no event: the panel hears of them after each prompt
+    # (the prompt's models are released first, so the figures no longer show them in use).
+    prompt_lifecycle.on_prompt_end(lambda prompt_id: (PROMPT_USES.release_prompt(prompt_id),
+                                                      push_tiers()))
     LAYERWISE.subscribe(lambda report: _send(
         server, LAYERWISE_EVENT,
         {"model_id": _model_id_of_module(report["module_id"]), "layerwise": report}))

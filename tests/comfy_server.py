@@ -34,13 +34,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def prepare_base(base: Path, extra_nodes: dict[str, Path] | None = None) -> Path:
-    """Lay out a ComfyUI base directory with our pack, the test nodes and any extra node
-    folders (name -> folder; the benchmarks link their own) linked into custom_nodes/."""
+def prepare_base(base: Path, extra_nodes: dict[str, Path] | None = None,
+                 test_nodes: bool = True) -> Path:
+    """Lay out a ComfyUI base directory with our pack, the test nodes (unless a user's server is
+    wanted, as for the demo) and any extra node folders (name -> folder; the benchmarks link
+    their own) linked into custom_nodes/."""
     custom = base / "custom_nodes"
     custom.mkdir(parents=True, exist_ok=True)
-    links = {PACK_LINK_NAME: REPO, TEST_NODES_LINK_NAME: REPO / "tests" / "comfy_test_nodes",
-             **(extra_nodes or {})}
+    links = {PACK_LINK_NAME: REPO, **(extra_nodes or {})}
+    if test_nodes:
+        links[TEST_NODES_LINK_NAME] = REPO / "tests" / "comfy_test_nodes"
     for name, target in links.items():
         link = custom / name
         if not link.exists():
@@ -61,8 +64,8 @@ class PromptFailed(AssertionError):
 class ComfyServer:
     def __init__(self, base: Path, *, extra_args: tuple[str, ...] = (), threads: int = 2,
                  port: int | None = None, extra_nodes: dict[str, Path] | None = None,
-                 env: dict[str, str] | None = None) -> None:
-        self.base = prepare_base(base, extra_nodes)
+                 env: dict[str, str] | None = None, test_nodes: bool = True) -> None:
+        self.base = prepare_base(base, extra_nodes, test_nodes)
         self.env = env or {}
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -210,5 +213,21 @@ class ComfyServer:
         self.post("/interrupt", {})
 
     def free(self) -> None:
-        """Drop ComfyUI's output cache (and unload models) so the next prompt really runs."""
+        """Drop ComfyUI's output cache and unload every model; return once that is done.
+
+        POST /free only sets flags, which the prompt worker reads after each prompt and when it
+        wakes with an empty queue. A prompt queued right after the request can be taken before the
+        worker has read them: it then runs on the old state and the free lands after it, dropping
+        the model it just loaded (and the pack's state for that model). The worker reads its
+        flags once between any two prompts, so two barrier prompts of core nodes follow the
+        request: by the end of the second, the free has run.
+        """
         self.post("/free", {"unload_models": True, "free_memory": True})
+        # The cheapest prompt of core nodes on every version; a cached answer still passes
+        # through the worker's loop, which is all a barrier needs.
+        barrier = {"n": {"class_type": "PrimitiveInt", "inputs": {"value": 0}},
+                   "show": {"class_type": "PreviewAny", "inputs": {"source": ["n", 0]}}}
+        for prompt_id in [self.queue(barrier) for _ in range(2)]:
+            entry = self.wait(prompt_id)
+            if entry["status"]["status_str"] != "success":
+                raise PromptFailed(entry)

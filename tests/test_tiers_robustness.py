@@ -173,6 +173,25 @@ def test_bad_input_on_every_route_gets_a_short_4xx_and_the_server_keeps_serving(
             status, body = send(s, "POST", f"{prefix}/offload/models/{key}/park", b"\xff[[[",
                                 "text/plain; charset=bogus")
             assert status == 200 and body["model"]["tier"] == "ram", body
+            json_type = "application/json"
+            for body, content_type, status, fragments in (
+                    (b'{"priority": NaN}', json_type, 400, ("NaN",)),
+                    (b'{"priority": 1e400}', json_type, 400, ("priority",)),
+                    (b'{"priority": 101}', json_type, 400, ("priority",)),
+                    (b'{"priority": true}', json_type, 400, ("priority",)),
+                    (b'{"keep_in_ram": "yes"}', json_type, 400, ("keep_in_ram",)),
+                    (b"{}", json_type, 400, ("keep_in_ram",)),
+                    (json.dumps({"x" * 60_000: 1}).encode(), json_type, 400, ("keep_in_ram",)),
+                    (b"[" * 50_000 + b"]" * 50_000, json_type, 413, ("larger than",)),
+                    (b"[" * 30_000 + b"]" * 30_000, json_type, 400, ("JSON",)),
+                    (b'{"priority": 1}', "application/json; charset=bogus", 400, ("UTF-8",))):
+                message = assert_refused(send(s, "POST", f"{prefix}/offload/policy/{key}", body,
+                                              content_type), status, *fragments)
+                assert "x" * 100 not in message
+            assert_refused(send(s, "POST", f"{prefix}/offload/policy/{'z' * 4000}",
+                                b'{"priority": 1}'), 404, "no model")
+            assert_refused(send(s, "POST", f"{prefix}/offload/loaded/{'z' * 4000}/unload"), 404,
+                           "no loaded model")
             for path in ("tiers", "layerwise", "swap"):
                 status, body = send(s, "GET", f"{prefix}/offload/{path}?x=NaN&y={'1' * 5000}")
                 assert status == 200 and isinstance(body, dict), (path, status)
