@@ -128,7 +128,7 @@ def report() -> list[dict[str, Any]]:
     for member in SWAP_MEMBERS.values():
         if member not in swapped and not member.closed:
             cards.append({"id": f"swap-{id(member):x}", "class": member.name, "network": None,
-                          "kind": "model", "file": None, "device": member.report()["device"],
+                          "kind": "model", "file": None, "device": "cpu",  # a master lives in host RAM
                           "core": False, "bytes": None, "tier_id": None, "layerwise": None,
                           "swap": member.report()})
     return cards

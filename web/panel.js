@@ -213,7 +213,8 @@ function layerwiseHtml(lw, showStrip) {
 function swapHtml(sw) {
   if (!sw) return "";
   return `<div class="to-meta" data-role="swap"><span class="to-pill">swapped</span>
-    <span>Model-Level Swap: ${num(sw.turns)} turns, ${num(sw.loads)} loads in, ${num(sw.parks)} parks</span></div>`;
+    <span>Model-Level Swap: ${num(sw.turns)} turns, ${num(sw.parks)} parks without a copy back${
+      sw.bytes && typeof sw.bytes.master === "number" ? ` · master ${esc(fmtBytes(sw.bytes.master))}` : ""}</span></div>`;
 }
 
 function button(action, label, icon, title, { disabled = false, busy = false } = {}) {
