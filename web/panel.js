@@ -158,6 +158,7 @@ function layerwiseHtml(lw, showStrip, units, title = "Layerwise") {
     <div class="to-lw-head"><b>${esc(title)}</b>
       <span class="to-muted">${num(lw.blocks)} blocks · ${resident} resident · ${streamed} streamed
       ${typeof lw.bound_bytes === "number" ? ` · ${esc(fmtBytes(lw.bound_bytes, units))} bound` : ""}</span></div>
+    ${lw.dynamic_vram?.cost ? `<div class="to-muted" data-role="lw-cost">Cost: ${esc(lw.dynamic_vram.cost)}</div>` : ""}
     ${showStrip ? stripHtml(lw) : ""}
     ${telemetryHtml(lw.telemetry, units)}
   </div>`;
