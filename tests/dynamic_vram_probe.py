@@ -72,20 +72,6 @@ class CountingLoader:
         patcher.cached_patcher_init = (self, self.args)
 
 
-def first_block_weight_key(model: torch.nn.Module) -> str:
-    sd = model.state_dict()
-    return next(k for k in sd if k.startswith("diffusion_model.blocks.0.") and k.endswith(".weight")
-                and sd[k].ndim == 2)
-
-
-def with_lora(patcher, strength: float):
-    """A clone with a weight patch on block 0, as LoraLoaderModelOnly makes one."""
-    lora = patcher.clone()
-    key = first_block_weight_key(patcher.model)
-    lora.add_patches({key: (torch.full_like(patcher.model.state_dict()[key], 0.01),)}, strength)
-    return lora
-
-
 def classic_case(layerwise, path: Path) -> dict:
     classic = comfy.sd.load_diffusion_model(str(path))
     settings = layerwise.LayerwiseSettings(**{k: SETTINGS[k] for k in ("resident_blocks", "vram_budget_gb",
@@ -168,9 +154,9 @@ def dynamic_cases(layerwise, dynamic_vram, path: Path) -> dict:
     # engine: a classic copy, made once per underlying model, after every check.
     first = node.apply(dyn, **SETTINGS, mode="engine")[0]
     calls_first = loader.calls
-    lora = with_lora(dyn, 0.5)
+    lora = standin.with_lora(dyn, 0.5)
     after_lora = node.apply(lora, **SETTINGS, mode="engine")[0]
-    lora2 = with_lora(dyn, 0.8)
+    lora2 = standin.with_lora(dyn, 0.8)
     other_settings = node.apply(lora2, **dict(SETTINGS, resident_blocks=1), mode="engine")[0]
     entry = dynamic_vram.DELEGATES.get(dyn.model)
     session = next((r for r in layerwise.REGISTRY.report()

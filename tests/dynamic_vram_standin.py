@@ -70,3 +70,13 @@ def prepare_dynamic_load(dyn: DynamicStandIn, device: torch.device) -> VBARStand
     dyn.model.dynamic_pins = {device: {"hostbufs_initialized": True, "failed": False,
                                        "active": False, "current_prompt": False}}
     return vbar
+
+
+def with_lora(patcher, strength: float):
+    """A clone with a weight patch on block 0, as LoraLoaderModelOnly makes one."""
+    lora = patcher.clone()
+    sd = patcher.model.state_dict()
+    key = next(k for k in sd if k.startswith("diffusion_model.blocks.0.") and k.endswith(".weight")
+               and sd[k].ndim == 2)
+    lora.add_patches({key: (torch.full_like(sd[key], 0.01),)}, strength)
+    return lora

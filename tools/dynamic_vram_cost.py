@@ -50,6 +50,7 @@ def boot_comfy() -> None:
 
 
 def import_nodes(pack: Path):
+    """`pack`/nodes/layerwise.py as a package module, without the pack's server wiring."""
     for name, path in (("tiered_offload_cost", pack), ("tiered_offload_cost.nodes", pack / "nodes")):
         module = types.ModuleType(name)
         module.__path__ = [str(path)]
@@ -62,16 +63,6 @@ def rss() -> int:
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     return psutil.Process().memory_info().rss
-
-
-def with_lora(patcher, strength: float):
-    import torch
-    lora = patcher.clone()
-    sd = patcher.model.state_dict()
-    key = next(k for k in sd if k.startswith("diffusion_model.blocks.0.") and k.endswith(".weight")
-               and sd[k].ndim == 2)
-    lora.add_patches({key: (torch.full_like(sd[key], 0.01),)}, strength)
-    return lora
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -126,10 +117,10 @@ def main(argv: list[str] | None = None) -> dict:
     if has_mode:
         step("auto", dyn, "auto", settings)
     step("engine, first", dyn, "engine", settings)
-    lora = with_lora(dyn, 0.5)
+    lora = standin.with_lora(dyn, 0.5)
     keep.append(lora)
     step("engine, LoRA change", lora, "engine", settings)
-    lora2 = with_lora(dyn, 0.8)
+    lora2 = standin.with_lora(dyn, 0.8)
     keep.append(lora2)
     step("engine, refused settings", lora2, "engine", impossible)
     result = {"pack": str(args.pack.resolve()), "torch": torch.__version__, "model_file": str(model_path),
