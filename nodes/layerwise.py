@@ -35,7 +35,7 @@ import comfy.utils
 from ..offload_core.discovery import find_blocks
 from ..offload_core.per_module import PerModule
 from ..offload_core.streamer import LayerwiseStreamer
-from . import block_budget, comfy_weights
+from . import block_budget, comfy_weights, dynamic_vram
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,14 @@ class LayerwiseSettings:
     vram_budget_gb: float  # 0: auto
     prefetch: int
     pin: bool
+
+    def streamer_kwargs(self) -> dict[str, Any]:
+        """The residency settings as the streamer takes them (an auto budget plans no resident
+        block here; it is decided from the free device memory when a run starts)."""
+        if self.resident_blocks >= 0:
+            return {"resident": self.resident_blocks, "prefetch": self.prefetch, "pin": self.pin}
+        return {"vram_budget_bytes": self.requested_budget, "prefetch": self.prefetch,
+                "pin": self.pin}
 
     @property
     def requested_budget(self) -> int | None:
@@ -206,6 +214,7 @@ class LayerwiseSession:
             "active": self.active,
             "runs": self.runs,
             "telemetry": self.streamer.telemetry.snapshot() if self.active else self.last_run,
+            "dynamic_vram": dynamic_vram.describe(self.module_id),
         }
 
 
@@ -273,40 +282,21 @@ class _Registry:
 REGISTRY = _Registry()
 
 
-def _is_dynamic(patcher) -> bool:
-    probe = getattr(patcher, "is_dynamic", None)
-    return bool(probe()) if callable(probe) else False
+_is_dynamic = dynamic_vram.is_dynamic
 
 
-def _classic_patcher(model):
-    """Return a classic ModelPatcher clone, or None if this ComfyUI cannot give one.
+def _classic_patcher(model, settings: LayerwiseSettings):
+    """A classic ModelPatcher for the engine to stream.
 
-    Newer ComfyUI's Dynamic VRAM already streams per layer with its own pins; two streamers on
-    one model fight. Where the API offers a classic patcher we take it, so the user's explicit
-    choice of this node wins; otherwise we step aside.
-
-    Both of 0.33's ways rebuild the model from its loader (`cached_patcher_init`) with Dynamic
-    VRAM off. `get_non_dynamic_delegate()` keeps that rebuilt module on the dynamic patcher and
-    hands out clones of it, so a re-run (a changed setting) reuses it and the engine's pack;
-    `clone(disable_dynamic=True)` loads from disk anew on every call, so it is only the fallback.
-    Both raise RuntimeError for a model whose loader registered no `cached_patcher_init`.
+    A classic model gets a plain clone. A model that newer ComfyUI runs with Dynamic VRAM
+    (0.15 and later) gets a clone over a classic copy of it, because the engine cannot take the
+    blocks of a dynamic model (dynamic_vram.py says why): the copy is made once per model, after
+    every check, and its cost is logged and reported. Raises ValueError, before any copy, for a
+    model or settings the engine refuses or a model no copy can be made of.
     """
     if not _is_dynamic(model):
         return model.clone()
-    makers = []
-    delegate = getattr(model, "get_non_dynamic_delegate", None)
-    if callable(delegate):
-        makers.append(("get_non_dynamic_delegate()", delegate))
-    makers.append(("clone(disable_dynamic=True)", lambda: model.clone(disable_dynamic=True)))
-    for name, make in makers:
-        try:
-            patcher = make()
-        except (TypeError, RuntimeError) as e:
-            log.info("Apply Layerwise Offload: no classic patcher from %s: %s", name, e)
-            continue
-        if patcher is not None and not _is_dynamic(patcher):
-            return patcher
-    return None
+    return dynamic_vram.classic_copy(model, settings.streamer_kwargs())
 
 
 class ApplyLayerwiseOffload:
@@ -336,6 +326,15 @@ class ApplyLayerwiseOffload:
                 "tooltip": "Keep the block weights in pinned RAM for full-speed async copies. "
                            "Falls back to pageable RAM (slower, logged) if pinning would exceed "
                            "the RAM budget."}),
+        }, "optional": {
+            "mode": (list(dynamic_vram.MODES), {
+                "default": "auto",
+                "tooltip": "auto: on a model that ComfyUI runs with Dynamic VRAM (0.15 and later "
+                           "on NVIDIA), ComfyUI streams it and keeps this node's resident blocks "
+                           "in VRAM first, with no copy; on other models the pack's engine "
+                           "streams. engine: always the pack's engine; on a Dynamic VRAM model "
+                           "that costs a second copy of the model in RAM and one reload from "
+                           "disk (logged and shown in the Offload panel)."}),
         }}
 
     RETURN_TYPES = ("MODEL",)
@@ -345,19 +344,19 @@ class ApplyLayerwiseOffload:
                    "earlier blocks compute. Results are bit-identical to core loading the whole "
                    "model.")
 
-    def apply(self, model, resident_blocks: int, vram_budget_gb: float, prefetch: int, pin: bool):
-        patcher = _classic_patcher(model)
-        if patcher is None:
-            log.warning("Apply Layerwise Offload: this ComfyUI runs the model with Dynamic VRAM "
-                        "and offers no classic patcher; stepping aside, core streams the weights.")
-            return (model,)
+    def apply(self, model, resident_blocks: int, vram_budget_gb: float, prefetch: int, pin: bool,
+              mode: str = "auto"):
+        settings = LayerwiseSettings(resident_blocks, vram_budget_gb, prefetch, pin)
+        if dynamic_vram.check_mode(mode) == "auto" and _is_dynamic(model):
+            return (dynamic_vram.cooperate(model, settings.streamer_kwargs()),)
         from . import swap  # swap builds on this module
-        if patcher.get_wrappers(comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING, swap.KEY):
+        # Checked on the input (clones carry its wrappers), so a refusal costs no copy.
+        if model.get_wrappers(comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING, swap.KEY):
             raise ValueError(
                 "Apply Layerwise Offload got a model that is already under Model-Level Swap, "
                 "which keeps the whole model in pinned RAM; streaming its blocks would hold them "
                 "twice. Put Apply Layerwise Offload first, then Model-Level Swap.")
-        settings = LayerwiseSettings(resident_blocks, vram_budget_gb, prefetch, pin)
+        patcher = _classic_patcher(model, settings)
         # Every check (blocks, packability, settings) runs here, before anything is moved, so
         # a refused model costs nothing and the error names the node.
         session = REGISTRY.session_for(patcher, settings)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -23,9 +24,20 @@ REPO = Path(__file__).resolve().parent.parent
 # Another ComfyUI tree (and the Python that runs it) can be tested against, e.g. a newer release.
 COMFY_ROOT = Path(os.environ.get("TIERED_OFFLOAD_COMFY_ROOT", REPO / ".comfyui"))
 COMFY_PYTHON = os.environ.get("TIERED_OFFLOAD_COMFY_PYTHON", sys.executable)
+# Whether that is the tree the Makefile builds beside .venv/ (the lane that runs every test).
+DEFAULT_TREE = COMFY_ROOT.resolve() == (REPO / ".comfyui").resolve()
 PACK_LINK_NAME = "comfyui-tiered-offload"
 TEST_NODES_LINK_NAME = "tiered_offload_test_nodes"
 OUR_NODES = ("ApplyLayerwiseOffload",)
+
+
+def comfy_version(root: Path = COMFY_ROOT) -> str:
+    """The version a ComfyUI tree declares (comfyui_version.py), without importing it."""
+    text = (root / "comfyui_version.py").read_text()
+    match = re.search(r'__version__\s*=\s*"([^"]+)"', text)
+    if match is None:
+        raise RuntimeError(f"no __version__ in {root / 'comfyui_version.py'}")
+    return match.group(1)
 
 
 def free_port() -> int:

@@ -205,6 +205,7 @@ function layerwiseHtml(lw, showStrip) {
     <div class="to-lw-head"><b>Streamed by Apply Layerwise Offload</b>
       <span class="to-muted">${num(lw.blocks)} blocks · ${resident} resident · ${streamed} streamed
       ${typeof lw.bound_bytes === "number" ? ` · at most ${esc(fmtBytes(lw.bound_bytes))} on the device` : ""}</span></div>
+    ${lw.dynamic_vram?.cost ? `<div class="to-muted" data-role="lw-cost">Cost: ${esc(lw.dynamic_vram.cost)}</div>` : ""}
     ${showStrip ? stripHtml(lw) : ""}
     ${telemetryHtml(lw.telemetry)}
   </div>`;
