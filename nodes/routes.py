@@ -187,7 +187,10 @@ async def post_unload(request: web.Request) -> web.Response:
     """Core's own unload of a model in the panel's list of loaded models, between prompts."""
     card = request.match_info["card"]
     try:
-        return web.json_response({"unloaded": await _off_loop(loaded_models.unload, card)})
+        done = await _off_loop(loaded_models.unload, card)
+        # Core's unload raises no event of its own: tell the open panels.
+        push_tiers()
+        return web.json_response({"unloaded": done})
     except LookupError:
         return _error(404, f"no loaded model with id '{budgets.shorten(card)}'")
     except TierError as e:
@@ -243,6 +246,13 @@ def _send(server, event: str, payload: dict[str, Any]) -> None:
     server.send_sync(event, payload)
 
 
+def push_tiers(*_: Any) -> None:
+    """Send the tiers event (the full GET /offload/tiers payload) to every open panel."""
+    from server import PromptServer
+
+    _send(PromptServer.instance, TIERS_EVENT, tiers_payload())
+
+
 def register() -> None:
     from server import PromptServer
 
@@ -255,9 +265,6 @@ def register() -> None:
     routes.post("/offload/budgets")(post_budgets)
     routes.post("/offload/loaded/{card}/unload")(post_unload)
     routes.post("/offload/policy/{model}")(post_policy)
-
-    def push_tiers(*_: Any) -> None:
-        _send(server, TIERS_EVENT, tiers_payload())
 
     MANAGER.subscribe(push_tiers)
     # Core's own loads and unloads raise no event: the panel hears of them after each prompt

@@ -460,7 +460,7 @@ export class Panel {
     const v = Number(input.value);
     if (!Number.isInteger(v) || v < -100 || v > 100) {
       input.setCustomValidity("a whole number from -100 to 100");
-    } else if (v !== known && !this.state.pending[id]) {
+    } else if (v !== known) {
       input.setCustomValidity("");
       this.onPolicy(id, { priority: v });
     }

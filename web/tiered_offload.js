@@ -83,7 +83,16 @@ function cardLabel(id) {
 }
 
 // One panel request; the change itself arrives as a "tiered_offload.tiers" push.
-async function post(id, action, path, body) {
+// Requests about one card go out one after the other, in the order the user made them: a
+// priority typed while the keep-in-RAM change is still on its way is sent after it, not dropped.
+const chains = {};
+function post(id, action, path, body) {
+  const send = () => postNow(id, action, path, body);
+  chains[id] = (chains[id] ?? Promise.resolve()).then(send, send);
+  return chains[id];
+}
+
+async function postNow(id, action, path, body) {
   const label = cardLabel(id);
   state.pending[id] = action;
   panel.update();
