@@ -192,10 +192,12 @@ class LayerwiseStreamer:
         ]
 
     def host_bytes(self) -> dict[str, int]:
-        """Host master size and how much of it is page-locked."""
+        """Host master size, the tensors in it without alignment padding (a quantized weight's
+        inner tensors), and how much of it is page-locked."""
         host = self._host
         return {
             "packed": self.packed_bytes,
+            "tensors": sum(p.tensor_bytes for p in self._packs) + self._shared.tensor_bytes,
             "pinned": host.pinned_bytes if host else 0,
             "pageable": host.pageable_bytes if host else 0,
         }
@@ -348,7 +350,7 @@ class LayerwiseStreamer:
             buf.copy_(p.host, non_blocking=True)
             if self._transform is not None:  # queued behind the copy on the same stream
                 tel.transforms += p.apply_transform(buf, self._transform)
-            p.bind(p.views(buf))
+            p.bind(p.views(buf, transformed=self._transform is not None))
             tel.add_materialized(p.nbytes)
         tel.bound_bytes = self.bound_bytes()
         self._slot_of = {}
@@ -475,7 +477,8 @@ class LayerwiseStreamer:
             raise
         views = self._view_cache.get((i, slot))
         if views is None:
-            views = self._view_cache[(i, slot)] = self._packs[i].views(self._ring.buffers[slot])
+            views = self._view_cache[(i, slot)] = self._packs[i].views(
+                self._ring.buffers[slot], transformed=self._transform is not None)
         self._packs[i].bind(views)
         self._running = i
 
