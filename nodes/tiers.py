@@ -48,7 +48,10 @@ class ComfyModelBackend:
     """Moves one loader's outputs between tiers with core's own load and unload paths.
 
     Going through `load_models_gpu` and `LoadedModel.model_unload` keeps core's view
-    (`current_loaded_models`, free memory) the same as ours.
+    (`current_loaded_models`, free memory) the same as ours. Each step runs under
+    `torch.inference_mode()`, as core's prompt worker runs everything: a REST call or the
+    preload thread would otherwise move a model outside it, and moving a quantized weight (0.3.75's
+    QuantizedTensor) outside it leaves a parameter that core's next prompt cannot `detach()`.
     """
 
     def __init__(self, load: Callable[[], tuple], size_hint: int) -> None:
@@ -56,18 +59,22 @@ class ComfyModelBackend:
         self._size_hint = size_hint
         self.outputs: tuple | None = None
 
+    @torch.inference_mode()
     def load_from_disk(self) -> None:
         self.outputs = self._load()
 
+    @torch.inference_mode()
     def to_vram(self) -> None:
         comfy.model_management.load_models_gpu(_patchers(self.outputs))
 
+    @torch.inference_mode()
     def to_ram(self) -> None:
         if self.outputs is None:
             return
         for patcher in _patchers(self.outputs):
             unload_from_core(patcher.model)
 
+    @torch.inference_mode()
     def drop(self) -> None:
         """Free the weights even if ComfyUI's output cache still holds these objects.
 
