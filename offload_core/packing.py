@@ -348,11 +348,15 @@ class PackedBlock:
         return tuple(x.data_ptr() for x in flat.inner) if flat is not None else ()
 
     def _shows(self, t: object, u: _Unit, views: BlockViews) -> bool:
-        """Whether ``t`` shows exactly the memory of ``views`` for this unit."""
+        """Whether ``t`` shows the memory of ``views`` for this unit (a wrapper: or small equal
+        copies of some inner tensors, see ``_equal_small_copy``)."""
         if u.spec is None:
             return isinstance(t, torch.Tensor) and _same_view(t, views.tensors[u.entries[0]])
         flat = u.spec.matches(t)
-        return flat is not None and all(_same_view(x, views.tensors[i]) for x, i in zip(flat.inner, u.entries))
+        return flat is not None and all(
+            _same_view(x, views.tensors[i]) or self._equal_small_copy(x, self.entries[i])
+            for x, i in zip(flat.inner, u.entries)
+        )
 
     def _rest(self, b: _Binding) -> None:
         """A wrapped object shows its own contents again (undoes ``_show``)."""
@@ -582,8 +586,8 @@ class PackedBlock:
     def _equal_small_copy(self, t: torch.Tensor, e: PackedTensor) -> bool:
         """A small host tensor with the pack's bytes for ``e`` still shows the pack's values.
 
-        Why: a no-op ``.to()`` of a module rebuilds a wrapper parameter, and 0.3.75's
-        QuantizedTensor clones its scale on the way (its ``detach``); the values are unchanged.
+        Why: a no-op ``.to()`` of a module rebuilds a wrapper parameter, and both ComfyUI
+        QuantizedTensors clone their scales on the way (their ``detach``); the values are the same.
         """
         if self.host is None or t.device.type != "cpu" or t.dtype != e.dtype or t.size() != e.shape:
             return False
