@@ -489,29 +489,42 @@ class PackedBlock:
         back. A slot holding anything else (a weight the owner computed, such as a merged LoRA) is
         left alone. Returns how many tensors were not in the master.
         """
+        return self._take_back(move_own=True)
+
+    def adopt(self) -> int:
+        """Give our object back to every slot where the owner put a new object over the master's
+        own memory (a re-wrap: ``set_attr_param``, 0.33's quantized ``_apply``), while our object
+        still shows the master. Nothing else changes, so a kept pack stays valid. Returns how many
+        slots were given back."""
+        return self._take_back(move_own=False)
+
+    def _take_back(self, move_own: bool) -> int:
         if self.host is None:
             raise RuntimeError(f"block {self.index} is not packed")
         regions = self.views(self.host)
-        moved = 0
+        count = 0
         for k, b in enumerate(self._bindings):
             u = self._units[b.unit]
             if not u.held:
                 continue
             currents = [table.get(attr) for table, attr in b.slots]
             shows = b.parked is None and self._shows(b.obj, u, regions)
-            if not shows and any(c is b.obj for c in currents):
+            if move_own and not shows and any(c is b.obj for c in currents):
                 self._point(b, k, regions)
-                moved += 1
+                count += 1
                 shows = True
             for (table, attr), current in zip(b.slots, currents):
                 if current is None or current is b.obj or not self._shows(current, u, regions):
                     continue
-                if not shows:
+                if not shows and move_own:
                     self._point(b, k, regions)
                     shows = True
-                table[attr] = b.obj
-            b.ptrs = self._ptrs(b.obj, u)
-        return moved
+                if shows:
+                    table[attr] = b.obj
+                    count += not move_own
+            if move_own or shows:
+                b.ptrs = self._ptrs(b.obj, u)
+        return count
 
     def release(self) -> None:
         """Drop the block's tensors from its modules; the pack keeps the values.

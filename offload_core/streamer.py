@@ -225,6 +225,10 @@ class LayerwiseStreamer:
         if self._attached:
             raise RuntimeError("already attached; call detach() first")
         packs = self._packs + [self._shared]
+        if self._host is not None:  # a re-wrap of the same memory leaves the kept pack valid
+            adopted = sum(p.adopt() for p in packs)
+            if adopted:
+                log.info("%d block tensors were re-wrapped over the kept pack; it stays valid", adopted)
         if self._current_signature() != self._signature or not all(p.is_current() for p in packs):
             if self._host is not None:
                 log.info("block tensors were re-assigned since the pack was kept; packing from scratch")

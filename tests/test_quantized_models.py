@@ -181,9 +181,13 @@ def test_fp8_blocks_under_model_level_swap_and_tiered_loader(qserver):
 @needs_gguf
 @pytest.mark.parametrize("qtype", qm.GGUF_TYPES)
 def test_gguf_streams_with_its_lora_and_keeps_its_tensors(qserver, comfy_base, qtype):
+    """Quantized types: the LoRA stays on the weights' patches. F16: ComfyUI-GGUF merges it
+    itself (fp32, rounding seeded 0), and so does the transform."""
     unet = gguf_name(qtype)
     state = check_streams_like_core(qserver, unet, loader="UnetLoaderGGUF")
     check_packs_at_stored_size(qserver, state, unet, comfy_base)
+    if qtype == "F16":
+        return
     core = qserver.run(workflow(unet, lora=True, loader="UnetLoaderGGUF", report=True))
     ours = qserver.run(workflow(unet, lora=True, layerwise=STREAMED, loader="UnetLoaderGGUF", report=True))
     assert latent_sha(ours) == latent_sha(core)

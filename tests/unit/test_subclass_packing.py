@@ -162,6 +162,45 @@ def _doubled(t: Int8Tensor) -> Int8Tensor:
     return Int8Tensor.quantize(t.dequantize() * 2)
 
 
+@pytest.mark.parametrize("kind", [QuantLinear, RawLinear])
+def test_kept_pack_survives_a_re_wrap_of_its_memory(kind):
+    """An owner that puts new Parameter objects over the same memory (core's set_attr_param, 0.33's
+    quantized _apply) leaves the pack's values in place: it is reused and our objects come back."""
+    blocks = _blocks(kind=kind)
+    x = torch.randn(3, 32)
+    ref = _run(blocks, x)
+    objects = [b.weight for b in blocks]
+    st = LayerwiseStreamer(blocks, "cpu", resident=1, prefetch=1)
+    st.attach()
+    st.detach(keep_pack=True)
+    for b in blocks:
+        w = b.weight
+        b.weight = nn.Parameter(type(w).__tensor_unflatten__({"_qdata": w._qdata, "_scale": w._scale}, {
+            "orig_dtype": w._orig_dtype}, w.size(), w.stride()) if kind is QuantLinear else w.data,
+            requires_grad=False)
+    assert all(b.weight is not o for b, o in zip(blocks, objects))
+    st.telemetry.reset()
+    st.attach()
+    assert st.telemetry.blocks_packed == 0
+    assert torch.equal(_run(blocks, x), ref)
+    st.detach(keep_pack=True)
+    assert [b.weight for b in blocks] == objects
+    # Other values are a re-assignment: packed again, and kept.
+    w = objects[0]
+    other = nn.Parameter(Int8Tensor(-w._qdata, w._scale.clone(), torch.float32) if kind is QuantLinear
+                         else RawBytes(w.data.view(torch.float32).neg().view(torch.uint8), logical=w.logical,
+                                       tag=w.tag), requires_grad=False)
+    blocks[0].weight = other
+    want = _run(blocks, x)
+    assert not torch.equal(want, ref)
+    st.attach()
+    assert st.telemetry.blocks_packed > 0
+    assert torch.equal(_run(blocks, x), want)
+    st.detach(keep_pack=True)
+    assert blocks[0].weight is other
+    st.close()
+
+
 def test_transform_writes_a_new_wrapper_into_device_copies_only():
     blocks = _blocks()
     x = torch.randn(3, 32)
