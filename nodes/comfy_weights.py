@@ -4,9 +4,17 @@ Core merges LoRA into a fully loaded weight with `comfy.lora.calculate_weight` o
 (in fp32 up to 0.3.x; newer ComfyUI uses `model_management.lora_compute_dtype(device)`, fp16 on
 GPUs that favour it) and stochastic-rounds it with a per-key seed. Doing exactly that when packing
 makes a streamed block bit-identical to the same block loaded by core.
+
+GGUF models (ComfyUI-GGUF's `GGMLTensor` weights under its `GGUFModelPatcher`) are the exception:
+their patcher merges a LoRA into a quantized weight at no load at all. It hangs the patches on the
+weight (`weight.patches`) and its layers apply them each time they dequantize. Its unquantized
+weights it merges in fp32 and rounds with seed 0. The engine keeps the weight objects (and so
+their `patches`) across packing and streaming, so the hand-over gives them the patches the
+patcher's own load would, and the transform leaves their bytes alone.
 """
 from __future__ import annotations
 
+import sys
 from typing import Callable, Sequence
 
 import torch
@@ -37,11 +45,14 @@ def lora_transform(patcher, block_prefixes: Sequence[str]) -> Callable:
     """A transform that merges the patcher's weight patches the way core's full load does.
 
     Core's `patch_weight_to_device`: the weight in the merge dtype on the load device, the
-    layer's `convert_func` (e.g. scaled fp8's scale), `calculate_weight`, then either the layer's
-    own `set_func` (scaled fp8, mixed precision: it rounds, or quantizes, as that layer stores
-    weights) or stochastic rounding to the storage dtype, each seeded by the key. The same steps
-    here give the same bits. The layer's methods read its other tensors (a scale), so the engine
-    runs the transform while the block's tensors are bound.
+    layer's `convert_func` (scaled fp8's scale, a quantized tensor's dequantize),
+    `calculate_weight`, then either the layer's own `set_func` (scaled fp8, mixed precision: it
+    rounds, or quantizes, as that layer stores weights, returning a new quantized tensor whose
+    inner tensors the engine writes into the copy) or stochastic rounding to the storage dtype,
+    each seeded by the key. The same steps here give the same bits. The layer's methods read
+    its other tensors (a scale), so the engine runs the transform while the block's tensors are
+    bound to the copy. A GGUF weight is merged as its own patcher merges it (see the module
+    docstring).
     """
     patches = patcher.patches
     device = patcher.load_device
@@ -52,7 +63,13 @@ def lora_transform(patcher, block_prefixes: Sequence[str]) -> Callable:
         key = f"{block_prefixes[block_index]}.{name}"
         if key not in patches:
             return tensor
-        _, set_func, convert_func = comfy.model_patcher.get_key_weight(model, key)
+        weight, set_func, convert_func = comfy.model_patcher.get_key_weight(model, key)
+        if is_ggml(weight):
+            if ggml_quantized(weight):
+                return tensor  # applied at dequantization through weight.patches
+            work = comfy.model_management.cast_to_device(tensor, device, torch.float32, copy=True)
+            merged = comfy.lora.calculate_weight(patches[key], work, key)
+            return comfy.float.stochastic_rounding(merged, tensor.dtype).to(tensor.device)
         work = comfy.model_management.cast_to_device(tensor, device, merge_dtype, copy=True)
         if convert_func is not None:
             work = convert_func(work, inplace=True)
@@ -62,14 +79,53 @@ def lora_transform(patcher, block_prefixes: Sequence[str]) -> Callable:
             merged = comfy.float.stochastic_rounding(merged, tensor.dtype, seed=seed)
         else:
             merged = set_func(merged, seed=seed, return_weight=True)
-            if type(merged) not in (torch.Tensor, torch.nn.Parameter):
-                raise TypeError(
-                    f"Apply Layerwise Offload: the LoRA on {key} gives a "
-                    f"{type(merged).__name__} (a quantized weight), which the engine cannot "
-                    "stream yet; run this model without the node or without the LoRA")
         return merged.to(tensor.device)
 
     return transform
+
+
+def is_ggml(weight: object) -> bool:
+    """A ComfyUI-GGUF `GGMLTensor` (known by its attributes, so the pack needs no GGUF import)."""
+    return isinstance(weight, torch.Tensor) and hasattr(weight, "tensor_type") \
+        and hasattr(weight, "tensor_shape")
+
+
+def ggml_quantized(weight: torch.Tensor) -> bool:
+    """GGUF's `is_quantized`: any tensor type but F32 and F16 (which torch reads as they are)."""
+    qtype = getattr(weight, "tensor_type", None)
+    return qtype is not None and getattr(qtype, "name", str(qtype)) not in ("F32", "F16")
+
+
+def _attach_ggml_patches(patcher, block_prefixes: Sequence[str],
+                         blocks: Sequence[torch.nn.Module]) -> None:
+    """Give each quantized GGUF weight of the blocks the patches its patcher's load would.
+
+    `GGUFModelPatcher.patch_weight_to_device` sets `weight.patches = [(patches, key)]`, the
+    patches moved to the load device with `patch_on_device`, else to the offload device. Core
+    never loads the engine's blocks (they are hidden from it), so this is done here, once per run;
+    the engine keeps the objects, so streamed copies carry them too.
+    """
+    for prefix, block in zip(block_prefixes, blocks):
+        for name, weight in block.named_parameters():
+            key = f"{prefix}.{name}"
+            if key in patcher.patches and is_ggml(weight) and ggml_quantized(weight):
+                device = patcher.load_device if getattr(patcher, "patch_on_device", False) \
+                    else patcher.offload_device
+                weight.patches = [(_move_patches(type(weight), patcher.patches[key], device), key)]
+
+
+def _move_patches(weight_class: type, patches, device: torch.device):
+    """GGUF's own `move_patch_to_device`, from the module that defines its tensor class; the
+    patches as they are where that module has none (they are moved at dequantization anyway)."""
+    move = getattr(sys.modules.get(weight_class.__module__), "move_patch_to_device", None)
+    return move(patches, device) if callable(move) else patches
+
+
+def _clear_ggml_patches(module: torch.nn.Module) -> None:
+    """What `GGUFModelPatcher.unpatch_model` does: no weight carries patches."""
+    for weight in module.parameters(recurse=False):
+        if is_ggml(weight) and getattr(weight, "patches", None):
+            weight.patches = []
 
 
 def hand_over_from_core(patcher, block_prefixes: Sequence[str],
@@ -78,11 +134,16 @@ def hand_over_from_core(patcher, block_prefixes: Sequence[str],
     takes them.
 
     The engine's master is host RAM whatever core's offload device is (`--highvram` makes that
-    the GPU), so the blocks go to the CPU.
+    the GPU), so the blocks go to the CPU. A block already there is not moved: a no-op `.to()`
+    still rebuilds every quantized (wrapper subclass) parameter. GGUF weights then get the
+    patches their patcher's load would give them.
     """
     _restore_base_weights(patcher, block_prefixes, blocks)
+    cpu = torch.device("cpu")
     for block in blocks:
-        block.to(torch.device("cpu"))
+        if any(t.device != cpu for t in [*block.parameters(), *block.buffers()]):
+            block.to(cpu)
+    _attach_ggml_patches(patcher, block_prefixes, blocks)
 
 
 def _restore_base_weights(patcher, block_prefixes: Sequence[str],
@@ -91,9 +152,10 @@ def _restore_base_weights(patcher, block_prefixes: Sequence[str],
 
     A clone sharing this nn.Module may have merged its LoRA into these weights; core keeps the
     originals in the shared `backup`. Restoring them (and dropping the backup entries) means the
-    engine packs the base weights and no later unpatch writes into a streamed block. Core's marks
-    go module by module, right after that module's weights are restored, so that whatever
-    interrupts this, a module core still counts as patched holds its merged weights.
+    engine packs the base weights and no later unpatch writes into a streamed block. GGUF weights
+    lose the patches hung on them, as its patcher's unpatch does. Core's marks go module by
+    module, right after that module's weights are restored, so that whatever interrupts this, a
+    module core still counts as patched holds its merged weights.
     """
     model = patcher.model
     for prefix, block in zip(block_prefixes, blocks):
@@ -109,6 +171,7 @@ def _restore_base_weights(patcher, block_prefixes: Sequence[str],
                         comfy.utils.copy_to_param(model, key, backup.weight)
                     else:
                         comfy.utils.set_attr_param(model, key, backup.weight)
+            _clear_ggml_patches(module)
             _forget_core_marks([module], lowvram=True, recurse=False)
 
 

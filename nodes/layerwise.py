@@ -210,6 +210,7 @@ class LayerwiseSession:
             "resident_indices": list(self.streamer.resident_indices),
             "streamed_indices": list(self.streamer.streamed_indices),
             "bound_bytes": self.streamer.bound_bytes(),
+            "host": self.streamer.host_bytes(),
             "block_states": self.streamer.block_states(),
             "active": self.active,
             "runs": self.runs,

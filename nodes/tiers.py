@@ -88,6 +88,10 @@ class ComfyModelBackend:
     Going through `load_models_gpu` and `LoadedModel.model_unload` keeps core's view
     (`current_loaded_models`, free memory) the same as ours. `generation` counts drops: it is
     part of the loader's `IS_CHANGED`, so emptied objects are never served from ComfyUI's cache.
+    Each step runs under `torch.inference_mode()`, as core's prompt worker runs everything: a
+    REST call or the preload thread would otherwise move a model outside it, and moving a
+    quantized weight (0.3.75's QuantizedTensor) outside it leaves a parameter that core's next
+    prompt cannot `detach()`.
     """
 
     def __init__(self, load: Callable[[], tuple], source: Source) -> None:
@@ -107,6 +111,7 @@ class ComfyModelBackend:
                 f"the file of '{self.source.name}' changed on disk since it was registered as "
                 f"{self.source.key}; its loader registers the new version under a new id")
 
+    @torch.inference_mode()
     def load_from_disk(self) -> None:
         self._check_source()
         try:
@@ -121,15 +126,18 @@ class ComfyModelBackend:
         self._check_source()  # rewritten while it loaded: these bytes belong to no known id
         self.outputs = outputs
 
+    @torch.inference_mode()
     def to_vram(self) -> None:
         comfy.model_management.load_models_gpu(_patchers(self.outputs))
 
+    @torch.inference_mode()
     def to_ram(self) -> None:
         if self.outputs is None:
             return
         for patcher in _patchers(self.outputs):
             unload_from_core(patcher.model)
 
+    @torch.inference_mode()
     def drop(self) -> None:
         """Free the weights even if ComfyUI's output cache still holds these objects.
 

@@ -192,10 +192,12 @@ class LayerwiseStreamer:
         ]
 
     def host_bytes(self) -> dict[str, int]:
-        """Host master size and how much of it is page-locked."""
+        """Host master size, the tensors in it without alignment padding (a quantized weight's
+        inner tensors), and how much of it is page-locked."""
         host = self._host
         return {
             "packed": self.packed_bytes,
+            "tensors": sum(p.tensor_bytes for p in self._packs) + self._shared.tensor_bytes,
             "pinned": host.pinned_bytes if host else 0,
             "pageable": host.pageable_bytes if host else 0,
         }
@@ -223,6 +225,10 @@ class LayerwiseStreamer:
         if self._attached:
             raise RuntimeError("already attached; call detach() first")
         packs = self._packs + [self._shared]
+        if self._host is not None:  # a re-wrap of the same memory leaves the kept pack valid
+            adopted = sum(p.adopt() for p in packs)
+            if adopted:
+                log.info("%d block tensors were re-wrapped over the kept pack; it stays valid", adopted)
         if self._current_signature() != self._signature or not all(p.is_current() for p in packs):
             if self._host is not None:
                 log.info("block tensors were re-assigned since the pack was kept; packing from scratch")
@@ -348,7 +354,7 @@ class LayerwiseStreamer:
             buf.copy_(p.host, non_blocking=True)
             if self._transform is not None:  # queued behind the copy on the same stream
                 tel.transforms += p.apply_transform(buf, self._transform)
-            p.bind(p.views(buf))
+            p.bind(p.views(buf, transformed=self._transform is not None))
             tel.add_materialized(p.nbytes)
         tel.bound_bytes = self.bound_bytes()
         self._slot_of = {}
@@ -475,7 +481,8 @@ class LayerwiseStreamer:
             raise
         views = self._view_cache.get((i, slot))
         if views is None:
-            views = self._view_cache[(i, slot)] = self._packs[i].views(self._ring.buffers[slot])
+            views = self._view_cache[(i, slot)] = self._packs[i].views(
+                self._ring.buffers[slot], transformed=self._transform is not None)
         self._packs[i].bind(views)
         self._running = i
 

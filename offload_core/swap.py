@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .packing import PackedBlock, alias_key, check_packable, tensor_refs
+from .subclass import tensor_nbytes
 from .pinned import DEFAULT_CHUNK_BYTES, HostStorage, return_freed_ram
 
 log = logging.getLogger(__name__)
@@ -108,7 +109,7 @@ def _split(refs: list, part_bytes: int) -> list[list]:
         if key in group_of:
             groups[group_of[key]].append((ref, t))
             continue
-        nbytes = t.numel() * t.element_size()
+        nbytes = tensor_nbytes(t)
         if not groups or (size + nbytes > part_bytes and groups[-1]):
             groups.append([])
             size = 0

@@ -101,15 +101,31 @@ def test_views_reject_small_or_wrong_buffers():
         pb.views(torch.empty(pb.nbytes, dtype=torch.float32))
 
 
-class _Sub(torch.Tensor):
-    pass
+class _Dispatching(torch.Tensor):
+    """Intercepts dispatch, so its bytes may not be its values, and names no inner tensors."""
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        with torch._C._DisableTorchDispatch():
+            return func(*args, **(kwargs or {}))
+
+
+class _WithTensorAttr(torch.Tensor):
+    """Keeps a tensor beside its storage: the engine would not move it with the data."""
+
+
+def _with_tensor_attr() -> torch.Tensor:
+    t = torch.randn(4).as_subclass(_WithTensorAttr)
+    t.scale = torch.ones(())
+    return t
 
 
 @pytest.mark.filterwarnings("ignore:.*quantized tensor creation functions")
 @pytest.mark.parametrize(
     "make,exc,match",
     [
-        (lambda: torch.randn(4).as_subclass(_Sub), TypeError, "subclass .*_Sub"),
+        (lambda: torch.randn(4).as_subclass(_Dispatching), TypeError, "subclass .*_Dispatching"),
+        (lambda: _with_tensor_attr(), TypeError, "_WithTensorAttr keeps a tensor in its attribute 'scale'"),
         (lambda: nn.parameter.UninitializedParameter(), TypeError, "subclass .*UninitializedParameter"),
         (lambda: torch.randn(4, 4).to_sparse(), TypeError, "not strided"),
         (lambda: torch.empty(4, device="meta"), ValueError, "meta tensor"),

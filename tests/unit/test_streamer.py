@@ -466,7 +466,7 @@ def test_invalid_blocks_and_device():
 
 
 class _Tagged(torch.Tensor):
-    """A tensor subclass the engine cannot pack faithfully."""
+    """A tensor subclass the engine cannot pack faithfully: it keeps a tensor beside its data."""
 
 
 def test_unpackable_tensor_is_named_and_module_untouched():
@@ -474,6 +474,7 @@ def test_unpackable_tensor_is_named_and_module_untouched():
     model.blocks[1].mlp_in.weight = torch.nn.Parameter(
         torch.randn(64, 32, dtype=torch.bfloat16).as_subclass(_Tagged), requires_grad=False
     )
+    model.blocks[1].mlp_in.weight.scale = torch.ones(())
     before, keys = snapshot(model), list(model.state_dict())
     with pytest.raises(TypeError, match=r"block 1: mlp_in\.weight.*_Tagged"):
         LayerwiseStreamer(model.blocks, "cpu")
