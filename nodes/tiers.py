@@ -52,7 +52,11 @@ def _patchers(outputs: tuple) -> list:
     """The ModelPatchers inside a loader's outputs (MODEL, CLIP.patcher, VAE.patcher)."""
     found = []
     for obj in outputs:
-        patcher = obj if hasattr(obj, "model_size") else getattr(obj, "patcher", None)
+        # CLIP and VAE hold theirs as `.patcher`; a VAE has a model_size() of its own too, so
+        # a ModelPatcher is known by its model and load device, not by that method.
+        patcher = getattr(obj, "patcher", None)
+        if patcher is None and hasattr(obj, "model") and hasattr(obj, "load_device"):
+            patcher = obj
         if patcher is not None:
             found.append(patcher)
     return found
