@@ -26,6 +26,7 @@ COMFY_PYTHON = os.environ.get("TIERED_OFFLOAD_COMFY_PYTHON", sys.executable)
 PACK_LINK_NAME = "comfyui-tiered-offload"
 TEST_NODES_LINK_NAME = "tiered_offload_test_nodes"
 OUR_NODES = ("ApplyLayerwiseOffload",)
+TEST_NODES = ("TieredTestLatentStats",)
 
 
 def free_port() -> int:
@@ -34,13 +35,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def prepare_base(base: Path, extra_nodes: dict[str, Path] | None = None) -> Path:
-    """Lay out a ComfyUI base directory with our pack, the test nodes and any extra node
-    folders (name -> folder; the benchmarks link their own) linked into custom_nodes/."""
+def prepare_base(base: Path, extra_nodes: dict[str, Path] | None = None, with_pack: bool = True) -> Path:
+    """Lay out a ComfyUI base directory with our pack (unless `with_pack` is false), the test
+    nodes and any extra node folders (name -> folder; the benchmarks link their own) linked into
+    custom_nodes/."""
     custom = base / "custom_nodes"
     custom.mkdir(parents=True, exist_ok=True)
-    links = {PACK_LINK_NAME: REPO, TEST_NODES_LINK_NAME: REPO / "tests" / "comfy_test_nodes",
-             **(extra_nodes or {})}
+    links = {TEST_NODES_LINK_NAME: REPO / "tests" / "comfy_test_nodes", **(extra_nodes or {})}
+    if with_pack:
+        links[PACK_LINK_NAME] = REPO
     for name, target in links.items():
         link = custom / name
         if not link.exists():
@@ -61,8 +64,11 @@ class PromptFailed(AssertionError):
 class ComfyServer:
     def __init__(self, base: Path, *, extra_args: tuple[str, ...] = (), threads: int = 2,
                  port: int | None = None, extra_nodes: dict[str, Path] | None = None,
-                 env: dict[str, str] | None = None) -> None:
-        self.base = prepare_base(base, extra_nodes)
+                 env: dict[str, str] | None = None, with_pack: bool = True) -> None:
+        # with_pack=False: the same ComfyUI without the pack, as the reference of the
+        # differential test (the test-only nodes are still there).
+        self.with_pack = with_pack
+        self.base = prepare_base(base, extra_nodes, with_pack)
         self.env = env or {}
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -108,9 +114,11 @@ class ComfyServer:
             if "IMPORT FAILED" in line and any(name in line for name in ours):
                 raise RuntimeError(f"our pack failed to import: {line}\n{self.log_tail()}")
         info = self.get("/object_info")
-        missing = [n for n in OUR_NODES if n not in info]
+        missing = [n for n in (OUR_NODES if self.with_pack else TEST_NODES) if n not in info]
         if missing:
             raise RuntimeError(f"nodes missing from /object_info: {missing}\n{self.log_tail()}")
+        if not self.with_pack and any(n in info for n in OUR_NODES):
+            raise RuntimeError("a server started without the pack serves its nodes")
 
     def stop(self) -> None:
         if self.proc is None:

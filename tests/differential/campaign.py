@@ -1,0 +1,202 @@
+"""A differential campaign: seeds × prompts on one server pair, with replay files and a summary.
+
+Each seed is its own sequence on freshly started servers. After a mismatch both servers are
+restarted, so a later mismatch is not an after-effect of an earlier one and every replay file
+holds only the steps since the last fresh start: the seed, the step index and both workflows of
+each prompt, enough to run them again with `python -m tests.differential --replay FILE`.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from comfy_server import COMFY_PYTHON, COMFY_ROOT
+
+from . import catalogue as catalogue_mod
+from .generator import generate
+from .runner import run_step
+from .servers import ServerPair
+from .workflow import Graph, out
+
+
+@dataclass
+class Options:
+    seeds: list[int]
+    prompts: int
+    workdir: Path
+    out_dir: Path
+    models_root: Path
+    big: bool = True
+    interrupts: bool = True
+    rest_actions: bool = True
+    threads: int = 2
+    timeout: float = 900.0
+    echo: Callable[[str], None] = field(default=lambda line: None, repr=False)
+
+
+def comfy_version() -> str:
+    try:
+        text = (COMFY_ROOT / "comfyui_version.py").read_text()
+        return text.split('"')[1]
+    except (OSError, IndexError):
+        return "unknown"
+
+
+def probe_step(model: catalogue_mod.Model) -> dict[str, Any]:
+    """A plain prompt of one model, to learn whether this ComfyUI loads it at all."""
+    g = Graph()
+    loader = g.add("UNETLoader", unet_name=model.filename, weight_dtype="default")
+    cond = out(g.add("TieredTestConditioning", model_kind=model.cond_kind, seed=1))
+    latent = out(g.add(model.latent["node"], **model.latent["inputs"]))
+    sample = g.add("KSampler", model=out(loader), positive=cond, negative=cond, latent_image=latent,
+                   seed=1, steps=1, cfg=1.0, sampler_name="euler", scheduler="simple", denoise=1.0)
+    g.add("TieredTestLatentStats", samples=out(sample))
+    wf = g.to_api()
+    return {"op": "prompt", "p": wf, "q": wf, "interrupt": None, "allowed_refusals": [],
+            "tags": ["probe"]}
+
+
+def probe_optional(pair: ServerPair, cat: catalogue_mod.Catalogue, timeout: float) -> dict[str, str]:
+    """Exclude optional models this ComfyUI cannot load; return {name: reason}."""
+    reasons = {}
+    for model in [m for m in cat.models if m.optional]:
+        record = run_step(pair, probe_step(model), timeout)
+        if record["q"]["status"] != "success":
+            error = record["q"].get("error") or {}
+            reasons[model.name] = f"{error.get('exception_type')}: {error.get('exception_message')}"[:300]
+            cat.excluded.append(model.name)
+    return reasons
+
+
+def write_replay(out_dir: Path, seed: int, index: int, steps: list[dict[str, Any]],
+                 record: dict[str, Any], cat: catalogue_mod.Catalogue, pair: ServerPair) -> Path:
+    folder = out_dir / f"seed{seed}-step{index}"
+    folder.mkdir(parents=True, exist_ok=True)
+    last = steps[-1]
+    (folder / "replay.json").write_text(json.dumps({
+        "seed": seed, "step": index, "comfy_version": comfy_version(),
+        "catalogue": cat.describe(), "verdict": record.get("verdict"), "steps": steps}, indent=1))
+    (folder / "p_workflow.json").write_text(json.dumps(last["p"], indent=1))
+    (folder / "q_workflow.json").write_text(json.dumps(last["q"], indent=1))
+    (folder / "outcome.json").write_text(json.dumps(record, indent=1))
+    for name, server in (("p", pair.p), ("q", pair.q)):
+        (folder / f"{name}_log_tail.txt").write_text(server.log_tail(200))
+    return folder / "replay.json"
+
+
+def describe_mismatch(m: dict[str, Any]) -> str:
+    """One readable paragraph: where, what differs (hash pairs or the error), how to replay."""
+    verdict = m["verdict"]
+    lines = [f"seed {m['seed']} step {m['step']} (prompt {m.get('index')}): {verdict['signature']}"]
+    detail = verdict.get("detail")
+    if verdict["kind"] == "output_differs":
+        for d in detail:
+            pv, qv = (d["p"] or [{}])[0], (d["q"] or [{}])[0]
+            lines.append(f"  node {d['node']} {d['class_type']} {d['stat']}: P {str(pv.get('sha256'))[:12]}… "
+                         f"Q {str(qv.get('sha256'))[:12]}…")
+    elif isinstance(detail, dict):
+        lines.append(f"  {json.dumps({k: v for k, v in detail.items() if k != 'traceback'})[:600]}")
+    lines.append(f"  nodes: {m['nodes']}")
+    lines.append(f"  replay: python -m tests.differential --replay {m['replay']}")
+    return "\n".join(lines)
+
+
+def _node_list(workflow: dict[str, Any]) -> str:
+    return ", ".join(f"{nid}:{n['class_type']}" for nid, n in workflow.items()
+                     if n["class_type"] not in ("TieredTestConditioning", "TieredTestLatentStats",
+                                                "TieredTestConditioningStats"))
+
+
+def run_sequence(pair: ServerPair, seed: int, steps: list[dict[str, Any]], opts: Options,
+                 cat: catalogue_mod.Catalogue, totals: collections.Counter,
+                 coverage: collections.Counter, log_flags: collections.Counter) -> list[dict[str, Any]]:
+    mismatches = []
+    since_fresh: list[dict[str, Any]] = []
+    for index, step in enumerate(steps):
+        record = run_step(pair, step, opts.timeout)
+        since_fresh.append(step)
+        for flag in record.get("p_log", []):
+            log_flags[flag[:160]] += 1
+        verdict = record.get("verdict")
+        if step["op"] == "prompt":
+            totals["prompts"] += 1
+            coverage.update(step["tags"])
+            totals[verdict["result"]] += 1
+            if verdict.get("both_failed"):
+                totals["both_failed"] += 1
+        else:
+            totals[step["op"]] += 1
+        opts.echo(f"seed {seed} step {index} {step['op']} "
+                  f"{(verdict or {}).get('result', '')} {(verdict or {}).get('signature', '')}".rstrip())
+        if verdict and verdict["result"] == "mismatch":
+            replay = write_replay(opts.out_dir, seed, index, since_fresh, record, cat, pair)
+            mismatches.append({"seed": seed, "step": index, "index": step.get("index"),
+                               "verdict": verdict, "replay": str(replay),
+                               "nodes": _node_list(step["p"]),
+                               "outcomes": {"p": record.get("p"), "q": record.get("q")}})
+            pair.restart()
+            since_fresh = []
+    return mismatches
+
+
+def run(opts: Options) -> dict[str, Any]:
+    """Run the campaign; write `summary.json` into opts.out_dir and return the summary."""
+    started = time.monotonic()
+    opts.out_dir.mkdir(parents=True, exist_ok=True)
+    cat = catalogue_mod.build(opts.models_root, big=opts.big)
+    pair = ServerPair(opts.workdir, opts.models_root, threads=opts.threads)
+    totals: collections.Counter = collections.Counter()
+    coverage: collections.Counter = collections.Counter()
+    log_flags: collections.Counter = collections.Counter()
+    mismatches: list[dict[str, Any]] = []
+    excluded: dict[str, str] = {}
+    try:
+        pair.start()
+        excluded = probe_optional(pair, cat, opts.timeout)
+        for seed in opts.seeds:
+            pair.restart()
+            steps = generate(seed, opts.prompts, cat, interrupts=opts.interrupts,
+                             rest_actions=opts.rest_actions)
+            mismatches += run_sequence(pair, seed, steps, opts, cat, totals, coverage, log_flags)
+    finally:
+        pair.stop()
+    signatures = collections.Counter(m["verdict"]["signature"] for m in mismatches)
+    summary = {
+        "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(opts).items()
+                    if k != "echo"},
+        "comfy_version": comfy_version(), "comfy_root": str(COMFY_ROOT), "comfy_python": COMFY_PYTHON,
+        "omp_threads": opts.threads, "machine": platform.machine(), "cpu_count": os.cpu_count(),
+        "catalogue": cat.describe(), "excluded_reasons": excluded,
+        "seconds": round(time.monotonic() - started, 1),
+        "totals": dict(totals), "mismatch_count": len(mismatches),
+        "signatures": dict(signatures.most_common()),
+        "mismatches": mismatches, "coverage": dict(sorted(coverage.items())),
+        "p_log_flags": dict(log_flags.most_common(40)),
+    }
+    (opts.out_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    return summary
+
+
+def report(summary: dict[str, Any]) -> str:
+    t = summary["totals"]
+    lines = [f"differential campaign on ComfyUI {summary['comfy_version']}: seeds "
+             f"{summary['options']['seeds']}, {t.get('prompts', 0)} prompts run "
+             f"({t.get('match', 0)} matched, {t.get('both_failed', 0)} of them failing alike, "
+             f"{t.get('refused', 0)} refused as documented, {t.get('interrupted', 0)} interrupted), "
+             f"{t.get('free', 0)} /free, {t.get('tier_action', 0)} tier REST actions; "
+             f"{summary['mismatch_count']} mismatches in {len(summary['signatures'])} classes; "
+             f"{summary['seconds']} s"]
+    if summary["catalogue"]["excluded"]:
+        lines.append(f"excluded (this ComfyUI does not load them): {summary['catalogue']['excluded']}")
+    firsts = {}
+    for m in summary["mismatches"]:
+        firsts.setdefault(m["verdict"]["signature"], m)
+    for signature, count in summary["signatures"].items():
+        lines.append(f"[{count}x] " + describe_mismatch(firsts[signature]))
+    return "\n".join(lines)

@@ -1,0 +1,85 @@
+"""Run a replay file again, or shrink it to the fewest steps that still give its mismatch.
+
+Every trial starts both servers fresh, so a trial's result depends only on its steps. Shrinking
+first looks for the shortest tail of the sequence that still mismatches (most after-effects need
+one or two earlier prompts), then drops the remaining earlier steps one at a time. The result is
+written beside the input as minimal.json, itself a replay file.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+from . import catalogue as catalogue_mod
+from .runner import run_step
+from .servers import ServerPair
+
+
+def _run(steps: list[dict[str, Any]], work: Path, models_root: Path, threads: int,
+         echo: Callable[[str], None]) -> list[dict[str, Any]]:
+    pair = ServerPair(work, models_root, threads=threads)
+    records = []
+    try:
+        pair.start()
+        for index, step in enumerate(steps):
+            record = run_step(pair, step)
+            verdict = record.get("verdict") or {}
+            echo(f"  step {index} {step['op']} {verdict.get('result', '')} {verdict.get('signature', '')}")
+            records.append(record)
+    finally:
+        pair.stop()
+    return records
+
+
+def _ensure_fixtures(data: dict[str, Any], models_root: Path) -> None:
+    catalogue_mod.build(models_root, big="wan_big" in data.get("catalogue", {}).get("models", []))
+
+
+def replay(path: Path, work: Path, models_root: Path, *, threads: int = 2,
+           echo: Callable[[str], None] = print) -> dict[str, Any]:
+    data = json.loads(Path(path).read_text())
+    _ensure_fixtures(data, models_root)
+    records = _run(data["steps"], work, models_root, threads, echo)
+    last = records[-1].get("verdict") or {}
+    return {"mismatch": last.get("result") == "mismatch", "last_verdict": last,
+            "expected": data.get("verdict"), "records": records}
+
+
+def minimize(path: Path, work: Path, models_root: Path, *, threads: int = 2,
+             echo: Callable[[str], None] = print) -> dict[str, Any]:
+    data = json.loads(Path(path).read_text())
+    _ensure_fixtures(data, models_root)
+    target = data["verdict"]["signature"]
+    steps = data["steps"]
+    trials = 0
+
+    def reproduces(candidate: list[dict[str, Any]]) -> bool:
+        nonlocal trials
+        trials += 1
+        echo(f"trial {trials}: {len(candidate)} steps")
+        verdict = _run(candidate, work, models_root, threads, echo)[-1].get("verdict") or {}
+        return verdict.get("signature") == target
+
+    tail = None
+    length = 1
+    while length < len(steps):
+        if reproduces(steps[-length:]):
+            tail = steps[-length:]
+            break
+        length *= 2
+    if tail is None:
+        if not reproduces(steps):
+            return {"mismatch": False, "trials": trials, "note": "the full replay did not reproduce"}
+        tail = steps
+    i = 0
+    while i < len(tail) - 1:
+        candidate = tail[:i] + tail[i + 1:]
+        if reproduces(candidate):
+            tail = candidate
+        else:
+            i += 1
+    out = Path(path).with_name("minimal.json")
+    out.write_text(json.dumps({**data, "steps": tail, "minimized_from": len(steps)}, indent=1))
+    return {"mismatch": True, "trials": trials, "steps": len(tail), "minimal": str(out),
+            "signature": target}
