@@ -19,10 +19,10 @@ from typing import Any, Callable
 from comfy_server import COMFY_PYTHON, COMFY_ROOT
 
 from . import catalogue as catalogue_mod
+from . import probe
 from .generator import generate
 from .runner import run_step
 from .servers import ServerPair
-from .workflow import Graph, out
 
 
 @dataclass
@@ -46,32 +46,6 @@ def comfy_version() -> str:
         return text.split('"')[1]
     except (OSError, IndexError):
         return "unknown"
-
-
-def probe_step(model: catalogue_mod.Model) -> dict[str, Any]:
-    """A plain prompt of one model, to learn whether this ComfyUI loads it at all."""
-    g = Graph()
-    loader = g.add("UNETLoader", unet_name=model.filename, weight_dtype="default")
-    cond = out(g.add("TieredTestConditioning", model_kind=model.cond_kind, seed=1))
-    latent = out(g.add(model.latent["node"], **model.latent["inputs"]))
-    sample = g.add("KSampler", model=out(loader), positive=cond, negative=cond, latent_image=latent,
-                   seed=1, steps=1, cfg=1.0, sampler_name="euler", scheduler="simple", denoise=1.0)
-    g.add("TieredTestLatentStats", samples=out(sample))
-    wf = g.to_api()
-    return {"op": "prompt", "p": wf, "q": wf, "interrupt": None, "allowed_refusals": [],
-            "tags": ["probe"]}
-
-
-def probe_optional(pair: ServerPair, cat: catalogue_mod.Catalogue, timeout: float) -> dict[str, str]:
-    """Exclude optional models this ComfyUI cannot load; return {name: reason}."""
-    reasons = {}
-    for model in [m for m in cat.models if m.optional]:
-        record = run_step(pair, probe_step(model), timeout)
-        if record["q"]["status"] != "success":
-            error = record["q"].get("error") or {}
-            reasons[model.name] = f"{error.get('exception_type')}: {error.get('exception_message')}"[:300]
-            cat.excluded.append(model.name)
-    return reasons
 
 
 def write_replay(out_dir: Path, seed: int, index: int, steps: list[dict[str, Any]],
@@ -113,6 +87,17 @@ def _node_list(workflow: dict[str, Any]) -> str:
                                                 "TieredTestConditioningStats"))
 
 
+def step_line(step: dict[str, Any], record: dict[str, Any]) -> str:
+    """One progress line: what ran, how long on P and Q, and the verdict."""
+    verdict = record.get("verdict") or {}
+    times = "/".join(f"{record[s].get('seconds', '-')}" for s in ("p", "q") if isinstance(record.get(s), dict))
+    what = "+".join(step.get("models", [])) or step.get("action", "") + " " + step.get("name", "")
+    line = f"{step['op']} {what.strip()} [{times} s] {verdict.get('result', '')}"
+    if step.get("interrupt"):
+        line += f" (interrupt {step['interrupt']} at {record['p'].get('interrupt_at')})"
+    return f"{line} {verdict.get('signature', '')}".rstrip()
+
+
 def run_sequence(pair: ServerPair, seed: int, steps: list[dict[str, Any]], opts: Options,
                  cat: catalogue_mod.Catalogue, totals: collections.Counter,
                  coverage: collections.Counter, log_flags: collections.Counter) -> list[dict[str, Any]]:
@@ -132,8 +117,7 @@ def run_sequence(pair: ServerPair, seed: int, steps: list[dict[str, Any]], opts:
                 totals["both_failed"] += 1
         else:
             totals[step["op"]] += 1
-        opts.echo(f"seed {seed} step {index} {step['op']} "
-                  f"{(verdict or {}).get('result', '')} {(verdict or {}).get('signature', '')}".rstrip())
+        opts.echo(f"seed {seed} step {index} {step_line(step, record)}")
         if verdict and verdict["result"] == "mismatch":
             replay = write_replay(opts.out_dir, seed, index, since_fresh, record, cat, pair)
             mismatches.append({"seed": seed, "step": index, "index": step.get("index"),
@@ -157,10 +141,12 @@ def run(opts: Options) -> dict[str, Any]:
     mismatches: list[dict[str, Any]] = []
     excluded: dict[str, str] = {}
     try:
+        probing = probe.start(cat)
         pair.start()
-        excluded = probe_optional(pair, cat, opts.timeout)
-        for seed in opts.seeds:
-            pair.restart()
+        excluded = probe.finish(probing, cat)
+        for n, seed in enumerate(opts.seeds):
+            if n:
+                pair.restart()
             steps = generate(seed, opts.prompts, cat, interrupts=opts.interrupts,
                              rest_actions=opts.rest_actions)
             mismatches += run_sequence(pair, seed, steps, opts, cat, totals, coverage, log_flags)

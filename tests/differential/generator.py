@@ -57,7 +57,7 @@ class Generator:
         self.interrupts = interrupts
         self.rest_actions = rest_actions
         self.previous: Chain | None = None
-        self.pending: list[Chain] = []
+        self.pending: list[tuple[Chain, str | None]] = []
         self.tiered_names: list[str] = []
         self.tiny_budget = False
         self.index = 0
@@ -83,7 +83,8 @@ class Generator:
         rng = self.rng
         interrupt = None
         if self.pending:
-            shape, chains = "single", [self.pending.pop(0)]
+            chain, interrupt = self.pending.pop(0)
+            return self._finish("single", [chain], interrupt=interrupt, steps=3, extras=False)
         elif self.interrupts and rng.random() < 0.06:
             if self.big and rng.random() < 0.6:
                 return self._packing_interrupt()
@@ -107,17 +108,18 @@ class Generator:
         return "single", [self._chain()]
 
     def _packing_interrupt(self) -> dict[str, Any]:
-        """Issue 10's case D: interrupt while Apply Layerwise Offload packs a LoRA'd 16-block
-        Wan; then the same LoRA'd model runs without the node, and once more with it."""
+        """Issue 10's case D: a LoRA'd 16-block Wan runs plainly (core merges the LoRA), then
+        with Apply Layerwise Offload, interrupted while the engine packs it; then plainly again
+        (core must not believe its merge is still there), and once more offloaded."""
         model = self.rng.choice(self.big)
         loader = self.rng.choice(("UNETLoader", "TieredUNETLoader"))
         lora = {"op": "lora", "adapter": model.adapters[0].filename, "strength": 1.0}
         offload = {"op": "offload", "resident_blocks": self.rng.choice((0, 1, 2)), "vram_budget_gb": 12.0,
                    "prefetch": self.rng.choice((1, 2)), "pin": True}
-        chain = Chain(model, loader, "default", [dict(lora), offload])
-        self.pending = [Chain(model, loader, "default", [dict(lora)]),
-                        Chain(model, loader, "default", [dict(lora), dict(offload)])]
-        return self._finish("single", [chain], interrupt="packing", steps=3)
+        plain = Chain(model, loader, "default", [dict(lora)])
+        offloaded = Chain(model, loader, "default", [dict(lora), offload])
+        self.pending = [(offloaded, "packing"), (plain, None), (offloaded, None)]
+        return self._finish("single", [plain], interrupt=None, steps=3, extras=False)
 
     # -- chains ---------------------------------------------------------------------------------
     def _chain(self, model: Model | None = None, *, loader: str | None = None,
@@ -169,12 +171,13 @@ class Generator:
 
     # -- graphs ---------------------------------------------------------------------------------
     def _finish(self, shape: str, chains: list[Chain], *, interrupt: str | None,
-                steps: int | None = None) -> dict[str, Any]:
+                steps: int | None = None, extras: bool = True) -> dict[str, Any]:
+        """The prompt of these chains; `extras` allows a text encode and a VAE round trip."""
         rng = self.rng
         g = Graph()
         tags = {f"shape:{shape}"}
         model = chains[0].model
-        text_encode = rng.random() < 0.35
+        text_encode = extras and rng.random() < 0.35
         swap_wanted = text_encode and rng.random() < 0.6
         clip = clip_loader = None
         if text_encode:
@@ -183,7 +186,7 @@ class Generator:
                              device="default"))
             tags.add(f"loader:{clip_loader}")
         vae = vae_loader = None
-        if model.image and rng.random() < 0.3:
+        if extras and model.image and rng.random() < 0.3:
             if model.folder == "checkpoints":
                 vae_loader = chains[0].loader
             else:

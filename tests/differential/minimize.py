@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import catalogue as catalogue_mod
+from .campaign import step_line
 from .runner import run_step
 from .servers import ServerPair
 
@@ -24,8 +25,7 @@ def _run(steps: list[dict[str, Any]], work: Path, models_root: Path, threads: in
         pair.start()
         for index, step in enumerate(steps):
             record = run_step(pair, step)
-            verdict = record.get("verdict") or {}
-            echo(f"  step {index} {step['op']} {verdict.get('result', '')} {verdict.get('signature', '')}")
+            echo(f"  step {index} {step_line(step, record)}")
             records.append(record)
     finally:
         pair.stop()

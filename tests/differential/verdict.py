@@ -30,8 +30,11 @@ def pack_nodes(workflow: dict[str, Any]) -> list[str]:
 
 
 def _mismatch(kind: str, step: dict[str, Any], detail: Any, key: str) -> dict[str, Any]:
-    return {"result": "mismatch", "kind": kind, "detail": detail,
-            "signature": f"{kind} | {key} | {'+'.join(pack_nodes(step['p'])) or 'no pack node'}"}
+    """A failure is grouped by its error; a differing output by the pack nodes of its prompt
+    (there is no error text to tell two causes apart)."""
+    if kind == "output_differs":
+        key = f"{key} | {'+'.join(pack_nodes(step['p'])) or 'no pack node'}"
+    return {"result": "mismatch", "kind": kind, "detail": detail, "signature": f"{kind} | {key}"}
 
 
 def compare_outputs(p: dict[str, Any], q: dict[str, Any], workflow: dict[str, Any]) -> list[dict[str, Any]]:
