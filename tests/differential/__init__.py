@@ -1,11 +1,13 @@
 """Randomized differential test: every prompt on a server with the pack (P) against its stripped
 twin on a server without it (Q), same ComfyUI, same machine, same thread count.
 
-Modules: `catalogue` (the fixture files a campaign samples from), `workflow` (an API-format graph
-builder), `generator` (seeded prompt sequences), `twin` (removes the pack's nodes), `refusals`
-(the pack's documented refusals), `progress` (websocket watch to interrupt at a chosen moment),
-`servers` (the P/Q pair), `runner` (runs steps and compares), `minimize` (shrinks a failing
-replay), `campaign` (seeds, artifacts, summary); `python -m tests.differential` runs one.
+Modules: `catalogue` (the fixture files a campaign samples from), `probe` (which of them this
+ComfyUI loads), `workflow` (an API-format graph builder), `generator` (seeded prompt sequences),
+`twin` (removes the pack's nodes), `refusals` (the pack's documented refusals), `verdict`
+(compares one prompt's two outcomes), `progress` (websocket watch to interrupt at a chosen
+moment), `servers` (the P/Q pair), `runner` (runs steps), `campaign` (seeds, replay files,
+summary), `minimize` (replays and shrinks a failing sequence); `python -m tests.differential`
+is the command line.
 """
 import sys
 from pathlib import Path

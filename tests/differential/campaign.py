@@ -92,7 +92,8 @@ def step_line(step: dict[str, Any], record: dict[str, Any]) -> str:
     verdict = record.get("verdict") or {}
     times = "/".join(f"{record[s].get('seconds', '-')}" for s in ("p", "q") if isinstance(record.get(s), dict))
     what = "+".join(step.get("models", [])) or step.get("action", "") + " " + step.get("name", "")
-    line = f"{step['op']} {what.strip()} [{times} s] {verdict.get('result', '')}"
+    statuses = "/".join(record[s].get("status", "") for s in ("p", "q") if isinstance(record.get(s), dict))
+    line = f"{step['op']} {what.strip()} [{times} s {statuses}] {verdict.get('result', '')}"
     if step.get("interrupt"):
         line += f" (interrupt {step['interrupt']} at {record['p'].get('interrupt_at')})"
     return f"{line} {verdict.get('signature', '')}".rstrip()
@@ -112,6 +113,10 @@ def run_sequence(pair: ServerPair, seed: int, steps: list[dict[str, Any]], opts:
         if step["op"] == "prompt":
             totals["prompts"] += 1
             coverage.update(step["tags"])
+            at = record["p"].get("interrupt_at") or {}
+            if step.get("interrupt") == "packing" and record["p"]["status"] == "interrupted" \
+                    and at.get("max") in (step["packing_blocks"], step["packing_blocks"] + 1):
+                coverage["interrupted_while_packing"] += 1
             totals[verdict["result"]] += 1
             if verdict.get("both_failed"):
                 totals["both_failed"] += 1

@@ -96,10 +96,15 @@ class Generator:
 
     def _random_shape(self) -> tuple[str, list[Chain]]:
         r = self.rng.random()
-        if r < 0.18:
+        if r < 0.18:  # one loader feeding a LoRA branch and an offload (or swap) branch
             first = self._chain()
-            return "two_branch", [first, self._chain(first.model, loader=first.loader,
-                                                     weight_dtype=first.weight_dtype)]
+            if not first.adapters() and first.model.adapters:
+                first.ops.insert(0, {"op": "lora", "adapter": self.rng.choice(first.model.adapters).filename,
+                                     "strength": self.rng.choice(STRENGTHS)})
+            second = self._chain(first.model, loader=first.loader, weight_dtype=first.weight_dtype)
+            if not any(op["op"] == "offload" for op in second.ops) and self.rng.random() < 0.6:
+                second.ops.insert(self.rng.randint(0, len(second.ops)), self._offload_op(second.model))
+            return "two_branch", [first, second]
         if r < 0.32:
             first = self._chain()
             partners = [m for m in self.models
@@ -149,7 +154,7 @@ class Generator:
             ops.insert(rng.randint(0, len(ops)), {"op": "block_replace",
                                                   "scale": rng.choice((1.001, 0.999))})
         tiered_loader = loader.startswith("Tiered")
-        if rng.random() < (0.2 if tiered_loader else 0.02):
+        if rng.random() < (0.3 if tiered_loader else 0.02):
             ops.insert(rng.randint(0, len(ops)), self._tier_op())
         chain = Chain(model, loader, weight_dtype, ops)
         self.previous = chain
@@ -164,7 +169,7 @@ class Generator:
 
     def _tier_op(self) -> dict[str, Any]:
         rng = self.rng
-        budget = rng.choice((0.0, 0.0, 0.001, 0.5, 4.0))
+        budget = rng.choice((0.0, 0.0, 0.001, 0.001, 0.001, 0.5, 4.0))
         return {"op": "tier", "ram_budget_gb": budget, "ram_reserve_gb": rng.choice((0.0, 1.0, 2.0)),
                 "vram_reserve_gb": rng.choice((0.0, 1.0)), "disk_tier": rng.random() < 0.8,
                 "keep_in_ram": rng.random() < 0.2, "priority": rng.choice((-5, 0, 5))}

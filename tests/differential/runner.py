@@ -53,6 +53,7 @@ def run_prompt(server: ComfyServer, workflow: dict, when: progress.Predicate | N
         outcome["interrupt_at"] = record.get("at")
     messages = entry["status"].get("messages", [])
     kinds = [kind for kind, _ in messages]
+    outcome["cached"] = sorted({n for k, d in messages if k == "execution_cached" for n in d.get("nodes", [])})
     if "execution_interrupted" in kinds:
         outcome["status"] = "interrupted"
     elif entry["status"].get("status_str") == "error":

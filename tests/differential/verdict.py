@@ -57,9 +57,10 @@ def judge(step: dict[str, Any], p: dict[str, Any], q: dict[str, Any]) -> dict[st
     if "rejected" in (ps, qs):
         return _mismatch("rejected", step, {"p": p.get("detail"), "q": q.get("detail")},
                          f"P {ps}, Q {qs}")
-    if "interrupted" in (ps, qs):
+    if "interrupted" in (ps, qs) and not (ps == "error" and qs == "interrupted"):
         return {"result": "interrupted"}
-    if ps == "error" and qs == "success":
+    if ps == "error" and qs in ("success", "interrupted"):
+        # Q's twin ran until it finished (or was interrupted while sampling): P should have too.
         found = refusals.classify(p["error"], step.get("allowed_refusals", []))
         if found is not None and found[0] == "refused":
             return {"result": "refused", "kind": found[1]}
@@ -75,6 +76,10 @@ def judge(step: dict[str, Any], p: dict[str, Any], q: dict[str, Any]) -> dict[st
             return {"result": "match", "both_failed": True}
         return _mismatch("errors_differ", step, {"p": p["error"], "q": q["error"]},
                          f"{p['error'].get('node_type')} vs {q['error'].get('node_type')}")
+    stale = sorted(n for n in set(p["outputs"]) | set(q["outputs"])
+                   if n in p.get("cached", []) or n in q.get("cached", []))
+    if stale:  # the generator's job is that this never happens: a cached output proves nothing
+        return _mismatch("cached_output", step, stale, "a compared output came from the cache")
     diffs = compare_outputs(p["outputs"], q["outputs"], step["p"])
     if diffs:
         stats = "+".join(sorted({d["stat"] for d in diffs}))
