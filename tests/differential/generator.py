@@ -80,18 +80,15 @@ class Generator:
 
     def prompt(self) -> dict[str, Any]:
         self.index += 1
-        rng = self.rng
-        interrupt = None
         if self.pending:
             chain, interrupt = self.pending.pop(0)
             return self._finish("single", [chain], interrupt=interrupt, steps=3, extras=False)
-        elif self.interrupts and rng.random() < 0.06:
-            if self.big and rng.random() < 0.6:
+        interrupt = None
+        if self.interrupts and self.rng.random() < 0.06:
+            if self.big and self.rng.random() < 0.6:
                 return self._packing_interrupt()
-            shape, chains = self._random_shape()
             interrupt = "sampling"
-        else:
-            shape, chains = self._random_shape()
+        shape, chains = self._random_shape()
         return self._finish(shape, chains, interrupt=interrupt)
 
     def _random_shape(self) -> tuple[str, list[Chain]]:
