@@ -12,7 +12,7 @@ import collections
 
 import pytest
 
-from differential import ARTIFACTS, campaign, catalogue, generator, twin, verdict
+from differential import ARTIFACTS, campaign, catalogue, generator, report, twin, verdict
 from differential.workflow import is_link
 
 SEEDS = [130]
@@ -103,7 +103,7 @@ def test_bounded_differential_campaign(tmp_path):
     opts = campaign.Options(seeds=SEEDS, prompts=PROMPTS, workdir=tmp_path / "servers", out_dir=out_dir,
                             models_root=ARTIFACTS / "models", big=False, echo=print)
     summary = campaign.run(opts)
-    text = campaign.report(summary)
+    text = report.summary_text(summary)
     print(text)
     assert summary["totals"]["prompts"] == len(SEEDS) * PROMPTS
     flux = [] if "flux" in summary["catalogue"]["excluded"] else ["family:flux"]

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import ARTIFACTS, campaign, minimize
+from . import ARTIFACTS, campaign, minimize, report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
             result = minimize.replay(source, work, models_root, threads=a.threads, echo=print)
         else:
             result = minimize.minimize(source, work, models_root, threads=a.threads, echo=print)
-        print(json.dumps(result, indent=1)[:20000])
+        print(result.pop("description", ""))
+        print(json.dumps(result, indent=1))
         return 1 if result.get("mismatch") else 0
     seeds = ([a.seed] if a.seed is not None else []) + a.seeds
     if not seeds:
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
                             out_dir=ARTIFACTS / name, models_root=models_root, big=not a.no_big,
                             interrupts=not a.no_interrupts, threads=a.threads, echo=print)
     summary = campaign.run(opts)
-    print(campaign.report(summary))
+    print(report.summary_text(summary))
     print(f"summary: {opts.out_dir / 'summary.json'}")
     return 1 if summary["mismatch_count"] else 0
 

@@ -21,6 +21,7 @@ from comfy_server import COMFY_PYTHON, COMFY_ROOT
 from . import catalogue as catalogue_mod
 from . import probe
 from .generator import generate
+from .report import node_list, step_line
 from .runner import run_step
 from .servers import ServerPair
 
@@ -64,41 +65,6 @@ def write_replay(out_dir: Path, seed: int, index: int, steps: list[dict[str, Any
     return folder / "replay.json"
 
 
-def describe_mismatch(m: dict[str, Any]) -> str:
-    """One readable paragraph: where, what differs (hash pairs or the error), how to replay."""
-    verdict = m["verdict"]
-    lines = [f"seed {m['seed']} step {m['step']} (prompt {m.get('index')}): {verdict['signature']}"]
-    detail = verdict.get("detail")
-    if verdict["kind"] == "output_differs":
-        for d in detail:
-            pv, qv = (d["p"] or [{}])[0], (d["q"] or [{}])[0]
-            lines.append(f"  node {d['node']} {d['class_type']} {d['stat']}: P {str(pv.get('sha256'))[:12]}… "
-                         f"Q {str(qv.get('sha256'))[:12]}…")
-    elif isinstance(detail, dict):
-        lines.append(f"  {json.dumps({k: v for k, v in detail.items() if k != 'traceback'})[:600]}")
-    lines.append(f"  nodes: {m['nodes']}")
-    lines.append(f"  replay: python -m tests.differential --replay {m['replay']}")
-    return "\n".join(lines)
-
-
-def _node_list(workflow: dict[str, Any]) -> str:
-    return ", ".join(f"{nid}:{n['class_type']}" for nid, n in workflow.items()
-                     if n["class_type"] not in ("TieredTestConditioning", "TieredTestLatentStats",
-                                                "TieredTestConditioningStats"))
-
-
-def step_line(step: dict[str, Any], record: dict[str, Any]) -> str:
-    """One progress line: what ran, how long on P and Q, and the verdict."""
-    verdict = record.get("verdict") or {}
-    times = "/".join(f"{record[s].get('seconds', '-')}" for s in ("p", "q") if isinstance(record.get(s), dict))
-    what = "+".join(step.get("models", [])) or step.get("action", "") + " " + step.get("name", "")
-    statuses = "/".join(record[s].get("status", "") for s in ("p", "q") if isinstance(record.get(s), dict))
-    line = f"{step['op']} {what.strip()} [{times} s {statuses}] {verdict.get('result', '')}"
-    if step.get("interrupt"):
-        line += f" (interrupt {step['interrupt']} at {record['p'].get('interrupt_at')})"
-    return f"{line} {verdict.get('signature', '')}".rstrip()
-
-
 def run_sequence(pair: ServerPair, seed: int, steps: list[dict[str, Any]], opts: Options,
                  cat: catalogue_mod.Catalogue, totals: collections.Counter,
                  coverage: collections.Counter, log_flags: collections.Counter) -> list[dict[str, Any]]:
@@ -127,7 +93,7 @@ def run_sequence(pair: ServerPair, seed: int, steps: list[dict[str, Any]], opts:
             replay = write_replay(opts.out_dir, seed, index, since_fresh, record, cat, pair)
             mismatches.append({"seed": seed, "step": index, "index": step.get("index"),
                                "verdict": verdict, "replay": str(replay),
-                               "nodes": _node_list(step["p"]),
+                               "nodes": node_list(step["p"]),
                                "outcomes": {"p": record.get("p"), "q": record.get("q")}})
             pair.restart()
             since_fresh = []
@@ -172,22 +138,3 @@ def run(opts: Options) -> dict[str, Any]:
     }
     (opts.out_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     return summary
-
-
-def report(summary: dict[str, Any]) -> str:
-    t = summary["totals"]
-    lines = [f"differential campaign on ComfyUI {summary['comfy_version']}: seeds "
-             f"{summary['options']['seeds']}, {t.get('prompts', 0)} prompts run "
-             f"({t.get('match', 0)} matched, {t.get('both_failed', 0)} of them failing alike, "
-             f"{t.get('refused', 0)} refused as documented, {t.get('interrupted', 0)} interrupted), "
-             f"{t.get('free', 0)} /free, {t.get('tier_action', 0)} tier REST actions; "
-             f"{summary['mismatch_count']} mismatches in {len(summary['signatures'])} classes; "
-             f"{summary['seconds']} s"]
-    if summary["catalogue"]["excluded"]:
-        lines.append(f"excluded (this ComfyUI does not load them): {summary['catalogue']['excluded']}")
-    firsts = {}
-    for m in summary["mismatches"]:
-        firsts.setdefault(m["verdict"]["signature"], m)
-    for signature, count in summary["signatures"].items():
-        lines.append(f"[{count}x] " + describe_mismatch(firsts[signature]))
-    return "\n".join(lines)

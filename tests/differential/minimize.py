@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import catalogue as catalogue_mod
-from .campaign import step_line
+from .report import describe_replay, step_line
 from .runner import run_step
 from .servers import ServerPair
 
@@ -42,8 +42,9 @@ def replay(path: Path, work: Path, models_root: Path, *, threads: int = 2,
     _ensure_fixtures(data, models_root)
     records = _run(data["steps"], work, models_root, threads, echo)
     last = records[-1].get("verdict") or {}
-    return {"mismatch": last.get("result") == "mismatch", "last_verdict": last,
-            "expected": data.get("verdict"), "records": records}
+    return {"mismatch": last.get("result") == "mismatch", "signature": last.get("signature"),
+            "expected": (data.get("verdict") or {}).get("signature"),
+            "description": describe_replay(data["steps"], records)}
 
 
 def minimize(path: Path, work: Path, models_root: Path, *, threads: int = 2,
@@ -53,13 +54,18 @@ def minimize(path: Path, work: Path, models_root: Path, *, threads: int = 2,
     target = data["verdict"]["signature"]
     steps = data["steps"]
     trials = 0
+    found: dict[str, Any] = {}
 
     def reproduces(candidate: list[dict[str, Any]]) -> bool:
         nonlocal trials
         trials += 1
         echo(f"trial {trials}: {len(candidate)} steps")
-        verdict = _run(candidate, work, models_root, threads, echo)[-1].get("verdict") or {}
-        return verdict.get("signature") == target
+        records = _run(candidate, work, models_root, threads, echo)
+        verdict = records[-1].get("verdict") or {}
+        if verdict.get("signature") != target:
+            return False
+        found.update(verdict=verdict, description=describe_replay(candidate, records))
+        return True
 
     tail = None
     length = 1
@@ -80,6 +86,7 @@ def minimize(path: Path, work: Path, models_root: Path, *, threads: int = 2,
         else:
             i += 1
     out = Path(path).with_name("minimal.json")
-    out.write_text(json.dumps({**data, "steps": tail, "minimized_from": len(steps)}, indent=1))
+    out.write_text(json.dumps({**data, "verdict": found["verdict"], "steps": tail,
+                               "minimized_from": len(steps)}, indent=1))
     return {"mismatch": True, "trials": trials, "steps": len(tail), "minimal": str(out),
-            "signature": target}
+            "signature": target, "description": found["description"]}
