@@ -11,6 +11,7 @@ import collections
 import json
 import os
 import platform
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -104,6 +105,9 @@ def run(opts: Options) -> dict[str, Any]:
     """Run the campaign; write `summary.json` into opts.out_dir and return the summary."""
     started = time.monotonic()
     opts.out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in [*opts.out_dir.glob("seed*-step*"), opts.out_dir / "summary.json"]:
+        # a run reusing a name must not leave an earlier run's replays beside its own
+        shutil.rmtree(stale) if stale.is_dir() else stale.unlink(missing_ok=True)
     cat = catalogue_mod.build(opts.models_root, big=opts.big)
     pair = ServerPair(opts.workdir, opts.models_root, threads=opts.threads)
     totals: collections.Counter = collections.Counter()
