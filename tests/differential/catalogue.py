@@ -33,8 +33,7 @@ GIB = 1024 ** 3
 class Adapter:
     filename: str
     kind: str                      # "lora" or "loha"
-    blocks: tuple[int, ...]        # block indices it patches
-    keys: frozenset[str] = frozenset()  # patched weights (diffusion-model keys)
+    keys: frozenset[str]           # patched weights (diffusion-model keys)
 
 
 @dataclass(frozen=True)
@@ -44,10 +43,9 @@ class Model:
     family: str                    # "wan", "sd3", "hunyuan_video", "flux"
     folder: str                    # "diffusion_models" or "checkpoints"
     blocks: int                    # blocks Apply Layerwise Offload streams
-    block_bytes: int               # largest block, in the file's dtype
+    block_bytes: int               # largest block in fp32 (an upper bound of what it streams)
     cond_kind: str                 # TieredTestConditioning model_kind with the right widths
     latent: dict[str, Any]
-    arch: str                      # models of one arch share adapters and can be paired
     file_dtype: str
     adapters: tuple[Adapter, ...] = ()
     quantized: frozenset[str] = frozenset()  # fp8 layers of a mixed-precision file
@@ -68,9 +66,6 @@ class Catalogue:
     def usable(self) -> list[Model]:
         return [m for m in self.models if m.name not in self.excluded]
 
-    def by_name(self, name: str) -> Model:
-        return next(m for m in self.models if m.name == name)
-
     def describe(self) -> dict[str, Any]:
         return {"models": [m.name for m in self.usable()], "excluded": list(self.excluded),
                 "clip": self.clip, "vae": self.vae}
@@ -81,41 +76,35 @@ VIDEO_LATENT = {"node": "EmptyHunyuanLatentVideo",
 IMAGE_LATENT = {"node": "EmptySD3LatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}}
 
 
-def _wan_block_bytes(dim: int, ffn: int, nbytes: int) -> int:
-    return (8 * (dim * dim + dim) + 2 * dim * ffn + dim + ffn + 6 * dim + 6 * dim) * nbytes
+def _wan_block_bytes(dim: int, ffn: int) -> int:
+    return (8 * (dim * dim + dim) + 2 * dim * ffn + dim + ffn + 6 * dim + 6 * dim) * 4
 
 
 def _wan_adapters(prefix: str, layers: int, dim: int, ffn: int) -> list[tuple[Adapter, Callable, dict]]:
     keys = frozenset(f"{n}.weight" for n, _, _ in tiny_models.wan_lora_targets(layers, dim, ffn))
     keys0 = frozenset(f"{n}.weight" for n, _, _ in tiny_models.wan_lora_targets(1, dim, ffn))
-    every = tuple(range(layers))
     common = {"dim": dim, "ffn_dim": ffn}
     return [
-        (Adapter(f"{prefix}_lora.safetensors", "lora", every, keys),
+        (Adapter(f"{prefix}_lora.safetensors", "lora", keys),
          tiny_models.write_tiny_wan_lora, {"model_layers": layers, "seed": 1, **common}),
-        (Adapter(f"{prefix}_lora_b.safetensors", "lora", every, keys),
+        (Adapter(f"{prefix}_lora_b.safetensors", "lora", keys),
          tiny_models.write_tiny_wan_lora, {"model_layers": layers, "seed": 9, **common}),
-        (Adapter(f"{prefix}_lora_block0.safetensors", "lora", (0,), keys0),
+        (Adapter(f"{prefix}_lora_block0.safetensors", "lora", keys0),
          tiny_models.write_tiny_wan_lora, {"model_layers": 1, "seed": 3, **common}),
-        (Adapter(f"{prefix}_loha.safetensors", "loha", every, keys),
+        (Adapter(f"{prefix}_loha.safetensors", "loha", keys),
          tiny_models.write_tiny_wan_loha, {"model_layers": layers, "seed": 5, **common}),
     ]
 
 
-def _family_adapters(prefix: str, build: Callable[[], dict], block_prefixes: tuple[str, ...]
-                     ) -> list[tuple[Adapter, Callable, dict]]:
-    sd = build()
-    keys = frozenset(f"{n}.weight" for n, _, _ in family_adapters.linear_weights(sd))
-    blocks = sorted({k.split(".")[0] + "." + k.split(".")[1] for k in keys
-                     if k.startswith(block_prefixes)})
-    indices = tuple(range(len(blocks)))
+def _family_adapters(prefix: str, build: Callable[[], dict]) -> list[tuple[Adapter, Callable, dict]]:
+    keys = frozenset(f"{n}.weight" for n, _, _ in family_adapters.linear_weights(build()))
 
     def writer(path, *, kind, seed):
         return family_adapters.write_adapter(path, build(), kind=kind, seed=seed)
 
     return [
-        (Adapter(f"{prefix}_lora.safetensors", "lora", indices, keys), writer, {"kind": "lora", "seed": 21}),
-        (Adapter(f"{prefix}_loha.safetensors", "loha", indices, keys), writer, {"kind": "loha", "seed": 23}),
+        (Adapter(f"{prefix}_lora.safetensors", "lora", keys), writer, {"kind": "lora", "seed": 21}),
+        (Adapter(f"{prefix}_loha.safetensors", "loha", keys), writer, {"kind": "loha", "seed": 23}),
     ]
 
 
@@ -135,7 +124,7 @@ def _plan(big: bool) -> tuple[list[Model], list[tuple[str, str, Callable, dict]]
 
     tiny_wan = adapters_of(_wan_adapters("dt_wan_tiny", 2, 128, 256))
     wan_small = dict(family="wan", folder="diffusion_models", blocks=2, cond_kind="wan21",
-                     latent=VIDEO_LATENT, arch="wan_tiny", adapters=tiny_wan)
+                     latent=VIDEO_LATENT, block_bytes=_wan_block_bytes(128, 256), adapters=tiny_wan)
     for name, dtype, label, seed in (("wan_tiny", torch.float32, "fp32", 0),
                                      ("wan_tiny_low", torch.float32, "fp32", 7),
                                      ("wan_tiny_bf16", torch.bfloat16, "bf16", 0),
@@ -143,9 +132,7 @@ def _plan(big: bool) -> tuple[list[Model], list[tuple[str, str, Callable, dict]]
                                      ("wan_tiny_fp8", torch.float8_e4m3fn, "fp8_e4m3fn", 0)):
         filename = f"dt_{name}.safetensors"
         add_file("diffusion_models", filename, tiny_models.write_tiny_wan21, {"seed": seed, "dtype": dtype})
-        nbytes = torch.tensor([], dtype=dtype).element_size()
-        models.append(Model(name=name, filename=filename, file_dtype=label,
-                            block_bytes=_wan_block_bytes(128, 256, nbytes), **wan_small))
+        models.append(Model(name=name, filename=filename, file_dtype=label, **wan_small))
 
     # Mixed precision as in issue 10's case E: fp8 only outside the blocks; and a variant with
     # fp8 layers inside blocks, where a LoRA on them in a streamed block is a documented refusal.
@@ -156,8 +143,7 @@ def _plan(big: bool) -> tuple[list[Model], list[tuple[str, str, Callable, dict]]
         filename = f"dt_{name}.safetensors"
         add_file("diffusion_models", filename, _write_mixed_wan, {"layers": list(layers)})
         models.append(Model(name=name, filename=filename, file_dtype="mixed_fp8",
-                            block_bytes=_wan_block_bytes(128, 256, 4), quantized=frozenset(layers),
-                            mixed=True, **wan_small))
+                            quantized=frozenset(layers), mixed=True, **wan_small))
 
     wan_sizes = [("wan_deep", 8, 128, 256), ("wan_mid", 6, 256, 512)]
     if big:
@@ -167,41 +153,37 @@ def _plan(big: bool) -> tuple[list[Model], list[tuple[str, str, Callable, dict]]
         add_file("diffusion_models", filename, tiny_models.write_tiny_wan21,
                  {"layers": layers, "dim": dim, "ffn_dim": ffn, "seed": 2})
         models.append(Model(name=name, filename=filename, family="wan", folder="diffusion_models",
-                            blocks=layers, block_bytes=_wan_block_bytes(dim, ffn, 4),
-                            cond_kind="wan21", latent=VIDEO_LATENT, arch=name, file_dtype="fp32",
+                            blocks=layers, block_bytes=_wan_block_bytes(dim, ffn),
+                            cond_kind="wan21", latent=VIDEO_LATENT, file_dtype="fp32",
                             adapters=adapters_of(_wan_adapters(f"dt_{name}", layers, dim, ffn)),
                             big=name == "wan_big"))
 
-    sd3_adapters = adapters_of(_family_adapters("dt_sd3", tiny_models.build_tiny_sd3, ("joint_blocks.",)))
-    sd3 = dict(family="sd3", blocks=2, cond_kind="sd3", latent=IMAGE_LATENT, arch="sd3",
-               adapters=sd3_adapters, image=True)
-    sd3_block = 2 * (3 * 128 * 128 + 128 * 128 + 8 * 128 * 128 + 6 * 128 * 128)
+    sd3_adapters = adapters_of(_family_adapters("dt_sd3", tiny_models.build_tiny_sd3))
+    sd3 = dict(family="sd3", blocks=2, cond_kind="sd3", latent=IMAGE_LATENT, adapters=sd3_adapters,
+               image=True, block_bytes=2 * (3 + 1 + 8 + 6) * 128 * 128 * 4)
     for name, dtype, label in (("sd3", torch.float32, "fp32"), ("sd3_bf16", torch.bfloat16, "bf16")):
         filename = f"dt_{name}.safetensors"
         add_file("diffusion_models", filename, tiny_models.write_tiny_sd3, {"dtype": dtype})
-        nbytes = torch.tensor([], dtype=dtype).element_size()
         models.append(Model(name=name, filename=filename, folder="diffusion_models", file_dtype=label,
-                            block_bytes=sd3_block * nbytes, **sd3))
+                            **sd3))
     add_file("checkpoints", "dt_sd3_checkpoint.safetensors", tiny_checkpoint.write_tiny_sd3_checkpoint, {})
     models.append(Model(name="sd3_checkpoint", filename="dt_sd3_checkpoint.safetensors",
-                        folder="checkpoints", file_dtype="fp32", block_bytes=sd3_block * 4, **sd3))
+                        folder="checkpoints", file_dtype="fp32", **sd3))
 
-    hy_adapters = adapters_of(_family_adapters("dt_hunyuan", tiny_models.build_tiny_hunyuan_video,
-                                               ("double_blocks.", "single_blocks.")))
+    hy_adapters = adapters_of(_family_adapters("dt_hunyuan", tiny_models.build_tiny_hunyuan_video))
     add_file("diffusion_models", "dt_hunyuan_video.safetensors", tiny_models.write_tiny_hunyuan_video, {})
     models.append(Model(name="hunyuan_video", filename="dt_hunyuan_video.safetensors",
                         family="hunyuan_video", folder="diffusion_models", blocks=4,
                         block_bytes=(2 * (6 + 3 + 1 + 8) * 128 * 128) * 4, cond_kind="hunyuan_video",
-                        latent=VIDEO_LATENT, arch="hunyuan_video", file_dtype="fp32",
+                        latent=VIDEO_LATENT, file_dtype="fp32",
                         adapters=hy_adapters))
 
-    flux_adapters = adapters_of(_family_adapters("dt_flux", tiny_flux.build_tiny_flux,
-                                                 ("double_blocks.", "single_blocks.")))
+    flux_adapters = adapters_of(_family_adapters("dt_flux", tiny_flux.build_tiny_flux))
     add_file("diffusion_models", "dt_flux.safetensors", tiny_flux.write_tiny_flux, {})
     models.append(Model(name="flux", filename="dt_flux.safetensors", family="flux",
                         folder="diffusion_models", blocks=4,
                         block_bytes=(2 * (6 + 3 + 1 + 8) * 128 * 128) * 4,
-                        cond_kind="hunyuan_video", latent=IMAGE_LATENT, arch="flux",
+                        cond_kind="hunyuan_video", latent=IMAGE_LATENT,
                         file_dtype="fp32", adapters=flux_adapters, image=True, optional=True))
 
     add_file("text_encoders", tiny_models.CLIP_L_FILENAME, tiny_models.write_random_clip_l, {})

@@ -324,7 +324,9 @@ class Generator:
         resident, budget = op["resident_blocks"], op["vram_budget_gb"] * GIB
         if resident > m.blocks:
             found.append({"kind": "resident_out_of_range", "node": node})
-        roomy = (m.blocks + 2) * m.block_bytes * 4 + SHARED_MIB * 2**20
+        # A budget below this may be refused as too small (a generous bound: the exact need
+        # depends on prefetch, dtype and shared parts); above it, a refusal is a mismatch.
+        roomy = 4 * (m.blocks + 2) * m.block_bytes + SHARED_MIB * 2**20
         if resident == -1 and budget < roomy:
             found.append({"kind": "budget_too_small", "node": node})
         if swapped:
