@@ -68,6 +68,8 @@ class Generator:
         made = 0
         while made < prompts:
             r = self.rng.random()
+            if self.pending:  # a scenario's prompts follow each other directly
+                r = 1.0
             if steps and r < 0.07:
                 steps.append({"op": "free", "tags": ["free"]})
             elif steps and r < 0.11 and self.rest_actions and self.tiered_names:
