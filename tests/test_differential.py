@@ -12,7 +12,7 @@ import collections
 
 import pytest
 
-from differential import ARTIFACTS, campaign, catalogue, generator, report, twin, verdict
+from differential import ARTIFACTS, campaign, catalogue, generator, report, shrink, twin, verdict
 from differential.workflow import is_link
 
 SEEDS = [130]
@@ -114,3 +114,20 @@ def test_bounded_differential_campaign(tmp_path):
     assert summary["mismatch_count"] == 0, (
         f"{text}\nEach replay folder holds both workflows, the outcomes and log tails; "
         f"summary: {out_dir / 'summary.json'}")
+
+
+def test_shrink_variants_keep_prompts_valid():
+    wf = {"1": {"class_type": "UNETLoader", "inputs": {"unet_name": "m", "weight_dtype": "default"}},
+          "2": {"class_type": "LoraLoaderModelOnly", "inputs": {"model": ["1", 0], "lora_name": "l",
+                                                                "strength_model": 1.0}},
+          "3": {"class_type": "ApplyLayerwiseOffload", "inputs": {"model": ["2", 0]}},
+          "4": {"class_type": "KSampler", "inputs": {"model": ["3", 0]}},
+          "5": {"class_type": "TieredTestLatentStats", "inputs": {"samples": ["4", 0]}},
+          "6": {"class_type": "KSampler", "inputs": {"model": ["2", 0]}},
+          "7": {"class_type": "TieredTestLatentStats", "inputs": {"samples": ["6", 0]}}}
+    found = dict(shrink.variants({"op": "prompt", "p": wf, "q": twin.strip(wf)}))
+    assert set(found) == {"drop output 5", "drop output 7", "bypass 2:LoraLoaderModelOnly",
+                          "bypass 3:ApplyLayerwiseOffload"}
+    assert set(found["drop output 5"]["p"]) == {"1", "2", "6", "7"}
+    assert found["bypass 2:LoraLoaderModelOnly"]["p"]["3"]["inputs"]["model"] == ["1", 0]
+    assert found["bypass 3:ApplyLayerwiseOffload"]["q"] == found["bypass 3:ApplyLayerwiseOffload"]["p"]

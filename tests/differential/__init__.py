@@ -6,8 +6,8 @@ ComfyUI loads), `workflow` (an API-format graph builder), `generator` (seeded pr
 `twin` (removes the pack's nodes), `refusals` (the pack's documented refusals), `verdict`
 (compares one prompt's two outcomes), `progress` (websocket watch to interrupt at a chosen
 moment), `servers` (the P/Q pair), `runner` (runs steps), `campaign` (seeds, replay files,
-summary), `minimize` (replays and shrinks a failing sequence); `python -m tests.differential`
-is the command line.
+summary), `report` (text for people), `minimize` and `shrink` (replay a failing sequence and
+make it as small as it stays failing); `python -m tests.differential` is the command line.
 """
 import sys
 from pathlib import Path

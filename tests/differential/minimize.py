@@ -1,9 +1,10 @@
-"""Run a replay file again, or shrink it to the fewest steps that still give its mismatch.
+"""Run a replay file again, or shrink it to the fewest steps and nodes that still mismatch.
 
 Every trial starts both servers fresh, so a trial's result depends only on its steps. Shrinking
 first looks for the shortest tail of the sequence that still mismatches (most after-effects need
-one or two earlier prompts), then drops the remaining earlier steps one at a time. The result is
-written beside the input as minimal.json, itself a replay file.
+one or two earlier prompts), then drops the remaining earlier steps one at a time, then makes the
+failing prompt itself smaller (shrink.variants) while the mismatch keeps its kind (and, for a
+failure, its error). The result is written beside the input as minimal.json, a replay file.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any, Callable
 from . import catalogue as catalogue_mod
 from .report import describe_replay, step_line
 from .runner import run_step
+from .shrink import variants
 from .servers import ServerPair
 
 
@@ -51,7 +53,7 @@ def minimize(path: Path, work: Path, models_root: Path, *, threads: int = 2,
              echo: Callable[[str], None] = print) -> dict[str, Any]:
     data = json.loads(Path(path).read_text())
     _ensure_fixtures(data, models_root)
-    target = data["verdict"]["signature"]
+    target = data["verdict"]
     steps = data["steps"]
     trials = 0
     found: dict[str, Any] = {}
@@ -62,7 +64,8 @@ def minimize(path: Path, work: Path, models_root: Path, *, threads: int = 2,
         echo(f"trial {trials}: {len(candidate)} steps")
         records = _run(candidate, work, models_root, threads, echo)
         verdict = records[-1].get("verdict") or {}
-        if verdict.get("signature") != target:
+        if verdict.get("kind") != target["kind"] or (
+                target["kind"] != "output_differs" and verdict.get("signature") != target["signature"]):
             return False
         found.update(verdict=verdict, description=describe_replay(candidate, records))
         return True
@@ -85,8 +88,21 @@ def minimize(path: Path, work: Path, models_root: Path, *, threads: int = 2,
             tail = candidate
         else:
             i += 1
+    rejected: set[str] = set()  # a reduction that lost the mismatch is not tried again
+    changed = True
+    while changed:
+        changed = False
+        for what, smaller in variants(tail[-1]):
+            if what in rejected:
+                continue
+            echo(f"shrink: {what}")
+            if reproduces(tail[:-1] + [smaller]):
+                tail = tail[:-1] + [smaller]
+                changed = True
+                break
+            rejected.add(what)
     out = Path(path).with_name("minimal.json")
     out.write_text(json.dumps({**data, "verdict": found["verdict"], "steps": tail,
                                "minimized_from": len(steps)}, indent=1))
     return {"mismatch": True, "trials": trials, "steps": len(tail), "minimal": str(out),
-            "signature": target, "description": found["description"]}
+            "signature": found["verdict"]["signature"], "description": found["description"]}
