@@ -58,8 +58,9 @@ def write_replay(out_dir: Path, seed: int, index: int, steps: list[dict[str, Any
     (folder / "replay.json").write_text(json.dumps({
         "seed": seed, "step": index, "comfy_version": comfy_version(),
         "catalogue": cat.describe(), "verdict": record.get("verdict"), "steps": steps}, indent=1))
-    (folder / "p_workflow.json").write_text(json.dumps(last["p"], indent=1))
-    (folder / "q_workflow.json").write_text(json.dumps(last["q"], indent=1))
+    if last["op"] == "prompt":
+        (folder / "p_workflow.json").write_text(json.dumps(last["p"], indent=1))
+        (folder / "q_workflow.json").write_text(json.dumps(last["q"], indent=1))
     (folder / "outcome.json").write_text(json.dumps(record, indent=1))
     for name, server in (("p", pair.p), ("q", pair.q)):
         (folder / f"{name}_log_tail.txt").write_text(server.log_tail(200))
@@ -68,8 +69,9 @@ def write_replay(out_dir: Path, seed: int, index: int, steps: list[dict[str, Any
 
 def run_sequence(pair: ServerPair, seed: int, steps: list[dict[str, Any]], opts: Options,
                  cat: catalogue_mod.Catalogue, totals: collections.Counter,
-                 coverage: collections.Counter, log_flags: collections.Counter) -> list[dict[str, Any]]:
-    mismatches = []
+                 coverage: collections.Counter, log_flags: collections.Counter,
+                 mismatches: list[dict[str, Any]]) -> None:
+    """Run one seed's steps; count into the counters and append mismatches as they happen."""
     since_fresh: list[dict[str, Any]] = []
     for index, step in enumerate(steps):
         record = run_step(pair, step, opts.timeout)
@@ -94,11 +96,10 @@ def run_sequence(pair: ServerPair, seed: int, steps: list[dict[str, Any]], opts:
             replay = write_replay(opts.out_dir, seed, index, since_fresh, record, cat, pair)
             mismatches.append({"seed": seed, "step": index, "index": step.get("index"),
                                "verdict": verdict, "replay": str(replay),
-                               "nodes": node_list(step["p"]),
+                               "nodes": node_list(step["p"]) if step["op"] == "prompt" else step["op"],
                                "outcomes": {"p": record.get("p"), "q": record.get("q")}})
             pair.restart()
             since_fresh = []
-    return mismatches
 
 
 def run(opts: Options) -> dict[str, Any]:
@@ -115,6 +116,7 @@ def run(opts: Options) -> dict[str, Any]:
     log_flags: collections.Counter = collections.Counter()
     mismatches: list[dict[str, Any]] = []
     excluded: dict[str, str] = {}
+    stopped_early = False
     try:
         probing = probe.start(cat)
         pair.start()
@@ -124,7 +126,9 @@ def run(opts: Options) -> dict[str, Any]:
                 pair.restart()
             steps = generate(seed, opts.prompts, cat, interrupts=opts.interrupts,
                              rest_actions=opts.rest_actions)
-            mismatches += run_sequence(pair, seed, steps, opts, cat, totals, coverage, log_flags)
+            run_sequence(pair, seed, steps, opts, cat, totals, coverage, log_flags, mismatches)
+    except KeyboardInterrupt:  # Ctrl-C ends a long campaign early, with its summary so far
+        stopped_early = True
     finally:
         pair.stop()
     signatures = collections.Counter(m["verdict"]["signature"] for m in mismatches)
@@ -134,7 +138,7 @@ def run(opts: Options) -> dict[str, Any]:
         "comfy_version": comfy_version(), "comfy_root": str(COMFY_ROOT), "comfy_python": COMFY_PYTHON,
         "omp_threads": opts.threads, "machine": platform.machine(), "cpu_count": os.cpu_count(),
         "catalogue": cat.describe(), "excluded_reasons": excluded,
-        "seconds": round(time.monotonic() - started, 1),
+        "seconds": round(time.monotonic() - started, 1), "stopped_early": stopped_early,
         "totals": dict(totals), "mismatch_count": len(mismatches),
         "signatures": dict(signatures.most_common()),
         "mismatches": mismatches, "coverage": dict(sorted(coverage.items())),

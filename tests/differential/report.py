@@ -69,7 +69,7 @@ def summary_text(summary: dict[str, Any]) -> str:
              f"{t.get('refused', 0)} refused as documented, {t.get('interrupted', 0)} interrupted), "
              f"{t.get('free', 0)} /free, {t.get('tier_action', 0)} tier REST actions; "
              f"{summary['mismatch_count']} mismatches in {len(summary['signatures'])} classes; "
-             f"{summary['seconds']} s"]
+             f"{summary['seconds']} s" + (" (stopped early)" if summary.get("stopped_early") else "")]
     if summary["catalogue"]["excluded"]:
         lines.append(f"excluded (this ComfyUI does not load them): {summary['catalogue']['excluded']}")
     firsts: dict[str, dict[str, Any]] = {}
