@@ -15,8 +15,8 @@ import pytest
 from differential import ARTIFACTS, campaign, catalogue, generator, report, shrink, twin, verdict
 from differential.workflow import is_link
 
-SEEDS = [130]
-PROMPTS = 24
+SEEDS = [923]
+PROMPTS = 28
 REQUIRED = ["family:wan", "family:sd3", "family:hunyuan_video", "offload", "lora", "lora_stack",
             "adapter:loha", "swap", "text_encode", "loader:TieredUNETLoader",
             "loader:TieredCLIPLoader", "loader:CheckpointLoaderSimple", "tier_manager",
@@ -24,7 +24,7 @@ REQUIRED = ["family:wan", "family:sd3", "family:hunyuan_video", "offload", "lora
             "file_dtype:bf16", "file_dtype:mixed_fp8", "weight_dtype:fp8_e4m3fn", "resident:-1",
             "resident:0", "resident:k", "resident:all", "offload_before_lora",
             "offload_after_lora", "strength:0", "strength:neg", "strength:>1", "vae", "pin:false", "tiny_budget",
-            "tier_manager:clip"]
+            "tier_manager:clip", "scenario:swap_then_drop"]
 
 
 def offline_catalogue(excluded: list[str]) -> catalogue.Catalogue:

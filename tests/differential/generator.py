@@ -57,7 +57,7 @@ class Generator:
         self.interrupts = interrupts
         self.rest_actions = rest_actions
         self.previous: Chain | None = None
-        self.pending: list[tuple[Chain, str | None]] = []
+        self.pending: list[dict[str, Any]] = []  # the next prompts of a scenario: _finish arguments
         self.tiered_names: list[str] = []
         self.tiny_budget = False
         self.index = 0
@@ -83,13 +83,14 @@ class Generator:
     def prompt(self) -> dict[str, Any]:
         self.index += 1
         if self.pending:
-            chain, interrupt = self.pending.pop(0)
-            return self._finish("single", [chain], interrupt=interrupt, steps=3, extras=False)
+            return self._finish("single", **self.pending.pop(0))
         interrupt = None
         if self.interrupts and self.rng.random() < 0.06:
             if self.big and self.rng.random() < 0.6:
                 return self._packing_interrupt()
             interrupt = "sampling"
+        elif self.rng.random() < 0.03:
+            return self._swap_then_drop()
         shape, chains = self._random_shape()
         return self._finish(shape, chains, interrupt=interrupt)
 
@@ -122,8 +123,28 @@ class Generator:
                    "prefetch": self.rng.choice((1, 2)), "pin": True}
         plain = Chain(model, loader, "default", [dict(lora)])
         offloaded = Chain(model, loader, "default", [dict(lora), offload])
-        self.pending = [(offloaded, "packing"), (plain, None), (offloaded, None)]
-        return self._finish("single", [plain], interrupt=None, steps=3, extras=False)
+        common = {"steps": 3, "extras": False, "scenario": "packing_interrupt"}
+        self.pending = [{"chains": [offloaded], "interrupt": "packing", **common},
+                        {"chains": [plain], "interrupt": None, **common},
+                        {"chains": [offloaded], "interrupt": None, **common}]
+        return self._finish("single", [plain], interrupt=None, **common)
+
+    def _swap_then_drop(self) -> dict[str, Any]:
+        """Issue 10's case C: a Tiered model under Model-Level Swap (with a LoRA, which issue
+        10's case B says its master may keep), then another Tiered model with a RAM budget so
+        small that the idle first one is dropped to disk, then the first one again, plainly;
+        last, the budget is lifted so the rest of the sequence is not starved."""
+        rng = self.rng
+        a, b = rng.sample([m for m in self.models if m.folder == "diffusion_models" and not m.mixed], 2)
+        tiny = {"op": "tier", "ram_budget_gb": 0.001, "ram_reserve_gb": 0.0, "vram_reserve_gb": 0.0,
+                "disk_tier": True, "keep_in_ram": False, "priority": 0}
+        lora = [{"op": "lora", "adapter": rng.choice(a.adapters).filename, "strength": 1.0}]
+        common = {"interrupt": None, "steps": 2, "extras": False, "scenario": "swap_then_drop"}
+        self.pending = [{"chains": [Chain(b, "TieredUNETLoader", "default", [tiny])], **common},
+                        {"chains": [Chain(a, "TieredUNETLoader", "default", [])], **common},
+                        {"chains": [Chain(a, "TieredUNETLoader", "default", [{**tiny, "ram_budget_gb": 0.0}])],
+                         **common}]
+        return self._finish("single", [Chain(a, "TieredUNETLoader", "default", lora)], swap=True, **common)
 
     # -- chains ---------------------------------------------------------------------------------
     def _chain(self, model: Model | None = None, *, loader: str | None = None,
@@ -175,17 +196,19 @@ class Generator:
 
     # -- graphs ---------------------------------------------------------------------------------
     def _finish(self, shape: str, chains: list[Chain], *, interrupt: str | None,
-                steps: int | None = None, extras: bool = True) -> dict[str, Any]:
-        """The prompt of these chains; `extras` allows a text encode and a VAE round trip."""
+                steps: int | None = None, extras: bool = True, swap: bool = False,
+                scenario: str | None = None) -> dict[str, Any]:
+        """The prompt of these chains; `extras` allows a text encode and a VAE round trip,
+        `swap` asks for Model-Level Swap with a text encode."""
         rng = self.rng
         g = Graph()
-        tags = {f"shape:{shape}"}
+        tags = {f"shape:{shape}"} | ({f"scenario:{scenario}"} if scenario else set())
         model = chains[0].model
-        text_encode = extras and rng.random() < 0.35
-        swap_wanted = text_encode and rng.random() < 0.6
+        text_encode = swap or (extras and rng.random() < 0.35)
+        swap_wanted = swap or (text_encode and rng.random() < 0.6)
         clip = clip_loader = None
         if text_encode:
-            clip_loader = "TieredCLIPLoader" if rng.random() < 0.35 else "CLIPLoader"
+            clip_loader = "CLIPLoader" if swap else "TieredCLIPLoader" if rng.random() < 0.35 else "CLIPLoader"
             clip = out(g.add(clip_loader, clip_name=self.cat.clip, type="stable_diffusion",
                              device="default"))
             tags.add(f"loader:{clip_loader}")
