@@ -4,7 +4,9 @@ A sequence is a list of steps, each a JSON-ready dict:
 - {"op": "prompt", "p": workflow, "q": twin, "interrupt": None|"packing"|"sampling", ...}
 - {"op": "free"}: `POST /free` on both servers;
 - {"op": "tier_action", "action": "park"|"evict"|"load", "name": file}: a REST move on P only
-  (Q has no tier manager; the result must not depend on where P keeps a model).
+  (Q has no tier manager; the result must not depend on where P keeps a model);
+- {"op": "tier_budgets", "body": {...}}: `POST /offload/budgets` on P, to lift a tiny RAM budget
+  a prompt set two prompts earlier.
 
 Prompts are built from "chains": a loader and an ordered list of model operations (LoRA or LoHa
 loaders, Apply Layerwise Offload, VRAM Tier Manager, Model-Level Swap, a test block-replace
@@ -60,6 +62,7 @@ class Generator:
         self.pending: list[dict[str, Any]] = []  # the next prompts of a scenario: _finish arguments
         self.tiered_names: list[str] = []
         self.tiny_budget = False
+        self.lift_after: int | None = None  # prompts until a tiny RAM budget is lifted
         self.index = 0
 
     # -- sequence -------------------------------------------------------------------------------
@@ -78,6 +81,14 @@ class Generator:
                               "name": self.rng.choice(self.tiered_names)})
             steps.append(self.prompt())
             made += 1
+            if self.lift_after is not None:
+                self.lift_after -= 1
+                if self.lift_after <= 0 and not self.pending:
+                    # The budget is process-wide on P and stays: lift it over REST (a Tiered
+                    # loader in a prompt would be refused before its tier manager node ran).
+                    steps.append({"op": "tier_budgets", "body": {"ram_budget_gb": None},
+                                  "tags": ["rest_budgets"]})
+                    self.lift_after, self.tiny_budget = None, False
         return steps
 
     def prompt(self) -> dict[str, Any]:
@@ -132,8 +143,8 @@ class Generator:
     def _swap_then_drop(self) -> dict[str, Any]:
         """Issue 10's case C: a Tiered model under Model-Level Swap (with a LoRA, which issue
         10's case B says its master may keep), then another Tiered model with a RAM budget so
-        small that the idle first one is dropped to disk, then the first one again, plainly;
-        last, the budget is lifted so the rest of the sequence is not starved."""
+        small that the idle first one is dropped to disk, then the first one again, plainly
+        (refused under that budget as documented, or loaded); the budget is lifted after."""
         rng = self.rng
         a, b = rng.sample([m for m in self.models if m.folder == "diffusion_models" and not m.mixed], 2)
         tiny = {"op": "tier", "ram_budget_gb": 0.001, "ram_reserve_gb": 0.0, "vram_reserve_gb": 0.0,
@@ -141,9 +152,7 @@ class Generator:
         lora = [{"op": "lora", "adapter": rng.choice(a.adapters).filename, "strength": 1.0}]
         common = {"interrupt": None, "steps": 2, "extras": False, "scenario": "swap_then_drop"}
         self.pending = [{"chains": [Chain(b, "TieredUNETLoader", "default", [tiny])], **common},
-                        {"chains": [Chain(a, "TieredUNETLoader", "default", [])], **common},
-                        {"chains": [Chain(a, "TieredUNETLoader", "default", [{**tiny, "ram_budget_gb": 0.0}])],
-                         **common}]
+                        {"chains": [Chain(a, "TieredUNETLoader", "default", [])], **common}]
         return self._finish("single", [Chain(a, "TieredUNETLoader", "default", lora)], swap=True, **common)
 
     # -- chains ---------------------------------------------------------------------------------
@@ -337,6 +346,7 @@ class Generator:
                     refusals.append({"kind": "tier_untracked", "node": node})
                 if 0 < op["ram_budget_gb"] < 0.01:
                     self.tiny_budget = True
+                    self.lift_after = self.lift_after or 2
                     tags.add("tiny_budget")
             elif kind == "block_replace":
                 model = out(g.add("TieredTestBlockReplace", model=model, scale=op["scale"]))

@@ -67,7 +67,8 @@ def summary_text(summary: dict[str, Any]) -> str:
              f"{summary['options']['seeds']}, {t.get('prompts', 0)} prompts run "
              f"({t.get('match', 0)} matched, {t.get('both_failed', 0)} of them failing alike, "
              f"{t.get('refused', 0)} refused as documented, {t.get('interrupted', 0)} interrupted), "
-             f"{t.get('free', 0)} /free, {t.get('tier_action', 0)} tier REST actions; "
+             f"{t.get('free', 0)} /free, {t.get('tier_action', 0) + t.get('tier_budgets', 0)} tier REST "
+             f"calls; "
              f"{summary['mismatch_count']} mismatches in {len(summary['signatures'])} classes; "
              f"{summary['seconds']} s" + (" (stopped early)" if summary.get("stopped_early") else "")]
     if summary["catalogue"]["excluded"]:

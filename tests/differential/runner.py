@@ -107,6 +107,9 @@ def run_step(pair: ServerPair, step: dict[str, Any], timeout: float = 900) -> di
         record["p"], record["q"] = _both(lambda: _free(pair.p), lambda: _free(pair.q))
     elif op == "tier_action":
         record["p"] = _tier_action(pair.p, step["action"], step["name"])
+    elif op == "tier_budgets":
+        status, body = pair.p.request("POST", "/offload/budgets", step["body"])
+        record["p"] = {"status": status, "detail": None if status == 200 else body}
     elif op == "prompt":
         when_p = when_q = None
         if step.get("interrupt") == "packing":
