@@ -79,9 +79,9 @@ def run_sequence(pair: ServerPair, seed: int, steps: list[dict[str, Any]], opts:
         for flag in record.get("p_log", []):
             log_flags[flag[:160]] += 1
         verdict = record.get("verdict")
+        coverage.update(step["tags"])
         if step["op"] == "prompt":
             totals["prompts"] += 1
-            coverage.update(step["tags"])
             at = record["p"].get("interrupt_at") or {}
             if step.get("interrupt") == "packing" and record["p"]["status"] == "interrupted" \
                     and at.get("max") in (step["packing_blocks"], step["packing_blocks"] + 1):
