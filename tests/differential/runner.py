@@ -29,7 +29,7 @@ LOG_NOISE = re.compile(r"torchaudio|ACE model|MMAudio|Missing VAE keys|no CLIP/t
 def run_prompt(server: ComfyServer, workflow: dict, when: progress.Predicate | None = None,
                timeout: float = 900) -> dict[str, Any]:
     """Queue a workflow (interrupting it where `when` says) and return what happened:
-    {"status": success|error|interrupted|rejected|died, "outputs"|"error"|"detail", "seconds"}."""
+    {"status": success|error|interrupted|rejected|died|timeout, "outputs"|"error"|"detail", "seconds"}."""
     started = time.monotonic()
     record: dict[str, Any] = {}
     try:
@@ -44,6 +44,8 @@ def run_prompt(server: ComfyServer, workflow: dict, when: progress.Predicate | N
                 return {"status": "rejected", "detail": resp}
             prompt_id = resp["prompt_id"]
         entry = server.wait(prompt_id, timeout)
+    except TimeoutError as e:  # a prompt that never ends is a finding, not a harness crash
+        return {"status": "timeout", "detail": str(e)}
     except (RuntimeError, ConnectionError, OSError) as e:
         if not server.alive():
             return {"status": "died", "detail": str(e)[:2000]}

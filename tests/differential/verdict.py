@@ -52,8 +52,9 @@ def compare_outputs(p: dict[str, Any], q: dict[str, Any], workflow: dict[str, An
 def judge(step: dict[str, Any], p: dict[str, Any], q: dict[str, Any]) -> dict[str, Any]:
     """The verdict on one prompt step, given both outcomes (see runner.run_prompt)."""
     ps, qs = p["status"], q["status"]
-    if "died" in (ps, qs):
-        return _mismatch("server_died", step, {"p": ps, "q": qs}, f"P {ps}, Q {qs}")
+    if "died" in (ps, qs) or "timeout" in (ps, qs):
+        kind = "server_died" if "died" in (ps, qs) else "timeout"
+        return _mismatch(kind, step, {"p": p.get("detail"), "q": q.get("detail")}, f"P {ps}, Q {qs}")
     if "rejected" in (ps, qs):
         return _mismatch("rejected", step, {"p": p.get("detail"), "q": q.get("detail")},
                          f"P {ps}, Q {qs}")
