@@ -162,8 +162,9 @@ class Generator:
         prev = self.previous
         if model is None and prev is not None and not prev.model.big and rng.random() < 0.5:
             model, loader, weight_dtype = prev.model, prev.loader, prev.weight_dtype
-        if model is None:
-            model = rng.choice(self.models)
+        if model is None:  # family first, so one with many files (Wan) does not crowd the rest out
+            family = rng.choice(sorted({m.family for m in self.models}))
+            model = rng.choice([m for m in self.models if m.family == family])
         if loader is None:
             core = "CheckpointLoaderSimple" if model.folder == "checkpoints" else "UNETLoader"
             tiered = "TieredCheckpointLoader" if model.folder == "checkpoints" else "TieredUNETLoader"
