@@ -12,7 +12,9 @@ Prompts are built from "chains": a loader and an ordered list of model operation
 loaders, Apply Layerwise Offload, VRAM Tier Manager, Model-Level Swap, a test block-replace
 patch). Shapes: one sampler, two branches from one loader, or two samplers with two models.
 Consecutive prompts often reuse the previous chain's model and loader with changed operations,
-because state carried between prompts is where the pack can go wrong.
+because state carried between prompts is where the pack can go wrong. Two scenarios are planted
+as fixed runs of prompts: an interrupt while a LoRA'd 16-block Wan is packed (issue 10's case
+D), and a swapped Tiered model dropped by a tiny RAM budget (case C).
 
 Every prompt samples with fresh test conditioning (always re-executed by ComfyUI) and encodes a
 text that is unique to its step, so no compared output can come from ComfyUI's output cache.
