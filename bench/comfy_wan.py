@@ -13,8 +13,8 @@ is the cold one that loads the model):
                 on the device.
 
 Per mode: step time from CUDA events around apply_model, peak allocated and reserved VRAM,
-what core believes is loaded, the engine's telemetry, the latent's sha256 (offloading must not
-change it) and the prompt's wall time. A streamed mode's bound is
+what core believes is loaded, the engine's telemetry, the latent's sha256 (layerwise must equal
+core_full, the reference; core_partial is reported beside it) and the prompt's wall time. A streamed mode's bound is
 max(compute, streamed bytes per step / pinned link bandwidth), where compute is core_full's step
 time and the link is measured before any server starts. Streamed bytes per step are the
 streamed blocks' bytes once per model call for layerwise (the engine's own counter, which also
@@ -210,7 +210,9 @@ def print_table(result: dict) -> None:
         print(f"{name:<13} {m['step_s']:>8.3f} {bound:>8} {eff:>5} {_gib(m['peak_allocated_bytes']):>9} "
               f"{_gib(wan_loaded_bytes(m)):>16} {_gib(m.get('streamed_bytes_per_step')):>18} "
               f"{m['cold_prompt_s'] or 0:>14.2f} {m['latent_sha256'][:10]:>10}")
-    print(f"latents bit-identical across modes: {result['bit_identical']}")
+    print(f"layerwise latent equals core's full load (the reference): "
+          f"{result['layerwise_matches_reference']}; core's partial load equals it: "
+          f"{result['core_partial_matches_reference']}")
 
 
 # ------------------------------------------------------------------ main
@@ -297,8 +299,15 @@ def main(argv: list[str] | None = None) -> dict:
             modes["layerwise"] = run_mode(server, args, "layerwise", {"vram_budget_gb": budget})
     result["settings"]["layerwise_budget_gib"] = budget
     result["settings"]["layerwise_min_budget_gib"] = min_budget
-    shas = {m["latent_sha256"] for m in modes.values() if "latent_sha256" in m}
-    result["bit_identical"] = len(shas) == 1
+    # The reference is core's full load (what a user whose card fits the model gets); core's
+    # partial load may differ from it with a LoRA on bf16/fp16/fp8 weights (it applies the LoRA
+    # at forward time without stochastic rounding), so it is reported, not required.
+    reference = modes["core_full"]["latent_sha256"]
+    result["reference"] = "core_full"
+    result["layerwise_matches_reference"] = modes["layerwise"].get("latent_sha256") == reference
+    result["core_partial_matches_reference"] = (
+        modes["core_partial"]["latent_sha256"] == reference
+        if "latent_sha256" in modes["core_partial"] else None)
     add_bounds(result, link["pinned_h2d_GBps"] if cuda else None)
     print_table(result)
     out = args.out

@@ -2,6 +2,9 @@
 from . import tiers
 from .layerwise import ApplyLayerwiseOffload
 from .swap import ModelLevelSwap
+from .core_pins import install as share_pinned_budget_with_core
+
+share_pinned_budget_with_core()
 
 NODE_CLASS_MAPPINGS = {
     "ApplyLayerwiseOffload": ApplyLayerwiseOffload,

@@ -4,10 +4,18 @@ Core merges LoRA into a fully loaded weight with `comfy.lora.calculate_weight` o
 (in fp32 up to 0.3.x; newer ComfyUI uses `model_management.lora_compute_dtype(device)`, fp16 on
 GPUs that favour it) and stochastic-rounds it with a per-key seed. Doing exactly that when packing
 makes a streamed block bit-identical to the same block loaded by core.
+
+GGUF models (ComfyUI-GGUF's `GGMLTensor` weights under its `GGUFModelPatcher`) are the exception:
+their patcher merges a LoRA into a quantized weight at no load at all. It hangs the patches on the
+weight (`weight.patches`) and its layers apply them each time they dequantize. Its unquantized
+weights it merges in fp32 and rounds with seed 0. The engine keeps the weight objects (and so
+their `patches`) across packing and streaming, so the hand-over gives them the patches the
+patcher's own load would, and the transform leaves their bytes alone.
 """
 from __future__ import annotations
 
-from typing import Callable, Hashable, Sequence
+import sys
+from typing import Callable, Sequence
 
 import torch
 
@@ -33,23 +41,19 @@ def block_keys(prefix: str, block: torch.nn.Module) -> list[str]:
     return [f"{prefix}.{name}" for name, _ in block.named_parameters()]
 
 
-def patch_fingerprint(patches: dict, keys: Sequence[str]) -> Hashable:
-    """What decides a block's baked weights: the patch entries touching its keys.
-
-    Entries are (strength_patch, value, strength_model, offset, function); the adapter
-    objects are compared by identity, which is stable while the LoRA stays loaded.
-    """
-    out = []
-    for key in keys:
-        for entry in patches.get(key, ()):
-            strength_patch, value, strength_model, offset, function = entry
-            out.append((key, float(strength_patch), id(value), float(strength_model),
-                        repr(offset), id(function)))
-    return tuple(out)
-
-
 def lora_transform(patcher, block_prefixes: Sequence[str]) -> Callable:
-    """A pack transform that merges the patcher's weight patches like core's full load does."""
+    """A transform that merges the patcher's weight patches the way core's full load does.
+
+    Core's `patch_weight_to_device`: the weight in the merge dtype on the load device, the
+    layer's `convert_func` (scaled fp8's scale, a quantized tensor's dequantize),
+    `calculate_weight`, then either the layer's own `set_func` (scaled fp8, mixed precision: it
+    rounds, or quantizes, as that layer stores weights, returning a new quantized tensor whose
+    inner tensors the engine writes into the copy) or stochastic rounding to the storage dtype,
+    each seeded by the key. The same steps here give the same bits. The layer's methods read
+    its other tensors (a scale), so the engine runs the transform while the block's tensors are
+    bound to the copy. A GGUF weight is merged as its own patcher merges it (see the module
+    docstring).
+    """
     patches = patcher.patches
     device = patcher.load_device
     model = patcher.model
@@ -59,68 +63,141 @@ def lora_transform(patcher, block_prefixes: Sequence[str]) -> Callable:
         key = f"{block_prefixes[block_index]}.{name}"
         if key not in patches:
             return tensor
-        _, set_func, convert_func = comfy.model_patcher.get_key_weight(model, key)
-        if set_func is not None:
-            raise ValueError(
-                f"{key} is a quantized weight with a custom setter and a LoRA patch; layerwise "
-                "offload cannot bake that patch faithfully. Keep this block resident or drop the LoRA.")
+        weight, set_func, convert_func = comfy.model_patcher.get_key_weight(model, key)
+        if is_ggml(weight):
+            if ggml_quantized(weight):
+                return tensor  # applied at dequantization through weight.patches
+            work = comfy.model_management.cast_to_device(tensor, device, torch.float32, copy=True)
+            merged = comfy.lora.calculate_weight(patches[key], work, key)
+            return comfy.float.stochastic_rounding(merged, tensor.dtype).to(tensor.device)
         work = comfy.model_management.cast_to_device(tensor, device, merge_dtype, copy=True)
         if convert_func is not None:
             work = convert_func(work, inplace=True)
         merged = comfy.lora.calculate_weight(patches[key], work, key)
-        merged = comfy.float.stochastic_rounding(
-            merged, tensor.dtype, seed=_string_to_seed(key))
+        seed = _string_to_seed(key)
+        if set_func is None:
+            merged = comfy.float.stochastic_rounding(merged, tensor.dtype, seed=seed)
+        else:
+            merged = set_func(merged, seed=seed, return_weight=True)
         return merged.to(tensor.device)
 
     return transform
 
 
-def hand_over_from_core(patcher, keys: Sequence[str], blocks: Sequence[torch.nn.Module]) -> None:
-    """Make the streamed blocks pristine and unknown to core before the engine takes them.
+def is_ggml(weight: object) -> bool:
+    """A ComfyUI-GGUF `GGMLTensor` (known by its attributes, so the pack needs no GGUF import)."""
+    return isinstance(weight, torch.Tensor) and hasattr(weight, "tensor_type") \
+        and hasattr(weight, "tensor_shape")
+
+
+def ggml_quantized(weight: torch.Tensor) -> bool:
+    """GGUF's `is_quantized`: any tensor type but F32 and F16 (which torch reads as they are)."""
+    qtype = getattr(weight, "tensor_type", None)
+    return qtype is not None and getattr(qtype, "name", str(qtype)) not in ("F32", "F16")
+
+
+def _attach_ggml_patches(patcher, block_prefixes: Sequence[str],
+                         blocks: Sequence[torch.nn.Module]) -> None:
+    """Give each quantized GGUF weight of the blocks the patches its patcher's load would.
+
+    `GGUFModelPatcher.patch_weight_to_device` sets `weight.patches = [(patches, key)]`, the
+    patches moved to the load device with `patch_on_device`, else to the offload device. Core
+    never loads the engine's blocks (they are hidden from it), so this is done here, once per run;
+    the engine keeps the objects, so streamed copies carry them too.
+    """
+    for prefix, block in zip(block_prefixes, blocks):
+        for name, weight in block.named_parameters():
+            key = f"{prefix}.{name}"
+            if key in patcher.patches and is_ggml(weight) and ggml_quantized(weight):
+                device = patcher.load_device if getattr(patcher, "patch_on_device", False) \
+                    else patcher.offload_device
+                weight.patches = [(_move_patches(type(weight), patcher.patches[key], device), key)]
+
+
+def _move_patches(weight_class: type, patches, device: torch.device):
+    """GGUF's own `move_patch_to_device`, from the module that defines its tensor class; the
+    patches as they are where that module has none (they are moved at dequantization anyway)."""
+    move = getattr(sys.modules.get(weight_class.__module__), "move_patch_to_device", None)
+    return move(patches, device) if callable(move) else patches
+
+
+def _clear_ggml_patches(module: torch.nn.Module) -> None:
+    """What `GGUFModelPatcher.unpatch_model` does: no weight carries patches."""
+    for weight in module.parameters(recurse=False):
+        if is_ggml(weight) and getattr(weight, "patches", None):
+            weight.patches = []
+
+
+def hand_over_from_core(patcher, block_prefixes: Sequence[str],
+                        blocks: Sequence[torch.nn.Module]) -> None:
+    """Make the streamed blocks pristine, on the host and unknown to core before the engine
+    takes them.
+
+    The engine's master is host RAM whatever core's offload device is (`--highvram` makes that
+    the GPU), so the blocks go to the CPU. A block already there is not moved: a no-op `.to()`
+    still rebuilds every quantized (wrapper subclass) parameter. GGUF weights then get the
+    patches their patcher's load would give them.
+    """
+    _restore_base_weights(patcher, block_prefixes, blocks)
+    cpu = torch.device("cpu")
+    for block in blocks:
+        if any(t.device != cpu for t in [*block.parameters(), *block.buffers()]):
+            block.to(cpu)
+    _attach_ggml_patches(patcher, block_prefixes, blocks)
+
+
+def _restore_base_weights(patcher, block_prefixes: Sequence[str],
+                          blocks: Sequence[torch.nn.Module]) -> None:
+    """Put core's backups of the blocks' weights back and forget core's marks on the blocks.
 
     A clone sharing this nn.Module may have merged its LoRA into these weights; core keeps the
-    originals in the shared `backup`. Restoring them here (and dropping the backup entries) means
-    the engine packs the base weights and no later unpatch writes into a streamed block.
-    Lowvram state left by core on these modules would re-apply LoRA at forward, so it is wiped.
+    originals in the shared `backup`. Restoring them (and dropping the backup entries) means the
+    engine packs the base weights and no later unpatch writes into a streamed block. GGUF weights
+    lose the patches hung on them, as its patcher's unpatch does. Core's marks go module by
+    module, right after that module's weights are restored, so that whatever interrupts this, a
+    module core still counts as patched holds its merged weights.
     """
     model = patcher.model
-    for key in keys:
-        if key in patcher.pinned:
-            patcher.unpin_weight(key)
-        backup = patcher.backup.pop(key, None)
-        if backup is not None:
-            if backup.inplace_update:
-                comfy.utils.copy_to_param(model, key, backup.weight)
-            else:
-                comfy.utils.set_attr_param(model, key, backup.weight)
-    for block in blocks:
-        # A run without the node (or a model built on the GPU) may have left blocks on the
-        # device. The engine's master lives on the host, and detach hands tensors back where it
-        # found them, so they go to core's offload device first.
-        block.to(patcher.offload_device)
-    _forget_core_marks(blocks, lowvram=True)
+    for prefix, block in zip(block_prefixes, blocks):
+        for name, module in block.named_modules():
+            path = f"{prefix}.{name}" if name else prefix
+            for param, _ in module.named_parameters(recurse=False):
+                key = f"{path}.{param}"
+                if key in patcher.pinned:
+                    patcher.unpin_weight(key)
+                backup = patcher.backup.pop(key, None)
+                if backup is not None:
+                    if backup.inplace_update:
+                        comfy.utils.copy_to_param(model, key, backup.weight)
+                    else:
+                        comfy.utils.set_attr_param(model, key, backup.weight)
+            _clear_ggml_patches(module)
+            _forget_core_marks([module], lowvram=True, recurse=False)
 
 
-def _forget_core_marks(blocks: Sequence[torch.nn.Module], *, lowvram: bool) -> None:
+def _forget_core_marks(blocks: Sequence[torch.nn.Module], *, lowvram: bool,
+                       recurse: bool = True) -> None:
     """Drop core's "patched" mark from every block module, and with ``lowvram`` all its
     partial-load state too (cast-at-forward marks and weight functions)."""
     for block in blocks:
-        for module in block.modules():
+        for module in (block.modules() if recurse else [block]):
             if lowvram:
                 comfy.model_patcher.wipe_lowvram_weight(module)
             if hasattr(module, "comfy_patched_weights"):
                 del module.comfy_patched_weights
 
 
-def return_to_core(patcher, blocks: Sequence[torch.nn.Module]) -> None:
-    """After a run: the blocks are back on the host with their pristine weights. Tell core so.
+def return_to_core(patcher, block_prefixes: Sequence[str],
+                   blocks: Sequence[torch.nn.Module]) -> None:
+    """After a run, however it ended: the blocks hold their base weights on the host. Tell core.
 
     Core's partial load may have marked the empty block modules cast-at-forward; left in place,
     that mark makes its next load skip them ("already lowvramed") and run them without its
     patches. And core must not take the model for fully loaded: "lowvram" makes its next load
-    of it bring the blocks to the device and merge its patches into them.
+    of it bring the blocks to the device and merge its patches into them. A hand-over that was
+    interrupted is completed first, so no block is left merged but unmarked.
     """
-    _forget_core_marks(blocks, lowvram=True)
+    _restore_base_weights(patcher, block_prefixes, blocks)
     patcher.model.model_lowvram = True
 
 

@@ -1,16 +1,21 @@
 """Apply Layerwise Offload: stream a DiT's blocks from pinned RAM during sampling.
 
 How it cooperates with core's ModelPatcher (classic, as in 0.3.75):
-- An OUTER_SAMPLE wrapper hands the blocks to the engine *before* core's `load_models_gpu`
-  runs. The engine releases the streamed tensors, so core sees those modules as empty: it never
-  loads them first and its loaded-bytes figure covers only what it really placed.
-- A PREPARE_SAMPLING wrapper adds the engine's device bytes (resident blocks and slots) to the
-  model's loaded-weight figure, so core plans the VAE and text encoders with true numbers.
-- LoRA and other weight patches are baked into the packed master with core's own math; a block
-  is re-packed only when the patches touching it change.
-- After sampling (also on error or interrupt) the engine puts every tensor back, so a later
-  prompt without this node runs the model exactly as core would. The pinned pack is kept for
-  the next run and freed when the model is freed.
+- A PREPARE_SAMPLING wrapper, inside the sampler's OUTER_SAMPLE, first decides the engine's
+  device budget (what is free once core has made room for the rest of the run), then hands the
+  blocks to the engine *before* core's `load_models_gpu`. The engine releases the streamed
+  tensors and hides the resident ones, so core sees those modules as empty: it never loads them
+  first, never merges a LoRA into them and counts only what it really placed. After core's load
+  the model's loaded-weight figure gets the engine's device bytes (resident blocks and slots), so
+  core plans the VAE and text encoders with true numbers; its size figure is the model less its
+  blocks plus the engine's bound, so core never unloads the model to find room for blocks it
+  does not load.
+- LoRA and other weight patches are merged with core's own arithmetic into the device copies:
+  the host pack holds base weights only (one host copy, LoRA or not).
+- After sampling, and whatever ends it (an error, an interrupt during packing or sampling, a
+  refusal), an OUTER_SAMPLE wrapper puts every tensor back and tells core the blocks hold base
+  weights again, so a later prompt without this node runs the model exactly as core would. The
+  pinned pack is kept for the next run and freed when the model is freed.
 - The engine hooks the block modules themselves, so dit block-replace patches of other nodes
   (TeaCache and the like) keep working and chain naturally: they call the original block.
 """
@@ -28,9 +33,9 @@ import comfy.patcher_extension
 import comfy.utils
 
 from ..offload_core.discovery import find_blocks
-from ..offload_core.streamer import LayerwiseStreamer
-from . import comfy_weights
 from ..offload_core.per_module import PerModule
+from ..offload_core.streamer import LayerwiseStreamer
+from . import block_budget, comfy_weights, dynamic_vram
 
 log = logging.getLogger(__name__)
 
@@ -41,92 +46,151 @@ GIB = 1024 ** 3
 @dataclass(frozen=True)
 class LayerwiseSettings:
     resident_blocks: int
-    vram_budget_gb: float
+    vram_budget_gb: float  # 0: auto
     prefetch: int
     pin: bool
 
     def streamer_kwargs(self) -> dict[str, Any]:
+        """The residency settings as the streamer takes them (an auto budget plans no resident
+        block here; it is decided from the free device memory when a run starts)."""
         if self.resident_blocks >= 0:
             return {"resident": self.resident_blocks, "prefetch": self.prefetch, "pin": self.pin}
-        return {"vram_budget_bytes": int(self.vram_budget_gb * GIB), "prefetch": self.prefetch,
+        return {"vram_budget_bytes": self.requested_budget, "prefetch": self.prefetch,
                 "pin": self.pin}
+
+    @property
+    def requested_budget(self) -> int | None:
+        """The budget in bytes, or None for auto."""
+        return int(self.vram_budget_gb * GIB) if self.vram_budget_gb > 0 else None
 
 
 class LayerwiseSession:
     """The engine bound to one diffusion model (one nn.Module shared by all its clones)."""
 
-    def __init__(self, diffusion_model: torch.nn.Module, device: torch.device,
-                 settings: LayerwiseSettings) -> None:
+    def __init__(self, patcher, settings: LayerwiseSettings) -> None:
+        diffusion_model = patcher.get_model_object("diffusion_model")
         found = find_blocks(diffusion_model)
         self.model_class = type(diffusion_model).__name__
         self.layout = found.layout
         self.prefixes = tuple(f"diffusion_model.{p}" for p in found.paths)
         self.blocks = found.blocks
-        # What the blocks weigh in core's own count of the model (its cached model_size()).
+        if settings.resident_blocks > len(self.blocks):
+            raise ValueError(
+                f"Apply Layerwise Offload: resident_blocks={settings.resident_blocks}, but "
+                f"{self.model_class} has {len(self.blocks)} blocks; use at most "
+                f"{len(self.blocks)}, or -1 to derive it from vram_budget_gb")
+        # What the blocks weigh in core's own count of the model, and what the rest weighs.
         self.block_bytes = sum(comfy.model_management.module_size(b) for b in self.blocks)
-        self.keys = [k for prefix, block in zip(self.prefixes, self.blocks)
-                     for k in comfy_weights.block_keys(prefix, block)]
-        self.device = device
+        self.rest_bytes = max(0, comfy.model_management.module_size(patcher.model) - self.block_bytes)
+        self.device = patcher.load_device
         self.settings = settings
-        self.streamer = LayerwiseStreamer(list(self.blocks), device, **settings.streamer_kwargs())
+        resident = settings.resident_blocks if settings.resident_blocks >= 0 else None
+        self.streamer = LayerwiseStreamer(list(self.blocks), self.device, resident=resident,
+                                          prefetch=settings.prefetch, pin=settings.pin)
+        least, _ = self.streamer.bound_range()
+        requested = settings.requested_budget
+        if resident is None and requested is not None and requested < least:
+            raise ValueError(
+                f"Apply Layerwise Offload: vram_budget_gb={settings.vram_budget_gb:g} GiB is too "
+                f"small for {self.model_class}: streaming every block needs "
+                f"{block_budget.gib(least)} (prefetch + 1 = {settings.prefetch + 1} slots of its "
+                "largest block). Raise vram_budget_gb, lower prefetch, or set 0 for auto.")
         self.module_id = id(diffusion_model)
         self.accounted_bytes = 0
+        self.budget_bytes: int | None = None
+        self.run_pending = False
+        self.begun = False
+        self.active = False
         self.started = 0.0
+        self.attach_seconds = 0.0
         self.runs = 0
         self.last_run: dict[str, Any] | None = None
-        self.active = False
+        self.core_view: dict[str, int] | None = None
 
-    def begin(self, patcher) -> None:
-        comfy_weights.hand_over_from_core(patcher, self.keys, self.blocks)
-        fingerprints = [comfy_weights.patch_fingerprint(patcher.patches,
-                                                        comfy_weights.block_keys(p, b))
-                        for p, b in zip(self.prefixes, self.blocks)]
-        transform = None
-        if any(fingerprints):
-            transform = comfy_weights.lora_transform(patcher, self.prefixes)
+    def begin(self, patcher, noise_shape=None, conds=None) -> None:
+        """Plan, hand the blocks over from core, pack and attach. Called before core's load; if
+        anything here raises, `end()` (from the sampler's OUTER_SAMPLE) gives core its model back."""
+        self.run_pending = False
+        self._plan(patcher, noise_shape, conds)
+        if hasattr(patcher, "size"):
+            # While core loads, the model it sees is the part outside the blocks, which it loads.
+            patcher.size = self.rest_bytes
+        self.begun = True
+        comfy_weights.hand_over_from_core(patcher, self.prefixes, self.blocks)
+        touched = any(key in patcher.patches for prefix, block in zip(self.prefixes, self.blocks)
+                      for key in comfy_weights.block_keys(prefix, block))
+        transform = comfy_weights.lora_transform(patcher, self.prefixes) if touched else None
         self.streamer.telemetry.reset()
-        self.started = time.perf_counter()
-        if self.device.type != "cpu":
-            # The engine allocates before core's load makes room: ask core to make room first,
-            # so cached text encoders or VAEs are evicted rather than the attach running out.
-            comfy.model_management.free_memory(self.streamer.bound_bytes(), self.device)
+        start = time.perf_counter()
         progress = comfy.utils.ProgressBar(len(self.blocks) + 1)
-        self.streamer.attach(transform=transform, fingerprints=fingerprints,
+        self.streamer.attach(transform=transform,
                              progress=lambda done, total: progress.update_absolute(done, total))
         # Until account(), core's load() sees every block as empty: it neither counts nor moves
         # them, and it merges no LoRA into resident blocks that already carry the engine's merge.
         self.streamer.conceal_resident()
         self.active = True
+        self.attach_seconds = time.perf_counter() - start
+        self.started = time.perf_counter()
+
+    def _plan(self, patcher, noise_shape, conds) -> None:
+        """Resident blocks for this run: the node's count, or the most its budget (or, in auto,
+        the card) allows."""
+        if self.settings.resident_blocks >= 0:
+            self.budget_bytes = None
+            return
+        least, most = self.streamer.bound_range()
+        requested = self.settings.requested_budget
+        if self.device.type == "cpu":
+            # The "device" is host RAM: nothing to clamp to. Auto keeps every block resident.
+            budget = most if requested is None else requested
+        else:
+            room = block_budget.device_room(patcher, self.rest_bytes, least, noise_shape, conds)
+            budget = block_budget.choose_budget(self.model_class, requested, room, least, most)
+        self.streamer.replan(vram_budget_bytes=budget)
+        self.budget_bytes = budget
 
     def account(self, patcher) -> None:
-        """Make core's count of the model's device bytes true, once core has loaded the rest.
+        """Make core's figures for the model true, once core has loaded the rest.
 
         Core counted none of the concealed blocks, except after a full load, where it counts
-        its cached size of the whole model. Its own share is at most the model less the blocks;
-        the engine's device bytes (resident blocks, slots) come on top of that.
+        the size it was given. Its own share is at most the model less the blocks; the engine's
+        device bytes (resident blocks, slots) come on top of that, in the loaded figure and in
+        the size, so that between runs the model's offloaded part is exactly what the engine
+        will take again.
         """
         self.streamer.reveal_resident()
         comfy_weights.settle_after_core_load(self.blocks)
         model = patcher.model
+        self.accounted_bytes = self.streamer.bound_bytes()
         model.model_loaded_weight_memory = min(model.model_loaded_weight_memory,
-                                               max(0, patcher.model_size() - self.block_bytes))
-        if self.device.type != "cpu":
-            self.accounted_bytes = self.streamer.bound_bytes()
-            model.model_loaded_weight_memory += self.accounted_bytes
+                                               self.rest_bytes) + self.accounted_bytes
+        if hasattr(patcher, "size"):
+            patcher.size = self.rest_bytes + self.accounted_bytes
 
     def end(self, patcher) -> None:
-        if self.accounted_bytes:
-            patcher.model.model_loaded_weight_memory = max(
-                0, patcher.model.model_loaded_weight_memory - self.accounted_bytes)
-            self.accounted_bytes = 0
+        """Give everything back to core, however the run ended. Safe to call more than once."""
+        self.run_pending = False
+        if not self.begun:
+            return
         try:
-            self.last_run = run_figures(self.streamer.telemetry.snapshot(wait=True),
-                                        time.perf_counter() - self.started, self.device)
-            self.runs += 1
+            if self.active:
+                self.last_run = run_figures(self.streamer.telemetry.snapshot(wait=True),
+                                            time.perf_counter() - self.started,
+                                            self.attach_seconds, self.device)
+                self.runs += 1
         finally:
             self.active = False
-            self.streamer.detach(keep_pack=True)
-            comfy_weights.return_to_core(patcher, self.blocks)
+            self.begun = False
+            try:
+                self.streamer.detach(keep_pack=True)
+            finally:
+                model = patcher.model
+                model.model_loaded_weight_memory = max(
+                    0, model.model_loaded_weight_memory - self.accounted_bytes)
+                self.accounted_bytes = 0
+                comfy_weights.return_to_core(patcher, self.prefixes, self.blocks)
+                self.core_view = {"model_size": int(patcher.model_size()),
+                                  "loaded": int(model.model_loaded_weight_memory)}
 
     def close(self) -> None:
         self.streamer.close()
@@ -138,25 +202,34 @@ class LayerwiseSession:
             "layout": self.layout,
             "device": str(self.device),
             "settings": asdict(self.settings),
+            "budget_bytes": self.budget_bytes,
+            "block_bytes": self.block_bytes,
+            "rest_bytes": self.rest_bytes,
+            "core_view": self.core_view,
             "blocks": len(self.blocks),
             "resident_indices": list(self.streamer.resident_indices),
             "streamed_indices": list(self.streamer.streamed_indices),
             "bound_bytes": self.streamer.bound_bytes(),
+            "host": self.streamer.host_bytes(),
             "block_states": self.streamer.block_states(),
             "active": self.active,
             "runs": self.runs,
             "telemetry": self.streamer.telemetry.snapshot() if self.active else self.last_run,
+            "dynamic_vram": dynamic_vram.describe(self.module_id),
         }
 
 
-def run_figures(snapshot: dict[str, Any], seconds: float, device: torch.device) -> dict[str, Any]:
+def run_figures(snapshot: dict[str, Any], seconds: float, attach_seconds: float,
+                device: torch.device) -> dict[str, Any]:
     """The engine's counters plus what a person reads first: rate and overlap of the run.
 
-    `gbps` is streamed bytes over the run's wall time. `overlap_efficiency` is the share of the
-    run that compute did not spend waiting for copies; on CPU copies are synchronous and not
-    timed, so it is left out there rather than shown as a flattering 100%.
+    `seconds` is sampling time only (from the end of the attach to the end of the run), so
+    `gbps` (streamed bytes over that time) and `overlap_efficiency` (the share of it that compute
+    did not spend waiting for copies) are not flattered by packing and pinning, which
+    `attach_seconds` shows on its own. On CPU copies are synchronous and not timed, so overlap
+    is left out there rather than shown as a flattering 100%.
     """
-    figures = dict(snapshot, seconds=seconds)
+    figures = dict(snapshot, seconds=seconds, attach_seconds=attach_seconds)
     figures["gbps"] = snapshot["bytes_copied"] / seconds / 1e9 if seconds > 0 else 0.0
     if device.type != "cpu" and seconds > 0:
         figures["overlap_efficiency"] = max(0.0, 1.0 - snapshot["compute_wait_s"] / seconds)
@@ -182,16 +255,17 @@ class _Registry:
             except Exception:
                 log.exception("layerwise offload: report listener failed")
 
-    def session_for(self, diffusion_model: torch.nn.Module, device: torch.device,
-                    settings: LayerwiseSettings) -> LayerwiseSession:
+    def session_for(self, patcher, settings: LayerwiseSettings) -> LayerwiseSession:
+        diffusion_model = patcher.get_model_object("diffusion_model")
+
         def same(session: LayerwiseSession) -> bool:
-            if session.settings == settings and session.device == device:
+            if session.settings == settings and session.device == patcher.load_device:
                 return True
             log.info("Layerwise offload: settings changed for %s, rebuilding the engine",
                      session.model_class)
             return False
         return self._sessions.get_or_create(
-            diffusion_model, lambda: LayerwiseSession(diffusion_model, device, settings), same)
+            diffusion_model, lambda: LayerwiseSession(patcher, settings), same)
 
     def discard(self, diffusion_model: torch.nn.Module) -> LayerwiseSession | None:
         """Close this model's engine (its pinned pack is freed, its tensors handed back)."""
@@ -209,40 +283,21 @@ class _Registry:
 REGISTRY = _Registry()
 
 
-def _is_dynamic(patcher) -> bool:
-    probe = getattr(patcher, "is_dynamic", None)
-    return bool(probe()) if callable(probe) else False
+_is_dynamic = dynamic_vram.is_dynamic
 
 
-def _classic_patcher(model):
-    """Return a classic ModelPatcher clone, or None if this ComfyUI cannot give one.
+def _classic_patcher(model, settings: LayerwiseSettings):
+    """A classic ModelPatcher for the engine to stream.
 
-    Newer ComfyUI's Dynamic VRAM already streams per layer with its own pins; two streamers on
-    one model fight. Where the API offers a classic patcher we take it, so the user's explicit
-    choice of this node wins; otherwise we step aside.
-
-    Both of 0.33's ways rebuild the model from its loader (`cached_patcher_init`) with Dynamic
-    VRAM off. `get_non_dynamic_delegate()` keeps that rebuilt module on the dynamic patcher and
-    hands out clones of it, so a re-run (a changed setting) reuses it and the engine's pack;
-    `clone(disable_dynamic=True)` loads from disk anew on every call, so it is only the fallback.
-    Both raise RuntimeError for a model whose loader registered no `cached_patcher_init`.
+    A classic model gets a plain clone. A model that newer ComfyUI runs with Dynamic VRAM
+    (0.15 and later) gets a clone over a classic copy of it, because the engine cannot take the
+    blocks of a dynamic model (dynamic_vram.py says why): the copy is made once per model, after
+    every check, and its cost is logged and reported. Raises ValueError, before any copy, for a
+    model or settings the engine refuses or a model no copy can be made of.
     """
     if not _is_dynamic(model):
         return model.clone()
-    makers = []
-    delegate = getattr(model, "get_non_dynamic_delegate", None)
-    if callable(delegate):
-        makers.append(("get_non_dynamic_delegate()", delegate))
-    makers.append(("clone(disable_dynamic=True)", lambda: model.clone(disable_dynamic=True)))
-    for name, make in makers:
-        try:
-            patcher = make()
-        except (TypeError, RuntimeError) as e:
-            log.info("Apply Layerwise Offload: no classic patcher from %s: %s", name, e)
-            continue
-        if patcher is not None and not _is_dynamic(patcher):
-            return patcher
-    return None
+    return dynamic_vram.classic_copy(model, settings.streamer_kwargs())
 
 
 class ApplyLayerwiseOffload:
@@ -257,11 +312,12 @@ class ApplyLayerwiseOffload:
                 "tooltip": "Blocks kept on the GPU, spread evenly through the stack. -1 derives "
                            "the number from vram_budget_gb."}),
             "vram_budget_gb": ("FLOAT", {
-                "default": 12.0, "min": 0.0, "max": 1024.0, "step": 0.25,
-                "tooltip": "GPU memory for the model's blocks (resident blocks plus streaming "
-                           "slots) when resident_blocks is -1. 12 GB suits a 24 GB card running "
-                           "a 14B video model: the rest is left for activations, VAE and "
-                           "text encoders."}),
+                "default": 0.0, "min": 0.0, "max": 1024.0, "step": 0.25,
+                "tooltip": "GPU memory in GiB for the model's blocks (resident blocks plus "
+                           "streaming slots) when resident_blocks is -1. 0 is auto: whatever the "
+                           "card has free once ComfyUI has made room for the rest of the run "
+                           "(other weights, activations, its reserve). A larger budget than that "
+                           "is lowered to it, with a log line."}),
             "prefetch": ("INT", {
                 "default": 2, "min": 1, "max": 16,
                 "tooltip": "How many streamed blocks are copied ahead of the one computing. "
@@ -271,54 +327,66 @@ class ApplyLayerwiseOffload:
                 "tooltip": "Keep the block weights in pinned RAM for full-speed async copies. "
                            "Falls back to pageable RAM (slower, logged) if pinning would exceed "
                            "the RAM budget."}),
+        }, "optional": {
+            "mode": (list(dynamic_vram.MODES), {
+                "default": "auto",
+                "tooltip": "auto: on a model that ComfyUI runs with Dynamic VRAM (0.15 and later "
+                           "on NVIDIA), ComfyUI streams it and keeps this node's resident blocks "
+                           "in VRAM first, with no copy; on other models the pack's engine "
+                           "streams. engine: always the pack's engine; on a Dynamic VRAM model "
+                           "that costs a second copy of the model in RAM and one reload from "
+                           "disk (logged and shown in the Offload panel)."}),
         }}
 
     RETURN_TYPES = ("MODEL",)
     FUNCTION = "apply"
     CATEGORY = "tiered_offload"
     DESCRIPTION = ("Streams the transformer blocks from pinned RAM into a few GPU slots while "
-                   "earlier blocks compute. Results are bit-identical to running without it.")
+                   "earlier blocks compute. Results are bit-identical to core loading the whole "
+                   "model.")
 
-    def apply(self, model, resident_blocks: int, vram_budget_gb: float, prefetch: int, pin: bool):
-        patcher = _classic_patcher(model)
-        if patcher is None:
-            log.warning("Apply Layerwise Offload: this ComfyUI runs the model with Dynamic VRAM "
-                        "and offers no classic patcher; stepping aside, core streams the weights.")
-            return (model,)
+    def apply(self, model, resident_blocks: int, vram_budget_gb: float, prefetch: int, pin: bool,
+              mode: str = "auto"):
+        settings = LayerwiseSettings(resident_blocks, vram_budget_gb, prefetch, pin)
+        if dynamic_vram.check_mode(mode) == "auto" and _is_dynamic(model):
+            return (dynamic_vram.cooperate(model, settings.streamer_kwargs()),)
         from . import swap  # swap builds on this module
-        if patcher.get_wrappers(comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING, swap.KEY):
+        # Checked on the input (clones carry its wrappers), so a refusal costs no copy.
+        if model.get_wrappers(comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING, swap.KEY):
             raise ValueError(
                 "Apply Layerwise Offload got a model that is already under Model-Level Swap, "
                 "which keeps the whole model in pinned RAM; streaming its blocks would hold them "
                 "twice. Put Apply Layerwise Offload first, then Model-Level Swap.")
+        patcher = _classic_patcher(model, settings)
+        # Every check (blocks, packability, settings) runs here, before anything is moved, so
+        # a refused model costs nothing and the error names the node.
+        session = REGISTRY.session_for(patcher, settings)
         # A whole-model master left by an earlier workflow would double the RAM: retire it.
         if swap.MEMBERS.discard(patcher.model) is not None:
             log.info("Apply Layerwise Offload: released the Model-Level Swap master of this model")
-        settings = LayerwiseSettings(resident_blocks, vram_budget_gb, prefetch, pin)
-        diffusion_model = patcher.get_model_object("diffusion_model")
-        # Fail in this node, with the model named, rather than later inside the sampler.
-        session = REGISTRY.session_for(diffusion_model, patcher.load_device, settings)
-        log.info("Apply Layerwise Offload: %s, %d blocks (%s), %d resident, %d streamed",
-                 session.model_class, len(session.blocks), session.layout,
-                 len(session.streamer.resident_indices), len(session.streamer.streamed_indices))
+        log.info("Apply Layerwise Offload: %s, %d blocks (%s), %s", session.model_class,
+                 len(session.blocks), session.layout,
+                 f"{resident_blocks} resident" if resident_blocks >= 0 else
+                 f"resident blocks from a {vram_budget_gb:g} GiB budget" if vram_budget_gb > 0
+                 else "resident blocks from the memory free when sampling starts")
 
         def outer_sample(executor, *args, **kwargs):
             current = executor.class_obj.model_patcher
-            live = REGISTRY.session_for(current.get_model_object("diffusion_model"),
-                                        current.load_device, settings)
-            live.begin(current)
+            live = REGISTRY.session_for(current, settings)
+            live.run_pending = True
             try:
                 return executor(*args, **kwargs)
             finally:
                 live.end(current)
                 REGISTRY.publish(live)
 
-        def prepare_sampling(executor, model_patcher, *args, **kwargs):
-            result = executor(model_patcher, *args, **kwargs)
-            live = REGISTRY.session_for(model_patcher.get_model_object("diffusion_model"),
-                                        model_patcher.load_device, settings)
-            if live.active:
-                live.account(model_patcher)
+        def prepare_sampling(executor, model_patcher, noise_shape=None, conds=None, *args, **kwargs):
+            live = REGISTRY.session_for(model_patcher, settings)
+            if not live.run_pending:  # not inside this node's sampling run
+                return executor(model_patcher, noise_shape, conds, *args, **kwargs)
+            live.begin(model_patcher, noise_shape, conds)
+            result = executor(model_patcher, noise_shape, conds, *args, **kwargs)
+            live.account(model_patcher)
             return result
 
         for wrapper_type in (comfy.patcher_extension.WrappersMP.OUTER_SAMPLE,

@@ -1,23 +1,30 @@
 """Know when a prompt starts and ends, so models in use by a running prompt are never evicted.
 
-ComfyUI 0.3.75 has no server-side prompt lifecycle hook. Every prompt starts with an
-`execution_start` message (sent before any node runs or any cache is checked) and, however it
-ends, is closed by an `executing` message with `node: None` (sent by the prompt worker).
-Watching the server's outgoing messages is the one signal present in all versions, so we wrap
-`send_sync` once and pass every call through unchanged. At the start, the running prompt's graph
-is read from the queue's `currently_running` entries (feature-detected).
+ComfyUI has no server-side prompt lifecycle hook, and its `execution_start` / `executing(None)`
+messages go only to prompts queued with a `client_id` (core's own API example sends none). The
+execution itself is visible in every version through the prompt queue the worker thread drives
+(`main.py: prompt_worker`, 0.3.75 to 0.33): `get()` hands out the next prompt before any node runs
+or any cache is checked, and `task_done()` is called once for it however it ended (success, error,
+interrupt), before the next `get()`. We wrap those two methods on the queue instance, feature-
+detected, and call the listeners from the worker thread: start listeners after `get()` returns a
+prompt, end listeners before `task_done()` records it, so by the time `/history` shows a prompt
+finished, its models are released.
+
+Where the queue lacks those methods, the fallback watches the server's outgoing messages, which
+sees only prompts queued with a `client_id`; a warning says so.
 """
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable
+from typing import Any, Callable
 
 log = logging.getLogger(__name__)
 
-_listeners: list[Callable[[str | None], None]] = []
+_end_listeners: list[Callable[[str | None], None]] = []
 _start_listeners: list[Callable[[str, dict], None]] = []
 _lock = threading.Lock()
+_running: dict[str, Any] = {"prompt_id": None}
 
 
 def on_prompt_start(fn: Callable[[str, dict], None]) -> None:
@@ -29,10 +36,13 @@ def on_prompt_start(fn: Callable[[str, dict], None]) -> None:
 def on_prompt_end(fn: Callable[[str | None], None]) -> None:
     """Call fn(prompt_id) after every prompt, whether it succeeded, failed or was interrupted."""
     with _lock:
-        _listeners.append(fn)
+        _end_listeners.append(fn)
 
 
 def current_prompt_id() -> str | None:
+    """The prompt the worker is running now (the server's last prompt id as a fallback)."""
+    if _running["prompt_id"] is not None:
+        return _running["prompt_id"]
     from server import PromptServer
 
     return getattr(PromptServer.instance, "last_prompt_id", None)
@@ -48,34 +58,89 @@ def _notify(listeners: list[Callable], *args) -> None:
             log.exception("tiered offload: prompt lifecycle listener failed")
 
 
-def _running_graph(server, prompt_id: str) -> dict | None:
-    """The API-format graph of the running prompt, from the queue's running entries."""
-    running = getattr(getattr(server, "prompt_queue", None), "currently_running", None)
-    if not isinstance(running, dict):
+def _started(prompt_id: str | None, graph: Any) -> None:
+    _running["prompt_id"] = prompt_id
+    if prompt_id is not None and isinstance(graph, dict):
+        _notify(_start_listeners, prompt_id, graph)
+
+
+def _ended(prompt_id: str | None) -> None:
+    try:
+        _notify(_end_listeners, prompt_id)
+    finally:
+        _running["prompt_id"] = None
+
+
+def _item_fields(item: Any) -> tuple[str | None, Any]:
+    """(prompt_id, graph) of a queue item: (number, prompt_id, prompt, extra_data, outputs, ...)."""
+    if isinstance(item, (tuple, list)) and len(item) > 2:
+        return item[1], item[2]
+    return None, None
+
+
+def _wrap_queue(queue: Any) -> bool:
+    """Wrap the queue instance's get/task_done; False if it does not have them."""
+    get, task_done = getattr(queue, "get", None), getattr(queue, "task_done", None)
+    if not callable(get) or not callable(task_done):
+        return False
+    if getattr(get, "_tiered_offload_wrapped", False):
+        return True
+    ids: dict[Any, str | None] = {}
+
+    def wrapped_get(*args, **kwargs):
+        got = get(*args, **kwargs)
+        if isinstance(got, tuple) and len(got) == 2:
+            item, item_id = got
+            prompt_id, graph = _item_fields(item)
+            ids[item_id] = prompt_id
+            _started(prompt_id, graph)
+        return got
+
+    def wrapped_task_done(item_id, *args, **kwargs):
+        try:
+            _ended(ids.pop(item_id, None))
+        finally:
+            done = task_done(item_id, *args, **kwargs)
+        return done
+
+    wrapped_get._tiered_offload_wrapped = True
+    queue.get = wrapped_get
+    queue.task_done = wrapped_task_done
+    return True
+
+
+def _watch_messages(server: Any) -> None:
+    """Fallback: prompt start and end from the messages sent to a prompt's client."""
+    original = server.send_sync
+    if getattr(original, "_tiered_offload_wrapped", False):
+        return
+
+    def running_graph(prompt_id: str | None) -> Any:
+        running = getattr(getattr(server, "prompt_queue", None), "currently_running", None)
+        for item in list(running.values()) if isinstance(running, dict) else []:
+            if _item_fields(item)[0] == prompt_id:
+                return _item_fields(item)[1]
         return None
-    for item in list(running.values()):
-        if isinstance(item, (tuple, list)) and len(item) > 2 and item[1] == prompt_id \
-                and isinstance(item[2], dict):
-            return item[2]
-    return None
+
+    def send_sync(event, data, sid=None):
+        if event == "execution_start" and isinstance(data, dict):
+            _started(data.get("prompt_id"), running_graph(data.get("prompt_id")))
+        original(event, data, sid)
+        if event == "executing" and isinstance(data, dict) and data.get("node") is None:
+            _ended(data.get("prompt_id"))
+
+    send_sync._tiered_offload_wrapped = True
+    server.send_sync = send_sync
 
 
 def install() -> None:
     from server import PromptServer
 
     server = PromptServer.instance
-    original = server.send_sync
-    if getattr(original, "_tiered_offload_wrapped", False):
+    if _wrap_queue(getattr(server, "prompt_queue", None)):
+        log.info("tiered offload: prompt start and end tracked from the prompt queue")
         return
-
-    def send_sync(event, data, sid=None):
-        if event == "execution_start" and isinstance(data, dict):
-            graph = _running_graph(server, data.get("prompt_id"))
-            if graph is not None:
-                _notify(_start_listeners, data.get("prompt_id"), graph)
-        original(event, data, sid)
-        if event == "executing" and isinstance(data, dict) and data.get("node") is None:
-            _notify(_listeners, data.get("prompt_id"))
-
-    send_sync._tiered_offload_wrapped = True
-    server.send_sync = send_sync
+    log.warning("tiered offload: this ComfyUI's prompt queue has no get/task_done to follow; "
+                "prompt start and end come from messages to clients, so models used by prompts "
+                "queued without a client_id are not released")
+    _watch_messages(server)

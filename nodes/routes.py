@@ -2,12 +2,20 @@
 
 Nothing here takes a filesystem path from a request: models are addressed by the manager's id,
 and only the Tiered loaders (which resolve names inside ComfyUI's model folders) register them.
+
+The aiohttp event loop serves every route of ComfyUI, `/interrupt` included, so nothing here may
+block it: status routes read the manager's published copy and never wait for its lock, and every
+action that may move bytes (load, park, evict, budgets that evict) runs in a worker thread. Bad
+input of any kind gets a 4xx JSON answer with a short message that never echoes the input, and
+an event is handed to ComfyUI's websocket only once it is known to encode.
 """
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import psutil
 import torch
@@ -16,10 +24,13 @@ from aiohttp import web
 import comfy.model_management
 
 from ..offload_core.pinned import pinned_bytes
-from ..offload_core.tiers import ModelInUseError, ModelPinnedError, TierCapacityError, UnknownModelError
+from ..offload_core.tiers import (
+    ModelInUseError, ModelPinnedError, SourceChangedError, SourceGoneError, SourceUnreadableError,
+    TierCapacityError, TierError, UnknownModelError)
+from . import budgets, loaded_models, prompt_lifecycle
 from .layerwise import REGISTRY as LAYERWISE
 from .swap import MEMBERS as SWAP_MEMBERS
-from .tiers import MANAGER, diffusion_module_ids, sync_tiers
+from .tiers import MANAGER, PROMPT_USES, diffusion_module_ids, sync_tiers
 
 log = logging.getLogger(__name__)
 
@@ -27,26 +38,74 @@ TIERS_EVENT = "tiered_offload.tiers"
 LAYERWISE_EVENT = "tiered_offload.layerwise"
 ACTIONS = {"load": MANAGER.load, "park": MANAGER.park, "evict": MANAGER.evict,
            "pin": MANAGER.pin, "unpin": MANAGER.unpin}
-GIB = 1024 ** 3
-BUDGET_FIELDS = {"ram_budget_gb": "ram_budget_bytes", "ram_reserve_gb": "ram_reserve_bytes",
-                 "vram_reserve_gb": "vram_reserve_bytes"}
+MAX_BODY_BYTES = 64 * 1024  # a budgets body is a few dozen bytes
+# The manager's refusals of an action, by HTTP status (first match); anything else is a bug:
+# logged and answered 500, the server stays up.
+REFUSALS: tuple[tuple[type[BaseException], int], ...] = (
+    (SourceGoneError, 404), (ModelInUseError, 409), (ModelPinnedError, 409),
+    (TierCapacityError, 409), (SourceChangedError, 409), (MemoryError, 409),
+    (torch.OutOfMemoryError, 409), (SourceUnreadableError, 422))
+
+
+class BadRequest(Exception):
+    """A request refused before it reaches the manager: status and message."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
 
+class _NotANumber(ValueError):
+    pass
+
+
+def _reject_constant(name: str) -> None:
+    raise _NotANumber(name)
+
+
+async def read_json_object(request: web.Request) -> dict[str, Any]:
+    """The request's body as a JSON object: UTF-8, at most MAX_BODY_BYTES, no NaN or Infinity."""
+    charset = request.charset
+    if charset is not None and charset.lower().replace("_", "-") not in ("utf-8", "utf8"):
+        raise BadRequest(400, "the body must be JSON in UTF-8; drop the charset or use utf-8")
+    too_large = BadRequest(413, f"the body is larger than {MAX_BODY_BYTES // 1024} KiB")
+    if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
+        raise too_large
+    raw = bytearray()
+    while chunk := await request.content.read(MAX_BODY_BYTES + 1 - len(raw)):
+        raw += chunk  # read() may return part of the body: read up to the end or the limit
+        if len(raw) > MAX_BODY_BYTES:
+            raise too_large
+    try:
+        body = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+    except _NotANumber:
+        raise BadRequest(400, "NaN and Infinity are not numbers; use finite numbers") from None
+    except (ValueError, RecursionError):  # bad UTF-8 or JSON, too deep, too many digits
+        raise BadRequest(400, "the body must be a JSON object in valid UTF-8 JSON") from None
+    if not isinstance(body, dict):
+        raise BadRequest(400, "the body must be a JSON object")
+    return body
+
+
+async def _off_loop(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run a call that may move gigabytes in a worker thread, so the event loop keeps serving."""
+    return await asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
+
+
 def devices() -> dict[str, Any]:
     device = comfy.model_management.get_torch_device()
     mem = psutil.virtual_memory()
-    budgets = MANAGER.budgets()
+    reserved = MANAGER.budgets()["vram_reserve_bytes"]
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         vram = {"device": torch.cuda.get_device_name(device), "total": total, "used": total - free,
-                "free": free, "reserved": budgets["vram_reserve_bytes"]}
+                "free": free, "reserved": reserved}
     else:
-        vram = {"device": str(device), "total": 0, "used": 0, "free": 0,
-                "reserved": budgets["vram_reserve_bytes"]}
+        vram = {"device": str(device), "total": 0, "used": 0, "free": 0, "reserved": reserved}
     snapshot_ram = MANAGER.snapshot()["ram"]
     return {"vram": vram,
             "ram": {"total": mem.total, "available": mem.available, "pinned": pinned_bytes(),
@@ -63,11 +122,13 @@ def tiers_payload() -> dict[str, Any]:
     module_ids = diffusion_module_ids()
     for model in snapshot["models"]:
         model["layerwise"] = layerwise.get(module_ids.get(model["id"]))
-    return {"models": snapshot["models"], "devices": devices(), "budgets": snapshot["budgets"]}
+    return {"models": snapshot["models"], "devices": devices(), "budgets": snapshot["budgets"],
+            "loaded": loaded_models.report()}
 
 
 async def get_tiers(request: web.Request) -> web.Response:
-    sync_tiers()
+    """Every managed model; never waits for a load (a busy manager's state is as published)."""
+    sync_tiers(wait=False)
     return web.json_response(tiers_payload())
 
 
@@ -81,53 +142,115 @@ async def get_swap(request: web.Request) -> web.Response:
     return web.json_response({"members": [m.report() for m in SWAP_MEMBERS.values()]})
 
 
+def _act(action: str, model: str) -> dict[str, Any]:
+    entry = ACTIONS[action](model)
+    sync_tiers()
+    return entry.to_dict()
+
+
 async def post_action(request: web.Request) -> web.Response:
     model, action = request.match_info["model"], request.match_info["action"]
     if action not in ACTIONS:
-        return _error(400, f"unknown action '{action}'; use one of {', '.join(ACTIONS)}")
+        return _error(400, f"unknown action '{budgets.shorten(action)}'; use one of "
+                           f"{', '.join(ACTIONS)}")
     try:
-        entry = ACTIONS[action](model)
+        return web.json_response({"model": await _off_loop(_act, action, model)})
     except UnknownModelError:
-        return _error(404, f"no model with id '{model}'")
-    except (ModelInUseError, ModelPinnedError, TierCapacityError) as e:
-        return _error(409, str(e))
-    sync_tiers()
-    return web.json_response({"model": entry.to_dict()})
+        return _error(404, f"no model with id '{budgets.shorten(model)}'")
+    except Exception as e:
+        status = next((code for kind, code in REFUSALS if isinstance(e, kind)), None)
+        if status is None:
+            log.exception("tiered offload: %s of model %s failed", action, budgets.shorten(model))
+            return _error(500, f"{action} failed: {budgets.shorten(e, 300)}")
+        return _error(status, str(e))
 
 
 async def post_budgets(request: web.Request) -> web.Response:
+    """Change the budgets: GiB fields as `budgets.py` defines them, and disk_tier."""
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return _error(400, "body must be a JSON object")
-    if not isinstance(body, dict) or not body:
-        return _error(400, "body must be a non-empty JSON object with any of: "
-                           + ", ".join([*BUDGET_FIELDS, "disk_tier"]))
-    unknown = set(body) - set(BUDGET_FIELDS) - {"disk_tier"}
-    if unknown:
-        return _error(400, f"unknown field(s) {sorted(unknown)}; allowed: "
-                           + ", ".join([*BUDGET_FIELDS, "disk_tier"]))
-    kwargs: dict[str, Any] = {}
-    for field, target in BUDGET_FIELDS.items():
-        if field not in body:
-            continue
-        value = body[field]
-        if field == "ram_budget_gb" and value is None:
-            kwargs[target] = None
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            return _error(400, f"{field} must be a number of GiB >= 0"
-                               + (" or null" if field == "ram_budget_gb" else ""))
-        kwargs[target] = int(value * GIB)
-    if "disk_tier" in body:
-        if not isinstance(body["disk_tier"], bool):
-            return _error(400, "disk_tier must be true or false")
-        kwargs["disk_tier"] = body["disk_tier"]
-    try:
-        MANAGER.set_budgets(**kwargs)
+        body = await read_json_object(request)
+        if not body:
+            raise BadRequest(400, "the body must be a non-empty JSON object with any of: "
+                                  + ", ".join(budgets.ALLOWED))
+        kwargs = budgets.budget_kwargs(body)
+    except BadRequest as e:
+        return _error(e.status, str(e))
     except ValueError as e:
         return _error(400, str(e))
-    return web.json_response({"budgets": MANAGER.budgets()})
+    try:
+        return web.json_response({"budgets": await _off_loop(lambda: MANAGER.set_budgets(**kwargs))})
+    except ValueError as e:  # a limit of this machine, e.g. a reserve above its RAM
+        return _error(400, str(e))
+
+
+async def post_unload(request: web.Request) -> web.Response:
+    """Core's own unload of a model in the panel's list of loaded models, between prompts."""
+    card = request.match_info["card"]
+    try:
+        done = await _off_loop(loaded_models.unload, card)
+        # Core's unload raises no event of its own: tell the open panels.
+        push_tiers()
+        return web.json_response({"unloaded": done})
+    except LookupError:
+        return _error(404, f"no loaded model with id '{budgets.shorten(card)}'")
+    except TierError as e:
+        return _error(409, str(e))
+
+
+def policy_fields(body: dict[str, Any]) -> tuple[bool | None, int | None]:
+    """keep_in_ram and priority from a policy body; ValueError names what is wrong."""
+    if not body or set(body) - {"keep_in_ram", "priority"}:
+        raise ValueError("the body must be a JSON object with keep_in_ram (true/false) and/or "
+                         "priority (a whole number from -100 to 100)")
+    keep, priority = body.get("keep_in_ram"), body.get("priority")
+    if "keep_in_ram" in body and not isinstance(keep, bool):
+        raise ValueError("keep_in_ram must be true or false")
+    if "priority" in body and (isinstance(priority, bool) or not isinstance(priority, int)
+                               or not -100 <= priority <= 100):
+        raise ValueError("priority must be a whole number from -100 to 100")
+    return keep, priority
+
+
+def _policy(key: str, keep_in_ram: bool | None, priority: int | None) -> dict[str, Any]:
+    entry = MANAGER.get(key)
+    if keep_in_ram is not None:
+        (MANAGER.pin if keep_in_ram else MANAGER.unpin)(key)
+    if priority is not None:
+        MANAGER.set_priority(key, priority)
+    return entry.to_dict()
+
+
+async def post_policy(request: web.Request) -> web.Response:
+    """A managed model's keep-in-RAM (never dropped to disk) and eviction priority."""
+    key = request.match_info["model"]
+    try:
+        keep, priority = policy_fields(await read_json_object(request))
+        return web.json_response({"model": await _off_loop(_policy, key, keep, priority)})
+    except BadRequest as e:
+        return _error(e.status, str(e))
+    except ValueError as e:
+        return _error(400, str(e))
+    except UnknownModelError:
+        return _error(404, f"no model with id '{budgets.shorten(key)}'")
+
+
+def _send(server, event: str, payload: dict[str, Any]) -> None:
+    """Hand an event to ComfyUI's websocket publisher only if it encodes: a payload that fails
+    there would end core's publish loop, and with it the server."""
+    try:
+        json.dumps(payload, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as e:
+        log.error("tiered offload: %s event not sent, it does not encode as JSON: %s", event,
+                  budgets.shorten(e, 200))
+        return
+    server.send_sync(event, payload)
+
+
+def push_tiers(*_: Any) -> None:
+    """Send the tiers event (the full GET /offload/tiers payload) to every open panel."""
+    from server import PromptServer
+
+    _send(PromptServer.instance, TIERS_EVENT, tiers_payload())
 
 
 def register() -> None:
@@ -140,10 +263,17 @@ def register() -> None:
     routes.get("/offload/swap")(get_swap)
     routes.post("/offload/models/{model}/{action}")(post_action)
     routes.post("/offload/budgets")(post_budgets)
+    routes.post("/offload/loaded/{card}/unload")(post_unload)
+    routes.post("/offload/policy/{model}")(post_policy)
 
-    MANAGER.subscribe(lambda event: server.send_sync(TIERS_EVENT, tiers_payload()))
-    LAYERWISE.subscribe(lambda report: server.send_sync(
-        LAYERWISE_EVENT, {"model_id": _model_id_of_module(report["module_id"]), "layerwise": report}))
+    MANAGER.subscribe(push_tiers)
+    # Core's own loads and unloads raise no event: the panel hears of them after each prompt
+    # (the prompt's models are released first, so the figures no longer show them in use).
+    prompt_lifecycle.on_prompt_end(lambda prompt_id: (PROMPT_USES.release_prompt(prompt_id),
+                                                      push_tiers()))
+    LAYERWISE.subscribe(lambda report: _send(
+        server, LAYERWISE_EVENT,
+        {"model_id": _model_id_of_module(report["module_id"]), "layerwise": report}))
 
 
 def _model_id_of_module(module_id: int) -> str | None:

@@ -1,28 +1,29 @@
 """Model-Level Swap: the diffusion model and the text encoder take turns on the GPU.
 
-Each model's weights become one pinned host master (offload_core.swap.ModuleSwap). Moving a
-model in is a few large copies from that master; moving it out re-points its tensors at the
-master and drops the GPU copy, so no byte goes back over the link.
+Each model's base weights become one host master, pinned where the budget allows
+(offload_core.swap.ModuleSwap), and the module's tensors live in it. Core still does every load
+itself, so LoRA and other weight patches are merged exactly as core merges them; it just reads
+the weights from pinned memory. Going out costs nothing: the guard on the root module's `.to()`
+takes the device copies back by re-pointing the tensors at the master when core moves the model
+to the host (`unpatch_model`), after core has put its base weights back.
 
-How core is kept from fighting it (classic ModelPatcher):
-- The root module's `.to()` is guarded: when core unloads the model (`.to(offload device)` in
-  `unpatch_model`), the guard parks from the master instead of copying device to host; when core
-  moves the whole model to the GPU, the guard loads it with the master's large copies.
-- Parking a partner also unloads it through core (`LoadedModel.model_unload`), so
-  `current_loaded_models` and core's free-memory figures stay true.
-- The diffusion model is brought in by a PREPARE_SAMPLING wrapper before core's
-  `load_models_gpu`, which then finds the weights in place. The text encoder's partner is parked
-  from an injection on the encoder's patcher: core injects on every load for encoding, also for
-  a clone of an already loaded encoder, where ON_LOAD does not fire.
-- With Apply Layerwise Offload before it, the engine already keeps the blocks in pinned RAM, so
-  only the text encoder gets a master; the model's small non-block rest is left to core. Used the
-  other way round (swap first), Apply Layerwise Offload refuses with a message, because the blocks
-  would be held in RAM twice.
-- A model that newer ComfyUI runs with Dynamic VRAM (`patcher.is_dynamic()`, 0.33 and later) gets
-  no master: core already keeps its weights in host memory (file mmap and its own pins), loads
-  them per layer and never copies them back, and it never calls the module's `.to()` that the
-  guard relies on. A master would re-point tensors core manages. Such a model is only unloaded
-  through core when its partner takes its turn.
+Why the master is always the base weights: core merges a LoRA into new tensor objects and keeps
+the base ones as its backup. The master is built only after core has unloaded the model (which
+restores those backups), and parking never touches a slot that holds a merged weight, so a LoRA
+can neither be lost (parked over) nor leak into the master and from there into later prompts.
+
+Turns: a PREPARE_SAMPLING wrapper unloads the text encoder through core before the diffusion
+model is loaded; an injection on the encoder's patcher (core injects on every load for encoding,
+also for a clone of an already loaded encoder, where ON_LOAD does not fire) unloads the diffusion
+model through core. Unloading through core (`LoadedModel.model_unload`) keeps
+`current_loaded_models` and core's free-memory figures true.
+
+Not given a master: a model with Apply Layerwise Offload before this node (the engine already
+keeps its blocks in pinned RAM; the other order is refused by that node, since the blocks would be
+held twice); a model that newer ComfyUI runs with Dynamic VRAM (core keeps it in host memory
+itself and never calls the module's `.to()`); a patcher that merges weights in place
+(`weight_inplace_update`), which would write merged values into the master. Those still take
+turns through core.
 """
 from __future__ import annotations
 
@@ -34,12 +35,12 @@ import torch
 
 import comfy.patcher_extension
 
+from ..offload_core.per_module import PerModule
 from ..offload_core.swap import ModuleSwap
-from .core_models import unload_from_core
+from .core_models import loaded_entries, unload_from_core
 from .layerwise import REGISTRY as LAYERWISE
 from .layerwise import WRAPPER_KEY as LAYERWISE_KEY
 from .layerwise import _is_dynamic
-from ..offload_core.per_module import PerModule
 
 log = logging.getLogger(__name__)
 
@@ -54,17 +55,29 @@ def _target_device(args: tuple, kwargs: dict) -> torch.device | None:
     return None if device is None else torch.device(device)
 
 
-class SwapMember:
-    """One model's pinned master and the guard on its root module's `.to()`."""
+def _patched_keys(patcher) -> list[str]:
+    """Keys whose base weight core holds in its backup because a merged weight sits in the module."""
+    return list(getattr(patcher, "backup", {}) or {})
 
-    def __init__(self, module: torch.nn.Module, name: str) -> None:
+
+class SwapMember:
+    """One model's base-weight master and the guard on its root module's `.to()`."""
+
+    def __init__(self, patcher, name: str) -> None:
+        module = patcher.model
+        # Core restores every base weight from its backup when it unloads the model: only then
+        # does the module hold what the master must hold.
+        unload_from_core(module)
+        if _patched_keys(patcher):
+            raise RuntimeError(
+                f"Model-Level Swap: {name} still holds merged weights after ComfyUI unloaded it "
+                f"({len(_patched_keys(patcher))} keys); refusing to take it as a master")
         self.name = name
         self.swap = ModuleSwap(module)
         self.closed = False
         self.turns = 0
-        self.loads = 0
         self.parks = 0
-        self.bytes_loaded = 0
+        self.tensors_taken_back = 0
         # Only weak references: the guard lives in the module's own __dict__, and the module
         # must still be freed (and this member closed) when ComfyUI drops the model.
         member_ref = weakref.ref(self)
@@ -73,53 +86,56 @@ class SwapMember:
         def guarded_to(*args: Any, **kwargs: Any):
             target, member = module_ref(), member_ref()
             device = _target_device(args, kwargs)
-            if member is not None and device is not None and not layerwise_active(target):
-                if device.type == "cpu":
-                    member.park()
-                else:
-                    member.load(device)
-            # Packed tensors are in place now, so this moves only what the master does not hold.
+            if member is not None and device is not None and device.type == "cpu" \
+                    and not layerwise_active(target):
+                member.park()
+            # Tensors back in the master are on the host already; this moves only the rest.
             return type(target).to(target, *args, **kwargs)
 
         module.to = guarded_to
         self._module_ref = module_ref
 
-    def load(self, device: torch.device) -> None:
-        if self.closed or self.swap.device == device:
-            return
-        self.swap.load(device)
-        self.loads += 1
-        self.bytes_loaded += self.swap.bytes_by_tier()["vram"]
-        log.info("Model-Level Swap: %s in on %s from its pinned master", self.name, device)
-
     def park(self) -> None:
-        if self.closed or not self.swap.park():
+        if self.closed:
             return
-        self.parks += 1
-        log.info("Model-Level Swap: %s parked, no device-to-host copy", self.name)
+        taken = self.swap.park()
+        if taken:
+            self.parks += 1
+            self.tensors_taken_back += taken
+            log.info("Model-Level Swap: %s parked, %d tensors re-pointed at its master, no "
+                     "device-to-host copy", self.name, taken)
 
     def close(self) -> None:
+        """Hand the original tensors back. Core unloads the model first, so the module holds its
+        base weights, which is what the master hands back."""
+        if self.closed:
+            return
         module = self._module_ref()
         if module is not None:
+            unload_from_core(module)
             module.__dict__.pop("to", None)
+            self.swap.park()
         self.closed = True
         self.swap.close()
 
     def report(self) -> dict[str, Any]:
-        return {"name": self.name, "device": None if self.swap.device is None else str(self.swap.device),
-                "turns": self.turns, "loads": self.loads, "parks": self.parks, "bytes_loaded": self.bytes_loaded,
-                "bytes": self.swap.bytes_by_tier()}
+        module = self._module_ref()
+        on_device = module is not None and bool(loaded_entries(module))
+        return {"name": self.name, "loaded_by_core": on_device, "turns": self.turns,
+                "parks": self.parks, "tensors_taken_back": self.tensors_taken_back,
+                "bytes": {"master": self.swap.nbytes, **self.swap.bytes_by_tier()}}
 
 
 MEMBERS: PerModule[SwapMember] = PerModule()
 
 
-def _member(module: torch.nn.Module) -> SwapMember:
-    return MEMBERS.get_or_create(module, lambda: SwapMember(module, type(module).__name__))
+def _member(patcher) -> SwapMember:
+    module = patcher.model
+    return MEMBERS.get_or_create(module, lambda: SwapMember(patcher, type(module).__name__))
 
 
 def layerwise_active(module: torch.nn.Module) -> bool:
-    """Apply Layerwise Offload owns the blocks during sampling; loading them whole would undo it."""
+    """Apply Layerwise Offload owns the blocks during sampling; they are not the master's then."""
     diffusion_model = getattr(module, "diffusion_model", None)
     return diffusion_model is not None and LAYERWISE.is_active(diffusion_model)
 
@@ -132,26 +148,30 @@ class _Turns:
         self._dit = weakref.ref(dit_module)
         self._te = weakref.ref(te_module)
 
-    def sampling(self, device: torch.device) -> None:
-        self._take_turn(self._dit(), self._te(), device)
+    def sampling(self) -> None:
+        self._take_turn(self._dit(), self._te())
 
     def encoding(self) -> None:
-        self._take_turn(self._te(), self._dit(), None)
+        self._take_turn(self._te(), self._dit())
 
     @staticmethod
-    def _take_turn(incoming: torch.nn.Module | None, outgoing: torch.nn.Module | None,
-                   device: torch.device | None) -> None:
-        """Unload the outgoing model through core (copy-free if it has a master), bring the other in."""
+    def _take_turn(incoming: torch.nn.Module | None, outgoing: torch.nn.Module | None) -> None:
+        """Unload the outgoing model through core (copy-free where it has a master); core then
+        loads the incoming one, from its master where it has one."""
         if outgoing is not None:
             unload_from_core(outgoing)
-            member = MEMBERS.get(outgoing)
-            if member is not None:
-                member.park()
         member = MEMBERS.get(incoming) if incoming is not None else None
         if member is not None:
             member.turns += 1
-            if device is not None and not layerwise_active(incoming):
-                member.load(device)
+
+
+def _master_refusal(patcher) -> str | None:
+    """Why this patcher gets no master, or None."""
+    if _is_dynamic(patcher):
+        return "runs with Dynamic VRAM; core keeps it in host memory itself"
+    if getattr(patcher, "weight_inplace_update", False):
+        return "merges weight patches in place, which would write into the master"
+    return None
 
 
 class ModelLevelSwap:
@@ -168,29 +188,28 @@ class ModelLevelSwap:
     FUNCTION = "apply"
     CATEGORY = "tiered_offload"
     DESCRIPTION = ("Keeps the diffusion model and the text encoder as pinned host masters and "
-                   "lets them take turns on the GPU: full-speed copies in, nothing copied back.")
+                   "lets them take turns on the GPU: loads read pinned memory, nothing is copied "
+                   "back when a model goes out.")
 
     def apply(self, model, clip):
         model = model.clone()
         clip = clip.clone()
-        dit_module, te_module = model.model, clip.patcher.model
         # A layerwise-offloaded model already keeps its blocks in pinned RAM; a second, whole-
         # model master would hold them twice. Then only the encoder gets a master, and the
         # model's small non-block rest stays with core.
         streamed = bool(model.get_wrappers(comfy.patcher_extension.WrappersMP.OUTER_SAMPLE,
                                            LAYERWISE_KEY))
-        if not streamed and not _is_dynamic(model):
-            _member(dit_module)
-        if not _is_dynamic(clip.patcher):
-            _member(te_module)
-        for name, patcher in (("diffusion model", model), ("text encoder", clip.patcher)):
-            if _is_dynamic(patcher):
-                log.info("Model-Level Swap: the %s runs with Dynamic VRAM; core keeps it in host "
-                         "memory itself, so it gets no pinned master", name)
-        turns = _Turns(dit_module, te_module)
+        for name, patcher, wanted in (("diffusion model", model, not streamed),
+                                      ("text encoder", clip.patcher, True)):
+            why = _master_refusal(patcher)
+            if why is not None:
+                log.info("Model-Level Swap: the %s gets no pinned master: it %s", name, why)
+            elif wanted:
+                _member(patcher)
+        turns = _Turns(model.model, clip.patcher.model)
 
         def prepare_sampling(executor, patcher, *args, **kwargs):
-            turns.sampling(patcher.load_device)
+            turns.sampling()
             return executor(patcher, *args, **kwargs)
 
         def on_encoder_load(patcher):

@@ -9,7 +9,13 @@ and its results are identical.
 
 Each tiered loader returns the manager's object for its (file, mtime, options) identity, so a
 workflow run again after another one gets its models from RAM instead of disk. A model is in use
-from the start of any prompt whose graph contains its loader until that prompt ends.
+from the start of any prompt whose graph contains its loader until that prompt ends. A newer
+version of a file (another mtime) supersedes the old entry, which is then forgotten.
+
+Dropping a model to disk frees its weights even though ComfyUI's output cache still holds the
+loader's objects: the objects are emptied (moved to the meta device), and the loader's
+`IS_CHANGED` changes with every drop, so no prompt is ever handed the emptied objects: the loader
+runs again and reloads, or fails the prompt with the manager's clear refusal.
 """
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ import json
 import logging
 import os
 import threading
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -25,13 +32,20 @@ import comfy.model_management
 import folder_paths
 import nodes as core_nodes
 
-from ..offload_core.tiers import Tier, TierManager, model_id
-from . import prompt_lifecycle
+from ..offload_core.tiers import (
+    SourceChangedError, SourceGoneError, SourceUnreadableError, Tier, TierError, TierManager,
+    model_id, source_key)
+from . import budgets, prompt_lifecycle
 from .core_models import loaded_entries, unload_from_core
+from .layerwise import REGISTRY as LAYERWISE
+from .swap import MEMBERS as SWAP_MEMBERS
 
 log = logging.getLogger(__name__)
 
 MANAGER = TierManager()
+# Errors that say nothing about the file: they pass through a load unchanged.
+_NOT_THE_FILE = (comfy.model_management.InterruptProcessingException, MemoryError,
+                 torch.OutOfMemoryError, TierError)
 
 
 def _patchers(outputs: tuple) -> list:
@@ -44,60 +58,126 @@ def _patchers(outputs: tuple) -> list:
     return found
 
 
+def _release_engines(module: torch.nn.Module) -> None:
+    """Close the pack's engine objects bound to a model's modules before its weights are freed.
+
+    A Model-Level Swap master guards the root module's `.to()` and holds a pinned copy; a
+    layerwise session holds the diffusion model's blocks in a pinned pack. Closing them hands the
+    original tensors back and frees the packs, so the drop frees every byte the model had.
+    """
+    SWAP_MEMBERS.discard(module)
+    diffusion_model = getattr(module, "diffusion_model", None)
+    if isinstance(diffusion_model, torch.nn.Module):
+        LAYERWISE.discard(diffusion_model)
+
+
+@dataclass(frozen=True)
+class Source:
+    """A loader's file as registered: its manager id, source key, path, mtime and size."""
+    key: str
+    source: str
+    name: str
+    path: str
+    mtime_ns: int
+    size: int
+
+
 class ComfyModelBackend:
     """Moves one loader's outputs between tiers with core's own load and unload paths.
 
     Going through `load_models_gpu` and `LoadedModel.model_unload` keeps core's view
-    (`current_loaded_models`, free memory) the same as ours.
+    (`current_loaded_models`, free memory) the same as ours. `generation` counts drops: it is
+    part of the loader's `IS_CHANGED`, so emptied objects are never served from ComfyUI's cache.
+    Each step runs under `torch.inference_mode()`, as core's prompt worker runs everything: a
+    REST call or the preload thread would otherwise move a model outside it, and moving a
+    quantized weight (0.3.75's QuantizedTensor) outside it leaves a parameter that core's next
+    prompt cannot `detach()`.
     """
 
-    def __init__(self, load: Callable[[], tuple], size_hint: int) -> None:
+    def __init__(self, load: Callable[[], tuple], source: Source) -> None:
         self._load = load
-        self._size_hint = size_hint
+        self.source = source
         self.outputs: tuple | None = None
+        self.generation = 0
 
+    def _check_source(self) -> None:
+        """Refuse to load anything but the registered version of the file."""
+        try:
+            mtime_ns = os.stat(self.source.path).st_mtime_ns
+        except FileNotFoundError:
+            raise SourceGoneError(f"the file of '{self.source.name}' is gone") from None
+        if mtime_ns != self.source.mtime_ns:
+            raise SourceChangedError(
+                f"the file of '{self.source.name}' changed on disk since it was registered as "
+                f"{self.source.key}; its loader registers the new version under a new id")
+
+    @torch.inference_mode()
     def load_from_disk(self) -> None:
-        self.outputs = self._load()
+        self._check_source()
+        try:
+            outputs = self._load()
+        except FileNotFoundError as e:
+            raise SourceGoneError(f"the file of '{self.source.name}' is gone: {e}") from e
+        except _NOT_THE_FILE:
+            raise
+        except Exception as e:
+            raise SourceUnreadableError(f"'{self.source.name}' cannot be read as a model: "
+                                        f"{budgets.shorten(e, 400)}") from e
+        self._check_source()  # rewritten while it loaded: these bytes belong to no known id
+        self.outputs = outputs
 
+    @torch.inference_mode()
     def to_vram(self) -> None:
         comfy.model_management.load_models_gpu(_patchers(self.outputs))
 
+    @torch.inference_mode()
     def to_ram(self) -> None:
         if self.outputs is None:
             return
         for patcher in _patchers(self.outputs):
             unload_from_core(patcher.model)
 
+    @torch.inference_mode()
     def drop(self) -> None:
         """Free the weights even if ComfyUI's output cache still holds these objects.
 
-        The loader node reports itself changed after a drop, so the hollow objects are never
-        used again: the next prompt runs the loader, which reloads from disk.
+        The objects are forgotten and `generation` moves on first, so whatever happens while
+        freeing, they are never handed out again: the loader reports itself changed and the next
+        prompt runs it, which reloads from disk.
         """
         self.to_ram()
-        if self.outputs is not None:
-            for patcher in _patchers(self.outputs):
+        outputs, self.outputs = self.outputs, None
+        self.generation += 1
+        for patcher in _patchers(outputs or ()):
+            try:
+                _release_engines(patcher.model)
                 patcher.model.to(torch.device("meta"))
-        self.outputs = None
+            except Exception:
+                log.exception("tiered offload: could not empty '%s' on its drop; its memory is "
+                              "freed when ComfyUI lets go of the objects", self.source.name)
 
     def nbytes(self) -> int:
         if self.outputs is None:
-            return self._size_hint
+            return self.source.size
         return sum(p.model_size() for p in _patchers(self.outputs))
 
     def bytes_by_tier(self) -> dict[str, int]:
+        """Each byte once: on the compute device ("vram") or in host memory ("ram")."""
         if self.outputs is None:
             return {"vram": 0, "ram": 0}
         vram = 0
         host = 0
         for patcher in _patchers(self.outputs):
             size = patcher.model_size()
-            loaded = max((lm.model_loaded_memory() for lm in loaded_entries(patcher.model)), default=0)
+            if patcher.load_device.type == "cpu":
+                # --cpu: a model core "loaded" still sits in RAM and counts against its budget.
+                host += size
+                continue
+            loaded = max((lm.model_loaded_memory() for lm in loaded_entries(patcher.model)),
+                         default=0)
             vram += loaded
-            # With a CPU compute device (--cpu) a "loaded" model still sits in RAM, so all of
-            # it counts against the RAM budget.
-            host += size if patcher.load_device.type == "cpu" else size - loaded
-        return {"vram": vram, "ram": max(0, host)}
+            host += max(0, size - loaded)
+        return {"vram": vram, "ram": host}
 
     def current_tier(self) -> Tier:
         if self.outputs is None:
@@ -135,16 +215,26 @@ class _PromptUses:
             raise
 
     def hold_graph(self, prompt_id: str, graph: dict) -> None:
+        """Hold every known model the graph's Tiered loaders name with constant inputs.
+
+        A model that cannot be held now (its reload is refused) is logged and skipped: its drop
+        changed the loader's `IS_CHANGED`, so the loader runs and fails the prompt with the
+        manager's refusal, and nothing else in the graph goes unheld.
+        """
         for node in graph.values():
             loader = NODE_CLASS_MAPPINGS.get(node.get("class_type")) if isinstance(node, dict) else None
-            if loader is None or not issubclass(loader, _TieredLoader):
+            if not isinstance(loader, type) or not issubclass(loader, _TieredLoader):
                 continue
             try:
-                key, _ = loader.identity(**node.get("inputs", {}))
-                MANAGER.get(key)
+                key = loader.identity(**node.get("inputs", {})).key
+                name = MANAGER.get(key).name
             except Exception:  # a link, a missing file or a new model: its loader will hold it
                 continue
-            self.hold(key, prompt_id)
+            try:
+                self.hold(key, prompt_id)
+            except Exception as e:
+                log.warning("tiered offload: prompt %s cannot hold '%s' at its start, its loader "
+                            "will report it: %s", prompt_id, name, e)
 
     def release_prompt(self, prompt_id: str | None) -> None:
         with self._lock:
@@ -167,23 +257,33 @@ def _backends() -> list[tuple[str, ComfyModelBackend]]:
     return found
 
 
-def sync_tiers() -> None:
-    """Record where core really holds each model; core also loads and unloads on its own."""
+def sync_tiers(*, wait: bool = True) -> None:
+    """Record where core really holds each model; core also loads and unloads on its own.
+
+    With `wait=False` (status requests) a model the manager is busy with is left as published.
+    """
     for key, backend in _backends():
-        MANAGER.observe(key, backend.current_tier())
+        MANAGER.observe(key, backend.current_tier(), wait=wait)
 
 
-def _identity(kind: str, folder: str, name: str, options: dict[str, Any]) -> tuple[str, str]:
+def _identity(kind: str, folder: str, name: str, options: dict[str, Any]) -> Source:
     path = folder_paths.get_full_path_or_raise(folder, name)
-    return model_id(path, os.stat(path).st_mtime_ns, {"kind": kind, **options}), path
+    stat = os.stat(path)
+    options = {"kind": kind, **options}
+    return Source(key=model_id(path, stat.st_mtime_ns, options), source=source_key(path, options),
+                  name=name, path=path, mtime_ns=stat.st_mtime_ns, size=stat.st_size)
 
 
 def register_model(kind: str, folder: str, name: str, options: dict[str, Any],
                    load: Callable[[], tuple]) -> str:
-    """Make the manager know this loader identity (on disk until first use); return its id."""
-    key, path = _identity(kind, folder, name, options)
-    MANAGER.register(key, name, ComfyModelBackend(load, os.path.getsize(path)), kind=kind)
-    return key
+    """Make the manager know this loader identity (on disk until first use); return its id.
+
+    A new version of the file (another mtime) supersedes the entry of the old one.
+    """
+    source = _identity(kind, folder, name, options)
+    MANAGER.register(source.key, name, ComfyModelBackend(load, source), kind=kind,
+                     source=source.source)
+    return source.key
 
 
 def managed_outputs(key: str) -> tuple:
@@ -228,8 +328,8 @@ class _TieredLoader:
         return options.pop(cls.NAME_INPUT), options
 
     @classmethod
-    def identity(cls, **inputs: Any) -> tuple[str, str]:
-        """(manager id, file path) of these inputs."""
+    def identity(cls, **inputs: Any) -> Source:
+        """The file these inputs name, with its manager id."""
         name, options = cls._split(inputs)
         return _identity(cls.KIND, cls.FOLDER, name, options)
 
@@ -241,10 +341,11 @@ class _TieredLoader:
 
     @classmethod
     def IS_CHANGED(cls, **inputs):
-        """Differs once the model was dropped to disk, so the loader runs again and reloads."""
+        """Differs after every drop to disk (and for a new version of the file), so the loader
+        runs again and reloads instead of ComfyUI's cache serving the emptied objects."""
         try:
-            key, _ = cls.identity(**inputs)
-            return f"{key}:{MANAGER.get(key).loads_from_disk}"
+            key = cls.identity(**inputs).key
+            return f"{key}:{MANAGER.get(key).backend.generation}"
         except Exception:  # unknown or missing: let the loader run and report it
             return float("nan")
 
@@ -327,11 +428,12 @@ class VRAMTierManager:
 
     def apply(self, ram_budget_gb, ram_reserve_gb, vram_reserve_gb, disk_tier, keep_in_ram,
               priority, model=None, clip=None, vae=None):
-        gib = 1024 ** 3
-        MANAGER.set_budgets(
-            ram_budget_bytes=int(ram_budget_gb * gib) if ram_budget_gb > 0 else None,
-            ram_reserve_bytes=int(ram_reserve_gb * gib),
-            vram_reserve_bytes=int(vram_reserve_gb * gib), disk_tier=disk_tier)
+        try:
+            MANAGER.set_budgets(**budgets.budget_kwargs({
+                "ram_budget_gb": ram_budget_gb, "ram_reserve_gb": ram_reserve_gb,
+                "vram_reserve_gb": vram_reserve_gb, "disk_tier": disk_tier}))
+        except ValueError as e:
+            raise ValueError(f"VRAM Tier Manager: {e}") from None
         for obj in (model, clip, vae):
             if obj is None:
                 continue
@@ -349,40 +451,72 @@ class VRAMTierManager:
 PRELOAD_FILE = "tiered_offload.json"
 
 
+def _read_preload_config(path: str) -> list:
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    items = config.get("preload") if isinstance(config, dict) else None
+    if not isinstance(items, list):
+        raise ValueError('expected {"preload": [...]}')
+    return items
+
+
+def _register_preload_entry(item: Any) -> tuple[str, str]:
+    """(manager id, tier) of one preload entry; ValueError or the loader's error if it is bad."""
+    if not isinstance(item, dict):
+        raise ValueError("an entry must be a JSON object")
+    name = item.get("loader")
+    loader = NODE_CLASS_MAPPINGS.get(name) if isinstance(name, str) else None
+    if not isinstance(loader, type) or not issubclass(loader, _TieredLoader):
+        names = [n for n, c in NODE_CLASS_MAPPINGS.items() if issubclass(c, _TieredLoader)]
+        raise ValueError(f"loader must be one of {', '.join(names)}")
+    inputs = item.get("inputs")
+    if not isinstance(inputs, dict):
+        raise ValueError("inputs must be a JSON object of the loader's inputs")
+    tier = item.get("tier", Tier.RAM.value)
+    if tier not in (Tier.RAM.value, Tier.VRAM.value):
+        raise ValueError('tier must be "ram" or "vram"')
+    return loader.register(**inputs), tier
+
+
 def _preload_from_config() -> None:
     """Register and warm the models named in <user dir>/tiered_offload.json, in the background.
 
     Format: {"preload": [{"loader": "TieredUNETLoader", "inputs": {...}, "tier": "ram"}]}.
-    A bad entry is logged and skipped; start-up never waits for or fails on the warm-up.
+    A bad file or entry, whatever its content, is logged and skipped; start-up never waits for
+    or fails on the warm-up.
     """
     path = os.path.join(folder_paths.get_user_directory(), PRELOAD_FILE)
     if not os.path.exists(path):
         return
     try:
-        with open(path) as f:
-            items = json.load(f).get("preload", [])
-    except (OSError, ValueError, AttributeError) as e:
-        log.error("tiered offload: cannot read %s: %s", path, e)
+        items = _read_preload_config(path)
+    except (OSError, ValueError, RecursionError) as e:
+        log.error("tiered offload: cannot read %s: %s", path, budgets.shorten(e, 300))
         return
     by_tier: dict[str, list[str]] = {}
     for item in items:
         try:
-            loader = NODE_CLASS_MAPPINGS[item["loader"]]
-            key = loader.register(**item["inputs"])
-            by_tier.setdefault(item.get("tier", "ram"), []).append(key)
+            key, tier = _register_preload_entry(item)
         except Exception as e:
-            log.error("tiered offload: skipping preload entry %r: %s", item, e)
+            log.error("tiered offload: skipping preload entry %s: %s",
+                      budgets.shorten(repr(item), 300), budgets.shorten(e, 300))
+            continue
+        by_tier.setdefault(tier, []).append(key)
     for tier, keys in by_tier.items():
         log.info("tiered offload: preloading %d model(s) into %s", len(keys), tier)
         MANAGER.preload(keys, tier, background=True)
 
 
 def install() -> None:
-    """Server-side wiring: release a prompt's models when it ends, and start the preload."""
+    """Server-side wiring: hold a prompt's models from its start, release them when it ends,
+    and start the preload (which never fails the pack's import)."""
     prompt_lifecycle.install()
     prompt_lifecycle.on_prompt_start(PROMPT_USES.hold_graph)
     prompt_lifecycle.on_prompt_end(PROMPT_USES.release_prompt)
-    _preload_from_config()
+    try:
+        _preload_from_config()
+    except Exception:
+        log.exception("tiered offload: preload failed; the models load on first use instead")
 
 
 NODE_CLASS_MAPPINGS = {

@@ -20,6 +20,8 @@ _EXPORTS = {
     "check_packable": "packing",
     "HostStorage": "pinned",
     "pinned_bytes": "pinned",
+    "pin_cap": "pinned",
+    "set_pin_accounting": "pinned",
     "available_ram_bytes": "pinned",
     "Telemetry": "telemetry",
     "BlockHooks": "hooks",
@@ -32,7 +34,13 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:
     from .hooks import BlockHooks
     from .packing import PackedBlock, PackedTensor, TensorRef, check_packable, tensor_refs
-    from .pinned import HostStorage, available_ram_bytes, pinned_bytes
+    from .pinned import (
+        HostStorage,
+        available_ram_bytes,
+        pin_cap,
+        pinned_bytes,
+        set_pin_accounting,
+    )
     from .residency import plan_residency, spread_evenly
     from .streamer import LayerwiseStreamer
     from .swap import ModuleSwap

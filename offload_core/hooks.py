@@ -15,20 +15,21 @@ from torch.utils.hooks import RemovableHandle
 
 
 class BlockHooks:
-    """Pre/post forward hooks on ``(index, module)`` pairs, removable as one unit."""
+    """Pre/post forward hooks on ``(index, module)`` pairs, removable as one unit; no post-hook without ``on_exit``."""
 
     def __init__(
         self,
         blocks: Sequence[tuple[int, nn.Module]],
         on_enter: Callable[[int], None],
-        on_exit: Callable[[int], None],
+        on_exit: Callable[[int], None] | None = None,
     ) -> None:
         self._handles: list[RemovableHandle] = []
         for index, module in blocks:
             self._handles.append(
                 module.register_forward_pre_hook(_pre(index, on_enter), with_kwargs=True, prepend=True)
             )
-            self._handles.append(module.register_forward_hook(_post(index, on_exit), always_call=True))
+            if on_exit is not None:
+                self._handles.append(module.register_forward_hook(_post(index, on_exit), always_call=True))
 
     def remove(self) -> None:
         for h in self._handles:

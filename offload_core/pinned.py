@@ -2,18 +2,28 @@
 
 Why not ``tensor.pin_memory()``: torch's caching host allocator rounds every
 block up to a power of two, so pinning a model that way costs 1.5-2x its size
-in RAM and is not returned by ``empty_cache``.  Here each chunk is a plain
-``torch.empty`` of the exact size, registered with ``cudaHostRegister`` and
-unregistered on release, so pinned RAM stays within a page per chunk of the
-packed bytes.  Chunks never split an item (a block), so one block is always one
-contiguous, uniformly pinned range.  When pinning is impossible or over budget
-the memory stays pageable (slower copies, same results); when even pageable
-memory would not fit, allocation is refused before any RAM is touched.
+in RAM and is not returned by ``empty_cache``.  Here each chunk is its own
+anonymous memory mapping of the exact size rounded up to a page, registered
+whole with ``cudaHostRegister`` (portable: every CUDA context sees it pinned)
+and unregistered on release.  The chunk's tensor storage starts exactly at the
+mapping, which matters because ``Tensor.is_pinned()`` asks CUDA about the
+*storage's* base pointer: a storage starting before the registered range would
+read as pageable, and ComfyUI's own ``pin_memory`` would then register the same
+pages a second time and leave a CUDA error behind.  Chunks never split an item
+(a block), so one block is always one contiguous, uniformly pinned range.  When
+pinning is impossible or over budget the memory stays pageable (slower copies,
+same results); when even pageable memory would not fit, allocation is refused
+before any RAM is touched.
+
+The pinned-memory cap can be shared with a host application that pins memory of
+its own (ComfyUI): ``set_pin_accounting`` installs a callable that caps the
+engine's pinned bytes and one that is told the engine's total after each change.
 """
 
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import functools
 import logging
 import mmap
@@ -21,7 +31,7 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import psutil
@@ -30,15 +40,20 @@ import torch
 log = logging.getLogger(__name__)
 
 ALIGN = 256
+_MiB = 1 << 20
+_GiB = 1 << 30
 DEFAULT_CHUNK_BYTES = 512 << 20
 DEFAULT_RESERVE_BYTES = 2 << 30
 # Share of physical RAM that may be page-locked process-wide when no explicit cap is
 # given. Windows (WDDM) refuses much beyond half of RAM; ComfyUI itself uses 45% there.
 PIN_FRACTION = 0.45 if sys.platform == "win32" else 0.9
 PAGE = mmap.PAGESIZE
+_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, not only the current one
 
 _lock = threading.Lock()
 _pinned_total = 0
+_external_cap: Callable[[], int | None] | None = None
+_report: Callable[[int], None] | None = None
 
 
 def pinned_bytes() -> int:
@@ -46,10 +61,50 @@ def pinned_bytes() -> int:
     return _pinned_total
 
 
+def set_pin_accounting(cap: Callable[[], int | None] | None, report: Callable[[int], None] | None) -> None:
+    """Share the pinned-memory budget with the host application; ``None, None`` stops sharing.
+
+    Why: the application may page-lock memory of its own under its own cap, and two
+    caps that ignore each other can together lock more than the machine has.
+    ``cap()`` returns the most bytes the engine may hold pinned right now (``None``:
+    no limit from the application); it is consulted before every registration, on
+    top of the engine's own cap.  ``report(total)`` is called with the engine's
+    pinned total at once and after every registration or release, so the
+    application can count the engine's pins with its own.
+    """
+    global _external_cap, _report
+    with _lock:
+        _external_cap, _report = cap, report
+        _tell(_pinned_total)
+
+
+def pin_cap(ram_budget_bytes: int | None = None) -> int:
+    """Most bytes this package may hold page-locked now: the engine's own cap, lowered by the application's."""
+    cap = int(PIN_FRACTION * psutil.virtual_memory().total) if ram_budget_bytes is None else ram_budget_bytes
+    external = None
+    if _external_cap is not None:
+        try:
+            external = _external_cap()
+        except Exception:
+            log.exception("the pinned-memory cap hook failed; using the engine's own cap")
+    return cap if external is None else max(0, min(cap, int(external)))
+
+
 def _count_pinned(delta: int) -> None:
     global _pinned_total
     with _lock:
         _pinned_total += delta
+        _tell(_pinned_total)
+
+
+def _tell(total: int) -> None:
+    """Report the pinned total to the application; its failure must never undo a pin or unpin."""
+    if _report is None:
+        return
+    try:
+        _report(total)
+    except Exception:
+        log.exception("the pinned-memory report hook failed")
 
 
 def _align_up(n: int, a: int) -> int:
@@ -100,7 +155,7 @@ def _clear_cuda_error() -> None:
 
 
 def _cuda_register(ptr: int, nbytes: int) -> bool:
-    if int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)) == 0:
+    if int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _REGISTER_PORTABLE)) == 0:
         return True
     _clear_cuda_error()
     return False
@@ -113,12 +168,54 @@ def _cuda_unregister(ptr: int) -> None:
         log.warning("cudaHostUnregister(0x%x) failed with CUDA error %d", ptr, err)
 
 
+def _map(nbytes: int) -> torch.Tensor:
+    """A uint8 tensor over a fresh anonymous mapping: page-aligned, and its storage starts there.
+
+    The mapping is unmapped when the last tensor over it is gone (the storage holds
+    the ``mmap`` object), so a view kept elsewhere never points at freed memory.
+    Private on POSIX: a shared anonymous mapping would be counted as shared memory.
+    """
+    if os.name == "nt":
+        region = mmap.mmap(-1, nbytes)
+    else:
+        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with torch.inference_mode(False):
+        return torch.frombuffer(region, dtype=torch.uint8)
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, or None where the C library has none (musl, macOS, Windows)."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        return getattr(ctypes.CDLL(name), "malloc_trim")
+    except (OSError, AttributeError):
+        return None
+
+
+def return_freed_ram() -> bool:
+    """Hand memory that the C heap keeps after frees back to the OS; False where that is not possible.
+
+    Why: once glibc has raised its mmap threshold (it does after any freed mid-size
+    block, as every model load has), tensors of up to 32 MiB come from the heap, and
+    freeing them after packing leaves their pages with the process: RSS then shows the
+    pack plus the freed originals.  ``malloc_trim(0)`` gives those free pages back.
+    """
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
 @dataclass
 class _Chunk:
     items: list[int]  # indices of the items that live in this chunk
     nbytes: int
-    data: torch.Tensor | None = None  # page-aligned uint8 view of exactly nbytes
-    pinned_len: int = 0  # bytes registered with CUDA (page-rounded), 0 if pageable
+    data: torch.Tensor | None = None  # uint8 view of exactly nbytes at the start of its own mapping
+    pinned_len: int = 0  # bytes registered with CUDA (the page-rounded mapping), 0 if pageable
     done: set[int] = field(default_factory=set)  # items the owner no longer needs
 
 
@@ -142,7 +239,8 @@ class HostStorage:
     Chunks are allocated lazily, on the first ``buffer(i)`` of one of their items,
     so a caller that frees its original tensors as it packs never holds two full
     copies of a model at once.  ``ram_budget_bytes`` caps page-locked bytes
-    process-wide (default: a share of physical RAM); beyond it chunks stay pageable.
+    process-wide (default: a share of physical RAM), lowered by the application's
+    cap when one is shared (``set_pin_accounting``); beyond it chunks stay pageable.
     ``reserve_bytes`` of RAM are always left free: a chunk that would eat into them
     is refused with ``MemoryError`` before anything is allocated.
     """
@@ -167,6 +265,7 @@ class HostStorage:
         self._reserve = reserve_bytes
         self._pinned_here = 0
         self._pin_refused = False
+        self._readers: set[int] = set()  # CUDA devices that copies out of this storage ran on
         self._chunks: list[_Chunk] = []
         self._where: list[tuple[int, int]] = []  # item -> (chunk index, offset)
         for i, size in enumerate(sizes):
@@ -217,38 +316,37 @@ class HostStorage:
         n = chunk.nbytes
         span = _align_up(n, PAGE)
         headroom = available_ram_bytes() - self._reserve
-        if span + PAGE > headroom:
+        if span > headroom:
             raise MemoryError(
-                f"host storage chunk {ci} needs {span + PAGE} bytes but only {max(headroom, 0)} are "
-                f"available after keeping {self._reserve} bytes in reserve; refusing to allocate"
+                f"host storage chunk {ci} needs {span / _MiB:.1f} MiB but only {max(headroom, 0) / _MiB:.1f} MiB "
+                f"are available after keeping {self._reserve / _MiB:.1f} MiB in reserve; refusing to allocate"
             )
-        with torch.inference_mode(False):
-            raw = torch.empty(span + PAGE, dtype=torch.uint8)
-        start = (-raw.data_ptr()) % PAGE  # page-aligned base: registrations never share a page
-        chunk.data = raw[start : start + n]
-        # An empty chunk (a block with no tensors) has nothing to register; CUDA refuses size 0.
-        if span and self._want_pin(span, headroom - span - PAGE):
+        # An empty chunk (a block with no tensors) has nothing to map or register; both refuse size 0.
+        if not span:
+            with torch.inference_mode(False):
+                chunk.data = torch.empty(0, dtype=torch.uint8)
+            return
+        chunk.data = _map(span)[:n]
+        if self._want_pin(span):
             if _cuda_register(chunk.data.data_ptr(), span):
                 chunk.pinned_len = span
                 self._pinned_here += span
                 _count_pinned(span)
             else:
-                self._refuse_pin(f"cudaHostRegister failed for a {span}-byte chunk")
+                self._refuse_pin(f"cudaHostRegister failed for a {span / _MiB:.1f} MiB chunk")
 
-    def _want_pin(self, span: int, headroom_after: int) -> bool:
+    def _want_pin(self, span: int) -> bool:
         if not self._pin or self._pin_refused:
             return False
         if not torch.cuda.is_available():
             self._refuse_pin("CUDA is not available", logging.INFO)  # nothing to speed up: not a problem
             return False
-        cap = self._cap
-        if cap is None:
-            cap = int(PIN_FRACTION * psutil.virtual_memory().total)
+        cap = pin_cap(self._cap)
         if pinned_bytes() + span > cap:
-            self._refuse_pin(f"pinning {span} more bytes would exceed the pinned-RAM cap of {cap} bytes")
-            return False
-        if headroom_after < 0:
-            self._refuse_pin("not enough free RAM to lock more pages")
+            self._refuse_pin(
+                f"pinning {span / _MiB:.1f} MiB more would exceed the pinned-RAM cap of {cap / _GiB:.2f} GiB "
+                f"({pinned_bytes() / _GiB:.2f} GiB pinned by the engine)"
+            )
             return False
         return True
 
@@ -272,9 +370,19 @@ class HostStorage:
         """Unregister and drop every chunk; views still held elsewhere become plain pageable memory."""
         self._release(self._chunks)
 
+    def note_reader(self, device: torch.device) -> None:
+        """Record that asynchronous copies out of this storage may run on ``device``.
+
+        Release waits for those devices before it unlocks a range, so no copy still
+        in flight reads memory that is no longer pinned (or no longer mapped).
+        """
+        if device.type == "cuda":
+            self._readers.add(device.index if device.index is not None else torch.cuda.current_device())
+
     def _release(self, chunks: list[_Chunk]) -> None:
-        if any(c.pinned_len for c in chunks) and torch.cuda.is_available():
-            torch.cuda.synchronize()  # no async copy may still read a range we unlock
+        if any(c.pinned_len for c in chunks):
+            for index in sorted(self._readers):
+                torch.cuda.synchronize(index)
         for c in chunks:
             self._pinned_here -= c.pinned_len
             _drop_chunk(c)

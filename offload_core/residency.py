@@ -72,3 +72,16 @@ def plan_residency(
         f"vram_budget_bytes={vram_budget_bytes} is too small: streaming every block needs {need} bytes "
         f"({slot_count(prefetch, n)} slots of {max(block_bytes)} bytes + {shared_bytes} shared bytes)"
     )
+
+
+def fit_budget(requested: int | None, available: int, least: int, most: int) -> int | None:
+    """The device budget for the blocks of one run, or None when not even streaming fits.
+
+    ``available`` is what the device has for the blocks once everything else the run needs is
+    provided for; ``least`` is the bound with every block streamed, ``most`` with every block
+    resident. Auto (``requested`` None) takes what is available, up to ``most``; a requested
+    budget is lowered to what is available, because a plan that does not fit fails half-way
+    through materializing it.
+    """
+    budget = min(most, available) if requested is None else min(requested, available)
+    return budget if budget >= least else None

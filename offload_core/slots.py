@@ -6,13 +6,30 @@ an event recorded behind its last reader, on the GPU, with no host sync.  All
 slot writes happen on one side stream, all reads on the compute stream (the
 caller's current stream, looked up outside any side-stream context).  On CPU the
 same calls are plain synchronous copies, so scheduling is testable without CUDA.
+
+A copy may be followed by a ``prepare`` step on the slot (e.g. a LoRA merge into
+the fresh copy).  It runs on the copy stream after the copy and before the slot's
+ready event is recorded, so the compute stream never sees the bytes in between.
+
+The ring also keeps each slot's state on the host (empty, loaded, being read)
+and refuses a step out of order: the host-side mirror of the event protocol, so
+a scheduling mistake fails loudly on a CPU instead of racing on a GPU.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable, Hashable
+
 import torch
 
+from .pinned import HostStorage
+from .staging import Stager, Ticket
 from .telemetry import Telemetry
+
+log = logging.getLogger(__name__)
+
+_EMPTY, _LOADED, _READING = "empty", "loaded", "being read"
 
 
 def resolve_device(device: torch.device | str) -> torch.device:
@@ -29,9 +46,15 @@ def resolve_device(device: torch.device | str) -> torch.device:
 
 
 class SlotRing:
-    """``count`` device buffers of ``nbytes`` each, with copy-in / ready / free ordering."""
+    """``count`` device buffers of ``nbytes`` each, with copy-in / ready / free ordering.
 
-    def __init__(self, device: torch.device, count: int, nbytes: int, telemetry: Telemetry) -> None:
+    With a ``bounce`` storage every copy goes through a ``Stager`` (a worker thread
+    and that pinned bounce buffer), for host packs that are not all page-locked:
+    one issuing thread keeps the copies in order; pinned sources skip the bounce.
+    """
+
+    def __init__(self, device: torch.device, count: int, nbytes: int, telemetry: Telemetry,
+                 bounce: HostStorage | None = None) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
         self.nbytes = nbytes
@@ -39,45 +62,87 @@ class SlotRing:
         with torch.inference_mode(False):
             self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(count)]
         telemetry.add_device_alloc(count * nbytes)
+        self.holds: list[Hashable | None] = [None] * count  # what each slot's bytes are
+        self._state = [_EMPTY] * count
+        self._tickets: dict[int, Ticket] = {}
+        self.stream: torch.cuda.Stream | None = None
         if self.cuda:
             self.stream = torch.cuda.Stream(device=device)
             # Fresh slot memory may be recycled from tensors that queued compute work still reads.
             self.stream.wait_stream(torch.cuda.current_stream(device))
             self._ready = [torch.cuda.Event() for _ in range(count)]
             self._free = [torch.cuda.Event() for _ in range(count)]
+        self._stager = Stager(device, self.stream, bounce) if bounce is not None else None
 
-    def copy_in(self, slot: int, host: torch.Tensor) -> None:
-        """One copy of a whole packed block into ``slot``, after the slot's last reader is done."""
+    def copy_in(self, slot: int, host: torch.Tensor, tag: Hashable,
+                prepare: Callable[[torch.Tensor], None] | None = None) -> None:
+        """One copy of a whole packed block into ``slot`` after its last reader is done, then ``prepare``."""
+        if self._state[slot] == _READING:
+            raise RuntimeError(f"slot {slot} would be overwritten while a block reads it")
+        self.holds[slot], self._state[slot] = None, _EMPTY
         n = host.numel()
         dst = self.buffers[slot][:n]
-        if self.cuda:
+        if self._stager is not None:
+            bounce = not (self.cuda and host.is_pinned())  # part of a pack may be pinned: no bounce needed
+            self._tickets[slot] = self._stager.submit(
+                dst, host, bounce=bounce, prepare=prepare,
+                after_free=self._free[slot] if self.cuda else None,
+                ready=self._ready[slot] if self.cuda else None,
+            )  # fmt: skip
+            self._tel.staged_copies += bounce
+        elif self.cuda:
             with torch.cuda.stream(self.stream):
                 self.stream.wait_event(self._free[slot])  # no-op until the slot has had a reader
                 dst.copy_(host, non_blocking=True)
+                if prepare is not None:
+                    prepare(dst)
                 self._ready[slot].record(self.stream)
         else:
             dst.copy_(host)
+            if prepare is not None:
+                prepare(dst)
+        self.holds[slot], self._state[slot] = tag, _LOADED
         self._tel.record_copy(n)
 
     def wait_ready(self, slot: int) -> None:
-        """Make the compute stream wait (GPU-side) for the slot's last copy."""
-        if not self.cuda:
-            return
-        compute = torch.cuda.current_stream(self.device)
-        stalls = self._tel.stalls
-        if stalls is None:
+        """Make the compute stream wait (GPU-side) for the slot's last copy; the slot is then being read."""
+        if self._state[slot] != _LOADED:
+            raise RuntimeError(f"slot {slot} is read while {self._state[slot]}")
+        ticket = self._tickets.pop(slot, None)
+        if ticket is not None:
+            if not ticket.done:
+                self._tel.staging_waits += 1
+            try:
+                ticket.wait()
+            except BaseException:
+                self.holds[slot], self._state[slot] = None, _EMPTY
+                raise
+        if self.cuda:
+            compute = torch.cuda.current_stream(self.device)
+            stalls = self._tel.stalls
+            pair = stalls.begin(compute) if stalls is not None else None
             compute.wait_event(self._ready[slot])
-            return
-        pair = stalls.begin(compute)
-        compute.wait_event(self._ready[slot])
-        stalls.end(pair, compute)
+            if pair is not None:
+                stalls.end(pair, compute)
+        self._state[slot] = _READING
 
     def mark_free(self, slot: int) -> None:
         """Record that every compute work queued so far is the slot's last reader."""
+        if self._state[slot] != _READING:
+            raise RuntimeError(f"slot {slot} is released while {self._state[slot]}")
         if self.cuda:
             self._free[slot].record(torch.cuda.current_stream(self.device))
+        self._state[slot] = _LOADED
 
     def synchronize(self) -> None:
+        """Wait until every queued copy and every compute work queued so far has finished."""
+        for slot, ticket in list(self._tickets.items()):
+            try:
+                ticket.wait()
+            except RuntimeError as e:  # nobody needed that block; its next copy starts afresh
+                log.debug("slot %d: %s", slot, e)
+                self.holds[slot], self._state[slot] = None, _EMPTY
+        self._tickets.clear()
         if self.cuda:
             self.stream.synchronize()
             torch.cuda.current_stream(self.device).synchronize()
@@ -85,5 +150,8 @@ class SlotRing:
     def close(self) -> None:
         """Wait for in-flight work, then give the memory back."""
         self.synchronize()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
         self._tel.add_device_alloc(-len(self.buffers) * self.nbytes)
         self.buffers = []

@@ -17,26 +17,34 @@ Tensors shared *between* blocks stay resident: streaming them with one block
 would pull them out from under the other block, and copying them with every
 block would re-send the same bytes; they are also usually small (tied norms).
 Blocks must not share tensors with modules outside the block list.
+
+A transform (a LoRA merge) never touches the host master: it rewrites the device
+copies, the resident buffers once per attach and each streamed block's slot right
+after its copy lands.  Host RAM is one copy of the weights with or without it.
+
+On CUDA the compute stream is whatever stream is current when a block runs: it
+waits for the resident upload (an event recorded at attach) and for each slot's
+copy (per-slot events), so neither has to be the stream attach ran on.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
 from .hooks import BlockHooks
 from .packing import PackedBlock, Transform, alias_key, check_packable, tensor_refs
-from .pinned import DEFAULT_CHUNK_BYTES, HostStorage
+from .pinned import DEFAULT_CHUNK_BYTES, HostStorage, return_freed_ram
 from .residency import bound_bytes, plan_residency, slot_count
 from .slots import SlotRing, resolve_device
+from .staging import PIECE_BYTES
 from .telemetry import StallTimer, Telemetry
 
 log = logging.getLogger(__name__)
 
-Fingerprints = Sequence[Hashable] | Mapping[int, Hashable] | None
 _MiB = 1 << 20
 
 
@@ -95,9 +103,13 @@ class LayerwiseStreamer:
         if self.device.type == "cuda" and timing:
             self.telemetry.stalls = StallTimer()
         self._host: HostStorage | None = None
-        self._hooks: BlockHooks | None = None
+        self._bounce: HostStorage | None = None  # pinned staging buffer, kept with the pack if it has pageable blocks
+        self._hooks: list[BlockHooks] = []
         self._ring: SlotRing | None = None
+        self._transform: Transform | None = None
         self._resident_bufs: list[torch.Tensor] = []
+        self._resident_ready: torch.cuda.Event | None = None  # resident upload done (CUDA)
+        self._resident_waited: set[int] = set()  # compute streams that already wait for it
         self._slot_of: dict[int, int] = {}  # streamed block -> slot it holds (in flight or running)
         self._running: int | None = None
         self._expected = 0  # position in streamed_indices of the block expected next
@@ -120,6 +132,12 @@ class LayerwiseStreamer:
             for i, items in enumerate(refs)
         ]
         self._shared = PackedBlock([(r, t) for items in refs for r, t in items if alias_key(t) in shared], index=-1)
+        self._plan_residency()
+        self._signature = self._current_signature()
+        if shared:
+            log.info("%d tensors are shared between blocks; they stay resident", len(self._shared.entries))
+
+    def _plan_residency(self) -> None:
         sizes = [p.nbytes for p in self._packs]
         self.resident_indices: list[int] = plan_residency(sizes, self._shared.nbytes, **self._settings)
         res = set(self.resident_indices)
@@ -127,9 +145,26 @@ class LayerwiseStreamer:
         self._pos = {b: j for j, b in enumerate(self.streamed_indices)}
         self._slot_bytes = max((sizes[i] for i in self.streamed_indices), default=0)
         self._nslots = slot_count(self._settings["prefetch"], len(self.streamed_indices))
-        self._signature = self._current_signature()
-        if shared:
-            log.info("%d tensors are shared between blocks; they stay resident", len(self._shared.entries))
+
+    def replan(self, *, resident: int | None = None, vram_budget_bytes: int | None = None) -> None:
+        """Choose the resident blocks again, e.g. from the device memory free when a run starts.
+
+        Only while detached. The packs do not depend on residency, so a kept pack stays valid.
+        """
+        if self._attached:
+            raise RuntimeError("replan() needs a detached streamer")
+        settings = dict(self._settings, resident=resident, vram_budget_bytes=vram_budget_bytes)
+        plan_residency([p.nbytes for p in self._packs], self._shared.nbytes, **settings)  # validate first
+        self._settings = settings
+        self._plan_residency()
+
+    def bound_range(self) -> tuple[int, int]:
+        """The bound with every block streamed (the least device memory streaming can work in)
+        and with every block resident (the most the engine can use)."""
+        sizes = [p.nbytes for p in self._packs]
+        prefetch = self._settings["prefetch"]
+        return (bound_bytes(sizes, [], self._shared.nbytes, prefetch),
+                bound_bytes(sizes, range(len(sizes)), self._shared.nbytes, prefetch))
 
     def _current_signature(self) -> list[list[tuple[int, str, str, int]]]:
         """Which tensor objects sit in which slots of each block: detects added or replaced tensors."""
@@ -157,10 +192,12 @@ class LayerwiseStreamer:
         ]
 
     def host_bytes(self) -> dict[str, int]:
-        """Host master size and how much of it is page-locked."""
+        """Host master size, the tensors in it without alignment padding (a quantized weight's
+        inner tensors), and how much of it is page-locked."""
         host = self._host
         return {
             "packed": self.packed_bytes,
+            "tensors": sum(p.tensor_bytes for p in self._packs) + self._shared.tensor_bytes,
             "pinned": host.pinned_bytes if host else 0,
             "pageable": host.pageable_bytes if host else 0,
         }
@@ -170,29 +207,36 @@ class LayerwiseStreamer:
         return self._attached
 
     # ---------------------------------------------------------------- lifecycle
-    def attach(self, transform: Transform | None = None, fingerprints: Fingerprints = None,
+    def attach(self, transform: Transform | None = None,
                progress: Callable[[int, int], None] | None = None) -> None:
-        """Pack (or re-pack changed blocks of a kept pack), pin, allocate slots, install hooks.
+        """Pack (unless a kept pack is still valid), pin, upload residents, allocate slots, install hooks.
 
-        ``transform(block_index, name, tensor)`` may rewrite a tensor (same shape and
-        dtype) before it is packed, e.g. to bake a LoRA in; originals are kept for
-        ``detach``.  ``fingerprints`` (one per block) let a kept pack skip blocks
-        whose fingerprint did not change.  ``progress(done, total)`` is called after each
-        block is packed, because packing and pinning a large model takes seconds.
+        ``transform(block_index, name, view)`` may rewrite a tensor, e.g. to merge a
+        LoRA in: it gets the typed *device* view of one tensor and returns a tensor of
+        the same shape and dtype, which is written into the view (returning the view
+        itself leaves it alone).  It runs on every fresh device copy: the resident
+        buffers here, a streamed block's slot after each copy into it.  The host pack
+        always keeps the untransformed values, so changing the transform between
+        attaches re-packs nothing.  ``progress(done, total)`` is called as blocks are
+        packed, because packing and pinning a large model takes seconds.
         """
         if self._closed:
             raise RuntimeError("this streamer is closed")
         if self._attached:
             raise RuntimeError("already attached; call detach() first")
-        fps = self._fingerprint_list(fingerprints)
         packs = self._packs + [self._shared]
+        if self._host is not None:  # a re-wrap of the same memory leaves the kept pack valid
+            adopted = sum(p.adopt() for p in packs)
+            if adopted:
+                log.info("%d block tensors were re-wrapped over the kept pack; it stays valid", adopted)
         if self._current_signature() != self._signature or not all(p.is_current() for p in packs):
             if self._host is not None:
                 log.info("block tensors were re-assigned since the pack was kept; packing from scratch")
                 self._free_pack()
             self._plan()
         try:
-            repacked = self._pack(transform, fps, progress)
+            packed = self._pack(progress)
+            self._transform = transform
             self._materialize()
         except BaseException:
             self._teardown(keep_pack=False)
@@ -201,10 +245,11 @@ class LayerwiseStreamer:
         host = self.host_bytes()
         log.info(
             "attached %d blocks (%d resident, %d streamed) to %s: %d slots x %.1f MiB, bound %.1f MiB, "
-            "host %.1f MiB (%.1f MiB pinned), %d blocks packed",
+            "host %.1f MiB (%.1f MiB pinned), %d blocks packed, %s",
             len(self.blocks), len(self.resident_indices), len(self.streamed_indices), self.device,
             self._nslots, self._slot_bytes / _MiB, self.bound_bytes() / _MiB,
-            host["packed"] / _MiB, host["pinned"] / _MiB, repacked,
+            host["packed"] / _MiB, host["pinned"] / _MiB, packed,
+            "transform on device copies" if transform is not None else "no transform",
         )  # fmt: skip
 
     def conceal_resident(self) -> None:
@@ -245,81 +290,102 @@ class LayerwiseStreamer:
         self.detach(keep_pack=False)
         self._closed = True
 
-    def _fingerprint_list(self, fingerprints: Fingerprints) -> list[Hashable]:
-        n = len(self.blocks)
-        if fingerprints is None:
-            return [None] * n
-        if isinstance(fingerprints, Mapping):
-            return [fingerprints.get(i) for i in range(n)]
-        fps = list(fingerprints)
-        if len(fps) != n:
-            raise ValueError(f"got {len(fps)} fingerprints for {n} blocks")
-        return fps
-
-    def _pack(self, transform: Transform | None, fps: list[Hashable],
-              progress: Callable[[int, int], None] | None = None) -> int:
-        owners = sorted({e.owner[0] for e in self._shared.entries})
-        shared_fp = tuple(fps[i] for i in owners)
-        if transform is not None and any(fps[i] is None for i in owners):
-            shared_fp = None
+    def _pack(self, progress: Callable[[int, int], None] | None) -> int:
+        """Pack every block into fresh host storage unless a valid pack is kept; returns blocks packed."""
         packs = self._packs + [self._shared]
-        all_fps = fps + [shared_fp]
+        if self._host is not None:
+            if progress is not None:
+                progress(len(packs), len(packs))
+            return 0
+        cuda = self.device.type == "cuda"
+        if cuda:
+            # Taken before the pack, so pinning the pack up to the cap still leaves room for it.
+            self._bounce = HostStorage([2 * PIECE_BYTES], pin=True, ram_budget_bytes=self._ram_budget)
+            self._bounce.buffer(0)
+        self._host = HostStorage(
+            [p.nbytes for p in packs],
+            pin=self._pin and cuda,  # page-locking only speeds up H2D copies
+            ram_budget_bytes=self._ram_budget,
+            chunk_bytes=self._chunk_bytes,
+        )  # fmt: skip
         count = 0
-        if self._host is None:
-            self._host = HostStorage(
-                [p.nbytes for p in packs],
-                pin=self._pin and self.device.type == "cuda",  # page-locking only speeds up H2D copies
-                ram_budget_bytes=self._ram_budget,
-                chunk_bytes=self._chunk_bytes,
-            )  # fmt: skip
-            for i, (p, fp) in enumerate(zip(packs, all_fps)):
-                p.pack(self._host.buffer(i), transform, fp)
-                count += bool(p.entries)
-                if progress is not None:
-                    progress(i + 1, len(packs))
-        else:
-            for i, (p, fp) in enumerate(zip(packs, all_fps)):
-                count += bool(p.repack(transform, fp) and p.entries)
-                if progress is not None:
-                    progress(i + 1, len(packs))
+        for i, p in enumerate(packs):
+            p.pack(self._host.buffer(i))
+            count += bool(p.entries)
+            if progress is not None:
+                progress(i + 1, len(packs))
+        return_freed_ram()  # the originals just given up may sit in the C heap: hand them to the OS
+        if cuda:
+            self._settle_bounce()
         self.telemetry.blocks_packed += count
         return count
 
+    def _settle_bounce(self) -> None:
+        """Keep the staging buffer only if a streamed block's pack is pageable and the buffer is pinned.
+
+        Why stage at all: a copy from pageable memory returns only once the driver has
+        staged all of it, so it would hold the sampling thread at every block exit.
+        Why not refuse ``pin=False`` on CUDA instead: the pack also turns pageable when
+        pinning would exceed the cap, and a model that does not fit the cap must still run.
+        """
+        bounce, self._bounce = self._bounce, None
+        pageable = sum(self._packs[i].nbytes for i in self.streamed_indices if not self._host.is_pinned(i))
+        if not pageable:
+            bounce.release()
+        elif not bounce.is_pinned(0):
+            bounce.release()
+            log.warning("%.1f MiB of streamed blocks are in pageable RAM and no staging buffer could be pinned: "
+                        "their copies will hold up the sampling thread", pageable / _MiB)
+        else:
+            self._bounce = bounce
+            log.info("%.1f MiB of streamed blocks are in pageable RAM: their copies are staged through a "
+                     "%.0f MiB pinned buffer by a worker thread", pageable / _MiB, bounce.total_bytes / _MiB)
+
     def _materialize(self) -> None:
         tel = self.telemetry
+        self._host.note_reader(self.device)
         for p in [self._packs[i] for i in self.resident_indices] + [self._shared]:
             if not p.entries:
                 continue
             with torch.inference_mode(False):
                 buf = torch.empty(p.nbytes, dtype=torch.uint8, device=self.device)
-            buf.copy_(p.host, non_blocking=True)
-            p.bind(p.views(buf))
             self._resident_bufs.append(buf)
             tel.add_device_alloc(p.nbytes)
+            buf.copy_(p.host, non_blocking=True)
+            if self._transform is not None:  # queued behind the copy on the same stream
+                tel.transforms += p.apply_transform(buf, self._transform)
+            p.bind(p.views(buf, transformed=self._transform is not None))
             tel.add_materialized(p.nbytes)
         tel.bound_bytes = self.bound_bytes()
         self._slot_of = {}
         self._running = None
         self._expected = 0
+        if self.device.type == "cuda":
+            self._resident_ready = torch.cuda.Event()
+            self._resident_ready.record(torch.cuda.current_stream(self.device))
+            self._resident_waited = set()
+            resident = [(i, self.blocks[i]) for i in self.resident_indices]
+            self._hooks.append(BlockHooks(resident, self._on_enter_resident))
         if not self.streamed_indices:
             return
-        self._ring = SlotRing(self.device, self._nslots, self._slot_bytes, tel)
-        self._content: list[int | None] = [None] * self._nslots
+        self._ring = SlotRing(self.device, self._nslots, self._slot_bytes, tel, bounce=self._bounce)
         self._view_cache: dict[tuple[int, int], list[torch.Tensor]] = {}
         for i in self.streamed_indices:
             self._packs[i].release()
-        self._hooks = BlockHooks([(i, self.blocks[i]) for i in self.streamed_indices], self._on_enter, self._on_exit)
+        self._hooks.append(
+            BlockHooks([(i, self.blocks[i]) for i in self.streamed_indices], self._on_enter, self._on_exit)
+        )
         self._fill()
 
     def _teardown(self, keep_pack: bool) -> None:
         """Undo attach from any partial state: hooks, device memory, bindings, and maybe the pack."""
-        if self._hooks is not None:
-            self._hooks.remove()
-            self._hooks = None
+        for hooks in self._hooks:
+            hooks.remove()
+        self._hooks = []
         if self._ring is not None:
             self._ring.close()
             self._ring = None
-        elif self.device.type == "cuda":
+        if self.device.type == "cuda":  # resident uploads and transforms may be on any stream
             torch.cuda.synchronize(self.device)
         keep = keep_pack and self._host is not None
         try:
@@ -333,13 +399,14 @@ class LayerwiseStreamer:
             self._slot_of = {}
             self._running = None
             self._view_cache = {}
+            self._transform = None
+            self._resident_ready = None
             self.telemetry.add_device_alloc(-sum(b.numel() for b in self._resident_bufs))
             self.telemetry.add_materialized(-self.telemetry.materialized_bytes)
             self._resident_bufs = []
             self._attached = False
-        if not keep and self._host is not None:
-            self._host.release()
-            self._host = None
+        if not keep:
+            self._release_host()
 
     def _free_pack(self) -> None:
         """Drop a kept pack while detached; slots the caller re-assigned meanwhile keep their new tensors."""
@@ -347,12 +414,52 @@ class LayerwiseStreamer:
             p.restore(keep_host=False, skip_reassigned=True)
             if self._host is not None:
                 self._host.release_item(i)
-        if self._host is not None:
-            self._host.release()
-            self._host = None
+        self._release_host()
+
+    def _release_host(self) -> None:
+        for storage in (self._host, self._bounce):
+            if storage is not None:
+                storage.release()
+        self._host = self._bounce = None
 
     # ---------------------------------------------------------------- hot path
+    def _on_enter_resident(self, i: int) -> None:
+        # torch.cuda.graph synchronizes the device before capture starts, so the upload is
+        # complete there, and a wait on an event from outside a capture would break it.
+        # Dynamo cannot trace the wait; a compiled region runs on the stream attach used.
+        if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+            return
+        self._await_resident()
+
+    def _await_resident(self) -> None:
+        """Make the current (compute) stream wait for the resident upload, once per stream."""
+        ready = self._resident_ready
+        if ready is None:
+            return
+        stream = torch.cuda.current_stream(self.device)
+        if stream.cuda_stream not in self._resident_waited:
+            stream.wait_event(ready)
+            self._resident_waited.add(stream.cuda_stream)
+
+    def _refuse_untraceable(self, i: int) -> None:
+        """Streamed blocks re-point their weights at a different slot on every pass: a traced or
+        captured graph would keep reading whatever the first pass's slot holds later."""
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                f"block {i} is streamed by the layerwise offload engine and cannot be traced by "
+                "torch.compile: its weights move between device slots on every pass. Compile without "
+                "the engine, or keep every block resident."
+            )
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"block {i} is streamed by the layerwise offload engine and cannot be captured in a CUDA "
+                "graph: its weights move between device slots on every pass. Capture without the engine, "
+                "or keep every block resident."
+            )
+
     def _on_enter(self, i: int) -> None:
+        self._refuse_untraceable(i)
+        self._await_resident()
         if self._running is not None:  # the previous block never reached its exit hook
             self._finish(self._running)
         pos = self._pos[i]
@@ -367,10 +474,15 @@ class LayerwiseStreamer:
         if retarget:
             self._fill()
         slot = self._slot_of[i]
-        self._ring.wait_ready(slot)
+        try:
+            self._ring.wait_ready(slot)
+        except BaseException:  # its copy failed: the slot holds nothing, the next entry loads it again
+            self._unreserve(i)
+            raise
         views = self._view_cache.get((i, slot))
         if views is None:
-            views = self._view_cache[(i, slot)] = self._packs[i].views(self._ring.buffers[slot])
+            views = self._view_cache[(i, slot)] = self._packs[i].views(
+                self._ring.buffers[slot], transformed=self._transform is not None)
         self._packs[i].bind(views)
         self._running = i
 
@@ -401,14 +513,26 @@ class LayerwiseStreamer:
             free = [s for s in range(self._nslots) if s not in taken]
             if not free:
                 break
-            slot = next((s for s in free if self._content[s] == b), None)
+            holds = self._ring.holds
+            slot = next((s for s in free if holds[s] == b), None)
             if slot is None:
-                slot = next((s for s in free if self._content[s] not in wanted), free[0])
-                self._ring.copy_in(slot, self._packs[b].host)
-                self._content[slot] = b
+                slot = next((s for s in free if holds[s] not in wanted), free[0])
+                self._ring.copy_in(slot, self._packs[b].host, b, self._prepare(b))
             self._slot_of[b] = slot
             taken.add(slot)
             self.telemetry.add_materialized(self._packs[b].nbytes)
+
+    def _prepare(self, b: int) -> Callable[[torch.Tensor], None] | None:
+        """The step that applies this attach's transform to block ``b``'s fresh slot copy."""
+        transform = self._transform
+        if transform is None:
+            return None
+        pack, tel = self._packs[b], self.telemetry
+
+        def prepare(slot: torch.Tensor) -> None:
+            tel.transforms += pack.apply_transform(slot, transform)
+
+        return prepare
 
     def _unreserve(self, b: int) -> None:
         del self._slot_of[b]

@@ -1,10 +1,14 @@
-"""Whole-module swap: a packed host master, a few large copies in, nothing copied out.
+"""Whole-module master: one packed host copy of a module's weights, and copy-free parking.
 
-Why: components that run once per job (text encoders, VAE, a second DiT) are
-cheapest to move as a whole, but ``module.to("cpu")`` copies frozen weights back
-over the link every time.  Here the host pack is the master: ``load`` sends it
-to the device in one copy per part, ``park`` just re-points the tensors at the
-host pack and drops the device copy.
+Why: components that run once per job (text encoders, VAE, a second DiT) move whole, but
+``module.to("cpu")`` copies frozen weights back over the link every time.  Here the host pack is
+the master and the module's tensors live in it: whoever moves the module to a device reads the
+master (pinned, so at full link speed), and ``park`` takes the device copies back by re-pointing
+the tensors at the master, so nothing is ever copied device-to-host.
+
+The master must hold the module's *base* weights: build it only while the module's owner has no
+computed weights (merged LoRA and the like) in it.  ``park`` never touches a slot that holds
+something other than the master's values, so an owner's merged weights are safe from it.
 """
 
 from __future__ import annotations
@@ -15,18 +19,17 @@ import torch
 from torch import nn
 
 from .packing import PackedBlock, alias_key, check_packable, tensor_refs
-from .pinned import DEFAULT_CHUNK_BYTES, HostStorage
-from .slots import resolve_device
+from .subclass import tensor_nbytes
+from .pinned import DEFAULT_CHUNK_BYTES, HostStorage, return_freed_ram
 
 log = logging.getLogger(__name__)
 
 
 class ModuleSwap:
-    """Keeps ``module``'s weights as a host master and moves them to a device on demand.
+    """Keeps ``module``'s weights as a host master that the module's tensors point into.
 
-    Construction packs the module and leaves it parked: its tensors then live in
-    the host pack (on CPU).  Tensors that are not dense (e.g. expanded views) keep
-    their original memory and are not moved.
+    Construction packs the module: its tensors then live in the host pack (on CPU).  Tensors that
+    are not dense (e.g. expanded views) keep their original memory and are never re-pointed.
     """
 
     def __init__(
@@ -48,61 +51,40 @@ class ModuleSwap:
         )
         for i, p in enumerate(self._packs):
             p.pack(self._host.buffer(i))
-        self._device_buf: torch.Tensor | None = None
-        self.device: torch.device | None = None
+        return_freed_ram()  # the originals just given up may sit in the C heap: hand them to the OS
         log.info(
             "module packed: %.1f MiB in %d parts (%.1f MiB pinned)",
-            sum(p.nbytes for p in self._packs) / 2**20, len(self._packs), self._host.pinned_bytes / 2**20,
+            self.nbytes / 2**20, len(self._packs), self._host.pinned_bytes / 2**20,
         )  # fmt: skip
 
-    def load(self, device: torch.device | str) -> None:
-        """Copy the pack to ``device`` (one copy per part) and point the module at it."""
-        dev = resolve_device(device)
-        if self._host is None:
-            raise RuntimeError("this ModuleSwap is closed")
-        if self._device_buf is not None:
-            if self.device == dev:
-                return
-            self.park()
-        with torch.inference_mode(False):
-            buf = torch.empty(sum(p.nbytes for p in self._packs), dtype=torch.uint8, device=dev)
-        offset = 0
-        for p in self._packs:
-            part = buf[offset : offset + p.nbytes]
-            part.copy_(p.host, non_blocking=True)
-            p.bind(p.views(part))
-            offset += p.nbytes
-        self._device_buf = buf
-        self.device = dev
-        log.info("module loaded to %s (%.1f MiB)", dev, buf.numel() / 2**20)
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the host master."""
+        return sum(p.nbytes for p in self._packs)
 
-    def park(self) -> bool:
-        """Point the module at the host master again and drop any device copy.  No bytes move.
+    def park(self) -> int:
+        """Re-point every tensor that shows the master's values at the master; no bytes move.
 
-        This also covers tensors that the module's owner moved to a device by itself (a plain
-        ``module.to(device)``): their values equal the master, so re-pointing is enough.
-        Returns whether anything was off the host.
+        Call it when the module's owner moves it back to the host: tensors the owner had copied to
+        a device are taken back for free.  Returns how many tensors were off the host.
         """
         if self._host is None:
             raise RuntimeError("this ModuleSwap is closed")
-        moved = self._device_buf is not None or any(p.off_host() for p in self._packs)
-        if not moved:
-            return False
-        for p in self._packs:
-            p.bind_host()
-        log.info("module parked from %s", self.device or "a device it was moved to")
-        self._device_buf = None
-        self.device = None
-        return True
+        return sum(p.reclaim() for p in self._packs)
 
     def close(self) -> None:
-        """Give the module its original tensors back (original devices) and free the pack."""
+        """Give the module its original tensors back (original devices) and free the pack.
+
+        The module must hold its base weights again (its owner's computed weights removed), since
+        every slot gets its original object back with the master's values.
+        """
         if self._host is None:
             return
-        if self._device_buf is not None and self._device_buf.is_cuda:
-            torch.cuda.current_stream(self._device_buf.device).synchronize()
-        self._device_buf = None
-        self.device = None
+        if torch.cuda.is_available():
+            # The owner may have copied from the master asynchronously on any device (ComfyUI's
+            # partial load does, per layer): those copies finish before the memory goes.
+            for index in range(torch.cuda.device_count()):
+                self._host.note_reader(torch.device("cuda", index))
         for i, p in enumerate(self._packs):
             p.restore(keep_host=False)
             self._host.release_item(i)  # copy out part by part: never 2x RAM
@@ -110,13 +92,11 @@ class ModuleSwap:
         self._host = None
 
     def bytes_by_tier(self) -> dict[str, int]:
-        """Bytes on the load device ("vram", whatever the device) and in pinned / pageable host memory."""
-        vram = self._device_buf.numel() if self._device_buf is not None else 0
+        """Bytes of the master in pinned and in pageable host memory."""
         if self._host is None:
-            return {"vram": vram, "pinned": 0, "pageable": 0}
+            return {"pinned": 0, "pageable": 0}
         pinned = sum(p.nbytes for i, p in enumerate(self._packs) if self._host.is_pinned(i))
-        total = sum(p.nbytes for p in self._packs)
-        return {"vram": vram, "pinned": pinned, "pageable": total - pinned}
+        return {"pinned": pinned, "pageable": self.nbytes - pinned}
 
 
 def _split(refs: list, part_bytes: int) -> list[list]:
@@ -129,7 +109,7 @@ def _split(refs: list, part_bytes: int) -> list[list]:
         if key in group_of:
             groups[group_of[key]].append((ref, t))
             continue
-        nbytes = t.numel() * t.element_size()
+        nbytes = tensor_nbytes(t)
         if not groups or (size + nbytes > part_bytes and groups[-1]):
             groups.append([])
             size = 0

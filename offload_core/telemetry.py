@@ -74,6 +74,9 @@ class Telemetry:
         self.sync_fallbacks = 0
         self.order_misses = 0
         self.blocks_packed = 0
+        self.transforms = 0  # tensors rewritten by the attach's transform, on device copies
+        self.staged_copies = 0  # copies that went through the pinned bounce buffer (pageable pack)
+        self.staging_waits = 0  # times a block was needed before its staged copy was issued
         self.peak_materialized_bytes = self.materialized_bytes
         self.peak_device_alloc_bytes = self.device_alloc_bytes
         if self.stalls is not None:
@@ -108,6 +111,9 @@ class Telemetry:
             "sync_fallbacks": self.sync_fallbacks,
             "order_misses": self.order_misses,
             "blocks_packed": self.blocks_packed,
+            "transforms": self.transforms,
+            "staged_copies": self.staged_copies,
+            "staging_waits": self.staging_waits,
             "compute_wait_s": self.compute_wait_s,
             "materialized_bytes": self.materialized_bytes,
             "peak_materialized_bytes": self.peak_materialized_bytes,

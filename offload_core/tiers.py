@@ -15,8 +15,13 @@ running the machine out of memory.
 Locking: every tier change runs under one re-entrant lock, with the backend called while holding
 it, so loads and evictions never interleave and a request that arrives during a load simply waits.
 A backend must therefore never call back into the manager. Listeners are called after the lock is
-released, and ``snapshot`` reads a copy published at the end of each change, so a status request
-never waits for a load.
+released, and ``snapshot`` reads a copy published when a move starts and when each change ends, so
+a status request never waits for a load and can see which model is moving.
+
+Identity: a model file that changed on disk is a different model (``model_id`` covers its mtime).
+Entries registered with the same ``source`` supersede each other: the older one is forgotten as
+soon as no job uses it, so RAM never holds two versions of one file and new bytes never appear
+under an old id.
 """
 from __future__ import annotations
 
@@ -40,8 +45,12 @@ import torch
 logger = logging.getLogger(__name__)
 
 MiB = 1 << 20
+GiB = 1 << 30
 DEFAULT_RAM_RESERVE_BYTES = 2 << 30  # the OS, ComfyUI's own tensors, activations
 DEFAULT_VRAM_RESERVE_BYTES = 1 << 30  # latents, VAE decode, attention workspace
+# No budget or reserve is larger than this: beyond any machine, and it keeps every figure the
+# manager publishes a small JSON number.
+MAX_BUDGET_BYTES = 4096 * GiB
 
 
 class Tier(str, Enum):
@@ -82,6 +91,22 @@ class TierCapacityError(TierError):
     """The model cannot fit: what would have to move is in use or pinned, or it is too large."""
 
 
+class SourceGoneError(TierError):
+    """The model's source file is gone, so it cannot be loaded from disk (REST: 404)."""
+
+
+class SourceChangedError(TierError):
+    """The source file changed since this id was registered, or a newer id superseded it (409).
+
+    Loading it would put new bytes under the old identity, so it is refused and the stale
+    entry is forgotten; the model's loader registers the file again under its new id.
+    """
+
+
+class SourceUnreadableError(TierError):
+    """The source file exists but is not a model the backend can read (corrupt, wrong kind) (422)."""
+
+
 def model_id(source_path: str | os.PathLike[str], mtime_ns: int, options: Mapping[str, Any]) -> str:
     """A short stable id for a model file loaded with given options.
 
@@ -96,6 +121,15 @@ def model_id(source_path: str | os.PathLike[str], mtime_ns: int, options: Mappin
     return hashlib.sha256(identity.encode()).hexdigest()[:16]
 
 
+def source_key(source_path: str | os.PathLike[str], options: Mapping[str, Any]) -> str:
+    """What ``model_id`` covers except the modification time: one key for every version of a file
+    loaded with the same options, so a newer version can supersede the older one."""
+    identity = json.dumps(
+        {"path": os.path.realpath(os.fspath(source_path)), "options": dict(options)},
+        sort_keys=True, default=str)
+    return hashlib.sha256(identity.encode()).hexdigest()[:16]
+
+
 class TierBackend(Protocol):
     """Moves one model's bytes; the manager decides when.
 
@@ -104,7 +138,11 @@ class TierBackend(Protocol):
     """
 
     def load_from_disk(self) -> None:
-        """Materialize the model in RAM from its source file."""
+        """Materialize the model in RAM from its source file.
+
+        Raises ``SourceGoneError``, ``SourceChangedError`` or ``SourceUnreadableError`` when the
+        file cannot give this model, so callers can tell a bad file from a full machine.
+        """
 
     def to_vram(self) -> None:
         """Put a device copy on the GPU; the RAM master stays."""
@@ -148,6 +186,9 @@ class Entry:
     loads_from_disk: int = 0  # times the source file was read
     loads_from_ram: int = 0  # requests served from a parked RAM copy
     in_use: int = 0
+    source: str | None = None  # entries with one source are versions of one file (source_key)
+    superseded: bool = False  # a newer version is registered: forgotten when its last use ends
+    moving: dict[str, str] | None = None  # the move under way: {"from", "to", "reason"}
 
     def ram_bytes(self) -> int:
         """Host memory the model holds now, pageable and pinned."""
@@ -160,7 +201,7 @@ class Entry:
             "bytes": dict(self.bytes_by_tier), "total_bytes": self.total_bytes,
             "last_used": self.last_used, "load_count": self.load_count,
             "loads_from_disk": self.loads_from_disk, "loads_from_ram": self.loads_from_ram,
-            "in_use": self.in_use,
+            "in_use": self.in_use, "moving": None if self.moving is None else dict(self.moving),
             "policy": {"pinned": self.policy.pinned, "priority": self.policy.priority},
         }
 
@@ -188,14 +229,34 @@ def _mib(n: int) -> str:
     return f"{n / MiB:.1f} MiB"
 
 
-def _check_bytes(name: str, value: object, *, allow_none: bool = False) -> None:
+def _gib(n: int) -> str:
+    return f"{n / GiB:.1f} GiB"
+
+
+def _check_bytes(name: str, value: object, *, allow_none: bool = False,
+                 limit: int | None = None) -> None:
+    """Refuse anything but a whole number of bytes in [0, limit]; messages never echo a huge value."""
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, int):
         what = "a whole number of bytes" + (" or null" if allow_none else "")
-        raise ValueError(f"{name} must be {what}, got {value!r}")
+        raise ValueError(f"{name} must be {what}, got {type(value).__name__}")
     if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
+        raise ValueError(f"{name} must be >= 0")
+    if limit is not None and value > limit:
+        raise ValueError(f"{name} must be at most {limit} bytes ({_gib(limit)})")
+
+
+def ram_total_bytes() -> int:
+    """Physical RAM of this machine: no reserve can be larger."""
+    return int(psutil.virtual_memory().total)
+
+
+def vram_total_bytes() -> int | None:
+    """Memory of the current CUDA device, or None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
 
 
 def _as_tier(value: Tier | str, allowed: tuple[Tier, ...]) -> Tier:
@@ -243,11 +304,14 @@ class TierManager:
     # Registration and lookup
 
     def register(self, key: str, name: str, backend: TierBackend, *, kind: str,
-                 tier: Tier | str = Tier.DISK, policy: Policy | None = None) -> Entry:
+                 tier: Tier | str = Tier.DISK, policy: Policy | None = None,
+                 source: str | None = None) -> Entry:
         """Track a model; ``tier`` says where the backend holds it now.
 
         Registering a known key returns the existing entry unchanged, so adapters can register on
-        every prompt without resetting counters or replacing a loaded backend.
+        every prompt without resetting counters or replacing a loaded backend. Entries with the
+        same ``source`` (see ``source_key``) and another key are superseded by this one: forgotten
+        now if idle, else when their last use ends.
         """
         tier = _as_tier(tier, (Tier.VRAM, Tier.RAM, Tier.DISK))
         policy = Policy() if policy is None else Policy(policy.pinned, policy.priority)
@@ -258,9 +322,13 @@ class TierManager:
                 return entry
             entry = Entry(id=key, name=name, kind=kind, backend=backend, policy=policy, tier=tier,
                           total_bytes=int(backend.nbytes()),
-                          bytes_by_tier=dict(backend.bytes_by_tier()))
+                          bytes_by_tier=dict(backend.bytes_by_tier()), source=source)
+            for old in [e for e in self._entries.values() if source is not None
+                        and e.source == source]:
+                self._supersede(old, by=entry)
             self._entries[key] = entry
             self._touch(entry)
+            self._announce("register", entry, reason="register")
             logger.info("registered %s '%s' (%s) in %s, %s", kind, name, key, tier.value,
                         _mib(entry.total_bytes))
             return entry
@@ -277,9 +345,7 @@ class TierManager:
         with self._locked():
             entry = self.get(key)
             self._refuse_in_use(entry, "forget")
-            self._drop_fully(entry, "forget")
-            del self._entries[key]
-            logger.info("forgot %s '%s' (%s)", entry.kind, entry.name, key)
+            self._forget(entry, "forget")
 
     def clear(self) -> None:
         """Forget every model, in use or not, and every listener (tests only)."""
@@ -303,19 +369,25 @@ class TierManager:
         to = _as_tier(to, (Tier.VRAM, Tier.RAM))
         with self._locked():
             entry = self.get(key)
+            self._refuse_superseded(entry, "acquire")
             self._bring_up(entry, to, "acquire")
             entry.in_use += 1
+            self._announce("use", entry, reason="acquire")
             return entry
 
     def release(self, key: str) -> None:
-        """End one use of a model; when the last use ends, idle models over the RAM budget go."""
+        """End one use of a model; when the last use ends, idle models over the RAM budget go,
+        and a superseded model is forgotten."""
         with self._locked():
             entry = self.get(key)
             if entry.in_use == 0:
                 raise ValueError(f"release of '{entry.name}' ({key}) without a matching acquire")
             entry.in_use -= 1
             self._touch(entry)
+            self._announce("use", entry, reason="release")
             if entry.in_use == 0:
+                if entry.superseded:
+                    self._forget(entry, "superseded")
                 self._drop_over_budget(0, None, strict=False)
 
     @contextmanager
@@ -335,6 +407,7 @@ class TierManager:
         with self._locked():
             entry = self.get(key)
             self._refuse_in_use(entry, "load")
+            self._refuse_superseded(entry, "load")
             self._bring_up(entry, Tier.VRAM, "load")
             return entry
 
@@ -343,6 +416,7 @@ class TierManager:
         with self._locked():
             entry = self.get(key)
             self._refuse_in_use(entry, "park")
+            self._refuse_superseded(entry, "park")
             if entry.tier is Tier.VRAM:
                 self._step(entry, Tier.RAM, "park")
             else:
@@ -364,16 +438,20 @@ class TierManager:
         """Never drop this model to disk (it may still be parked from VRAM to RAM)."""
         with self._locked():
             entry = self.get(key)
-            entry.policy.pinned = True
-            logger.info("pinned '%s' (%s)", entry.name, key)
+            if not entry.policy.pinned:
+                entry.policy.pinned = True
+                self._announce("policy", entry, reason="pin")
+                logger.info("pinned '%s' (%s)", entry.name, key)
             return entry
 
     def unpin(self, key: str) -> Entry:
         """Let this model be dropped to disk again; drops at once if RAM is over budget."""
         with self._locked():
             entry = self.get(key)
-            entry.policy.pinned = False
-            logger.info("unpinned '%s' (%s)", entry.name, key)
+            if entry.policy.pinned:
+                entry.policy.pinned = False
+                self._announce("policy", entry, reason="unpin")
+                logger.info("unpinned '%s' (%s)", entry.name, key)
             self._drop_over_budget(0, None, strict=False)
             return entry
 
@@ -382,29 +460,38 @@ class TierManager:
         self._check_policy(Policy(priority=priority))
         with self._locked():
             entry = self.get(key)
-            entry.policy.priority = priority
-            logger.info("priority of '%s' (%s) set to %d", entry.name, key, priority)
+            if entry.policy.priority != priority:
+                entry.policy.priority = priority
+                self._announce("policy", entry, reason="priority")
+                logger.info("priority of '%s' (%s) set to %d", entry.name, key, priority)
             return entry
 
-    def observe(self, key: str, tier: Tier | str) -> bool:
+    def observe(self, key: str, tier: Tier | str, *, wait: bool = True) -> bool:
         """Record where a model is after something outside the manager moved it.
 
         ComfyUI loads models onto the GPU and unloads them on its own; the adapter reports what it
         finds, so budgets and the panel work with real figures. No backend method that moves
         anything is called: the backend's byte figures are re-read and a change of tier is
-        announced with reason "observed". Returns whether the tier changed.
+        announced with reason "observed". Returns whether the tier changed. With ``wait=False``
+        nothing is recorded while another thread holds the lock (a status request must not wait
+        for a load, and the load publishes fresh figures when it ends).
         """
         tier = _as_tier(tier, (Tier.VRAM, Tier.RAM, Tier.DISK))
-        with self._locked():
-            entry = self.get(key)
-            if tier is entry.tier:
-                entry.bytes_by_tier = dict(entry.backend.bytes_by_tier())
-                return False
-            old = entry.tier
-            self._record(entry, tier, "observed")
-            logger.info("%s '%s' (%s) observed in %s, recorded in %s", entry.kind, entry.name,
-                        key, tier.value, old.value)
-            return True
+        if not self._lock.acquire(blocking=wait):
+            return False
+        try:
+            with self._locked():
+                entry = self.get(key)
+                if tier is entry.tier:
+                    entry.bytes_by_tier = dict(entry.backend.bytes_by_tier())
+                    return False
+                old = entry.tier
+                self._record(entry, tier, "observed")
+                logger.info("%s '%s' (%s) observed in %s, recorded in %s", entry.kind, entry.name,
+                            key, tier.value, old.value)
+                return True
+        finally:
+            self._lock.release()
 
     # ----------------------------------------------------------------------------------------
     # Budgets and room
@@ -416,18 +503,30 @@ class TierManager:
         """Change the memory policy; arguments left out keep their value.
 
         ``ram_budget_bytes`` caps RAM held by models (None: no cap, only available RAM minus the
-        reserve); ``disk_tier=False`` never drops a model to disk on its own. Every value is
-        validated before any is applied. Idle models over the new budget are dropped at once.
+        reserve; 0 is a cap of zero bytes, so every idle unpinned model goes to disk);
+        ``disk_tier=False`` never drops a model to disk on its own. Every value is validated
+        before any is applied: bytes are whole numbers up to ``MAX_BUDGET_BYTES``, a RAM reserve
+        is at most the machine's RAM and a VRAM reserve at most the GPU's memory. Idle models
+        over the new budget are dropped at once.
         """
         if ram_budget_bytes is not _UNSET:
-            _check_bytes("ram_budget_bytes", ram_budget_bytes, allow_none=True)
+            _check_bytes("ram_budget_bytes", ram_budget_bytes, allow_none=True,
+                         limit=MAX_BUDGET_BYTES)
         if ram_reserve_bytes is not _UNSET:
-            _check_bytes("ram_reserve_bytes", ram_reserve_bytes)
+            _check_bytes("ram_reserve_bytes", ram_reserve_bytes, limit=MAX_BUDGET_BYTES)
+            if ram_reserve_bytes > ram_total_bytes():
+                raise ValueError(f"ram_reserve_bytes ({_gib(ram_reserve_bytes)}) is more than this "
+                                 f"machine's RAM ({_gib(ram_total_bytes())})")
         if vram_reserve_bytes is not _UNSET:
-            _check_bytes("vram_reserve_bytes", vram_reserve_bytes)
+            _check_bytes("vram_reserve_bytes", vram_reserve_bytes, limit=MAX_BUDGET_BYTES)
+            vram_total = vram_total_bytes()
+            if vram_total is not None and vram_reserve_bytes > vram_total:
+                raise ValueError(f"vram_reserve_bytes ({_gib(vram_reserve_bytes)}) is more than "
+                                 f"the GPU's memory ({_gib(vram_total)})")
         if disk_tier is not _UNSET and not isinstance(disk_tier, bool):
-            raise ValueError(f"disk_tier must be true or false, got {disk_tier!r}")
+            raise ValueError(f"disk_tier must be true or false, got {type(disk_tier).__name__}")
         with self._locked():
+            before = self.budgets()
             if ram_budget_bytes is not _UNSET:
                 self._ram_cap = ram_budget_bytes
             if ram_reserve_bytes is not _UNSET:
@@ -437,7 +536,9 @@ class TierManager:
             if disk_tier is not _UNSET:
                 self._disk_tier = disk_tier
             budgets = self.budgets()
-            logger.info("tier budgets: %s", budgets)
+            if budgets != before:
+                self._announce("budgets", None, reason="budgets", budgets=dict(budgets))
+                logger.info("tier budgets: %s", budgets)
             self._drop_over_budget(0, None, strict=False)
             return budgets
 
@@ -520,13 +621,21 @@ class TierManager:
     # Listeners and status
 
     def subscribe(self, fn: Callable[[dict[str, Any]], None]) -> None:
-        """Call ``fn(event)`` after every tier change, from whichever thread made it.
+        """Call ``fn(event)`` after every change, from whichever thread made it.
 
-        Events carry ``type`` ("tier"), ``seq`` (increasing in the order the changes happened;
-        delivery from different threads may interleave), ``id``, ``name``, ``kind``, ``old`` and
-        ``new`` (tier values), ``time`` and ``reason``: the request that moved the model
-        (acquire, load, park, evict, preload, forget, clear), vram_pressure or ram_budget for
-        models moved to make room, or observed. A listener that raises is logged and skipped.
+        Every event carries ``type``, ``seq`` (increasing in the order the changes happened;
+        delivery from different threads may interleave), ``time`` and ``reason``. Types:
+        - "tier": a model moved; ``id``, ``name``, ``kind``, ``old`` and ``new`` (tier values);
+          reason is the request that moved it (acquire, load, park, evict, preload, forget,
+          superseded, clear), vram_pressure or ram_budget for models moved to make room, or
+          observed;
+        - "register", "forget": a model became known or was forgotten (``id``, ``name``,
+          ``kind``);
+        - "use": a job acquired or released a model (reason acquire / release);
+        - "policy": pin, unpin or priority changed a model's policy;
+        - "budgets": the budgets changed (``budgets``, as ``budgets()`` returns them).
+        Nothing is announced for a request that changes nothing. A listener that raises is
+        logged and skipped.
         """
         with self._lock:
             self._listeners = (*self._listeners, fn)
@@ -564,7 +673,7 @@ class TierManager:
                 finally:
                     self._depth -= 1
                     if self._depth == 0:
-                        self._published = tuple(e.to_dict() for e in self._entries.values())
+                        self._publish()
                         events, self._pending_events = self._pending_events, []
         finally:
             for event in events:
@@ -587,11 +696,34 @@ class TierManager:
             raise ModelInUseError(f"cannot {action} '{entry.name}' ({entry.id}): in use by "
                                   f"{entry.in_use} job(s)")
 
+    @staticmethod
+    def _refuse_superseded(entry: Entry, action: str) -> None:
+        if entry.superseded:
+            raise SourceChangedError(
+                f"cannot {action} '{entry.name}' ({entry.id}): a newer version of its file is "
+                "registered; this one is forgotten when its last use ends")
+
+    def _publish(self) -> None:
+        self._published = tuple(e.to_dict() for e in self._entries.values())
+
     def _step(self, entry: Entry, to: Tier, reason: str) -> None:
-        """Move one tier up or down through the backend, then record and announce it."""
+        """Move one tier up or down through the backend, then record and announce it.
+
+        While the backend works, the published snapshot shows the move (``moving``), so a
+        status request answered during a long load says what is loading. A source file that
+        changed since registration is forgotten: its id can never load the new bytes.
+        """
         method, verb = _STEPS[(entry.tier, to)]
+        entry.moving = {"from": entry.tier.value, "to": to.value, "reason": reason}
+        self._publish()
         start = time.perf_counter()
-        getattr(entry.backend, method)()
+        try:
+            getattr(entry.backend, method)()
+        except SourceChangedError:
+            self._forget(entry, "superseded")
+            raise
+        finally:
+            entry.moving = None
         seconds = time.perf_counter() - start
         if entry.tier is Tier.DISK:
             entry.loads_from_disk += 1
@@ -600,16 +732,38 @@ class TierManager:
         logger.info("%s '%s' (%s) %s (%s, %s, %.2fs)", entry.kind, entry.name, entry.id, verb,
                     reason, _mib(entry.total_bytes), seconds)
 
+    def _announce(self, kind: str, entry: Entry | None, *, reason: str, **fields: Any) -> None:
+        """Queue an event for the listeners, delivered when the outermost lock level ends."""
+        self._seq += 1
+        event = {"type": kind, "seq": self._seq, "time": time.time(), "reason": reason}
+        if entry is not None:
+            event.update(id=entry.id, name=entry.name, kind=entry.kind)
+        event.update(fields)
+        self._pending_events.append(event)
+
     def _record(self, entry: Entry, to: Tier, reason: str) -> None:
         """Set the tier, re-read the backend's figures and queue the event for listeners."""
         old = entry.tier
         entry.tier = to
         entry.bytes_by_tier = dict(entry.backend.bytes_by_tier())
-        self._seq += 1
-        self._pending_events.append({
-            "type": "tier", "seq": self._seq, "time": time.time(), "id": entry.id,
-            "name": entry.name, "kind": entry.kind, "old": old.value, "new": to.value,
-            "reason": reason})
+        self._announce("tier", entry, reason=reason, old=old.value, new=to.value)
+
+    def _forget(self, entry: Entry, reason: str) -> None:
+        """Release the model's memory and stop tracking it."""
+        self._drop_fully(entry, reason)
+        del self._entries[entry.id]
+        self._announce("forget", entry, reason=reason)
+        logger.info("forgot %s '%s' (%s) (%s)", entry.kind, entry.name, entry.id, reason)
+
+    def _supersede(self, old: Entry, *, by: Entry) -> None:
+        """A newer version of ``old``'s file is registered: forget ``old`` once it is idle."""
+        if old.id == by.id or old.superseded:
+            return
+        old.superseded = True
+        logger.info("%s '%s' (%s) is superseded by %s: its file changed", old.kind, old.name,
+                    old.id, by.id)
+        if old.in_use == 0:
+            self._forget(old, "superseded")
 
     def _bring_up(self, entry: Entry, to: Tier, reason: str) -> None:
         """Raise ``entry`` to at least ``to``, making room first, and count the request."""

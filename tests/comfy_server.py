@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -23,10 +24,21 @@ REPO = Path(__file__).resolve().parent.parent
 # Another ComfyUI tree (and the Python that runs it) can be tested against, e.g. a newer release.
 COMFY_ROOT = Path(os.environ.get("TIERED_OFFLOAD_COMFY_ROOT", REPO / ".comfyui"))
 COMFY_PYTHON = os.environ.get("TIERED_OFFLOAD_COMFY_PYTHON", sys.executable)
+# Whether that is the tree the Makefile builds beside .venv/ (the lane that runs every test).
+DEFAULT_TREE = COMFY_ROOT.resolve() == (REPO / ".comfyui").resolve()
 PACK_LINK_NAME = "comfyui-tiered-offload"
 TEST_NODES_LINK_NAME = "tiered_offload_test_nodes"
 OUR_NODES = ("ApplyLayerwiseOffload",)
 TEST_NODES = ("TieredTestLatentStats",)
+
+
+def comfy_version(root: Path = COMFY_ROOT) -> str:
+    """The version a ComfyUI tree declares (comfyui_version.py), without importing it."""
+    text = (root / "comfyui_version.py").read_text()
+    match = re.search(r'__version__\s*=\s*"([^"]+)"', text)
+    if match is None:
+        raise RuntimeError(f"no __version__ in {root / 'comfyui_version.py'}")
+    return match.group(1)
 
 
 def free_port() -> int:
@@ -35,15 +47,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def prepare_base(base: Path, extra_nodes: dict[str, Path] | None = None, with_pack: bool = True) -> Path:
-    """Lay out a ComfyUI base directory with our pack (unless `with_pack` is false), the test
-    nodes and any extra node folders (name -> folder; the benchmarks link their own) linked into
-    custom_nodes/."""
+def prepare_base(base: Path, extra_nodes: dict[str, Path] | None = None, *,
+                 with_pack: bool = True, test_nodes: bool = True) -> Path:
+    """Lay out a ComfyUI base directory with our pack (unless `with_pack` is false: the
+    differential test's reference server), the test nodes (unless a user's server is wanted, as
+    for the demo) and any extra node folders (name -> folder; the benchmarks link their own)
+    linked into custom_nodes/."""
     custom = base / "custom_nodes"
     custom.mkdir(parents=True, exist_ok=True)
-    links = {TEST_NODES_LINK_NAME: REPO / "tests" / "comfy_test_nodes", **(extra_nodes or {})}
+    links = dict(extra_nodes or {})
     if with_pack:
         links[PACK_LINK_NAME] = REPO
+    if test_nodes:
+        links[TEST_NODES_LINK_NAME] = REPO / "tests" / "comfy_test_nodes"
     for name, target in links.items():
         link = custom / name
         if not link.exists():
@@ -64,11 +80,12 @@ class PromptFailed(AssertionError):
 class ComfyServer:
     def __init__(self, base: Path, *, extra_args: tuple[str, ...] = (), threads: int = 2,
                  port: int | None = None, extra_nodes: dict[str, Path] | None = None,
-                 env: dict[str, str] | None = None, with_pack: bool = True) -> None:
+                 env: dict[str, str] | None = None, with_pack: bool = True,
+                 test_nodes: bool = True) -> None:
         # with_pack=False: the same ComfyUI without the pack, as the reference of the
         # differential test (the test-only nodes are still there).
         self.with_pack = with_pack
-        self.base = prepare_base(base, extra_nodes, with_pack)
+        self.base = prepare_base(base, extra_nodes, with_pack=with_pack, test_nodes=test_nodes)
         self.env = env or {}
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -176,9 +193,11 @@ class ComfyServer:
         return payload
 
     # -- prompts ----------------------------------------------------------------------------------
-    def queue(self, workflow: dict) -> str:
-        status, resp = self.request("POST", "/prompt",
-                                    {"prompt": workflow, "client_id": str(uuid.uuid4())})
+    def queue(self, workflow: dict, *, client_id: bool = True) -> str:
+        """Queue a workflow; `client_id=False` queues it the way API scripts often do, without
+        one (ComfyUI then sends that prompt no execution messages)."""
+        body = {"prompt": workflow, **({"client_id": str(uuid.uuid4())} if client_id else {})}
+        status, resp = self.request("POST", "/prompt", body)
         if status != 200:
             raise AssertionError(f"POST /prompt -> {status}: {json.dumps(resp)[:4000]}")
         return resp["prompt_id"]
@@ -216,5 +235,21 @@ class ComfyServer:
         self.post("/interrupt", {})
 
     def free(self) -> None:
-        """Drop ComfyUI's output cache (and unload models) so the next prompt really runs."""
+        """Drop ComfyUI's output cache and unload every model; return once that is done.
+
+        POST /free only sets flags, which the prompt worker reads after each prompt and when it
+        wakes with an empty queue. A prompt queued right after the request can be taken before the
+        worker has read them: it then runs on the old state and the free lands after it, dropping
+        the model it just loaded (and the pack's state for that model). The worker reads its
+        flags once between any two prompts, so two barrier prompts of core nodes follow the
+        request: by the end of the second, the free has run.
+        """
         self.post("/free", {"unload_models": True, "free_memory": True})
+        # The cheapest prompt of core nodes on every version; a cached answer still passes
+        # through the worker's loop, which is all a barrier needs.
+        barrier = {"n": {"class_type": "PrimitiveInt", "inputs": {"value": 0}},
+                   "show": {"class_type": "PreviewAny", "inputs": {"source": ["n", 0]}}}
+        for prompt_id in [self.queue(barrier) for _ in range(2)]:
+            entry = self.wait(prompt_id)
+            if entry["status"]["status_str"] != "success":
+                raise PromptFailed(entry)

@@ -1,4 +1,11 @@
-"""Shared fixtures: tiny fixture models on disk and a real ComfyUI server with our pack."""
+"""Shared fixtures: tiny fixture models on disk and a real ComfyUI server with our pack.
+
+Lanes: `make test` runs every test against the ComfyUI tree beside .venv/ (0.3.75), then only
+the tests marked `comfy_tree` against ComfyUI 0.33.0 (TIERED_OFFLOAD_COMFY_ROOT/_PYTHON, see
+comfy_server.py). A test gets that marker by itself when it uses the shared `comfy` server or its
+module imports the server harness (ComfyServer, COMFY_ROOT); unit tests never do, so they run on
+one lane only.
+"""
 from __future__ import annotations
 
 import sys
@@ -11,11 +18,17 @@ sys.path.insert(0, str(TESTS))
 sys.path.insert(0, str(TESTS / "fixtures"))
 
 import tiny_models  # noqa: E402
-from comfy_server import ComfyServer  # noqa: E402
+from comfy_server import COMFY_ROOT, DEFAULT_TREE, ComfyServer, comfy_version  # noqa: E402
 
-ARTIFACTS = TESTS / "artifacts"
+# Each lane keeps its own screenshots and figures: the second must not overwrite the first's.
+ARTIFACTS = TESTS / "artifacts" if DEFAULT_TREE else TESTS / "artifacts" / f"comfyui-{comfy_version()}"
+TREE_MARKER = "comfy_tree"
+_HARNESS = (ComfyServer, COMFY_ROOT)
 SECOND_WAN = "tiny_wan21_low.safetensors"
 BLOCK0_LORA = "tiny_wan21_lora_block0.safetensors"
+WAN_CLIP_LORA = "tiny_wan21_and_clip_l_lora.safetensors"
+SCALED_FP8_WAN = "tiny_wan21_scaled_fp8.safetensors"
+MIXED_PRECISION_WAN = "tiny_wan21_mixed_precision.safetensors"
 
 
 def write_fixture_models(base: Path) -> None:
@@ -36,9 +49,36 @@ def write_fixture_models(base: Path) -> None:
     lora = base / "models" / "loras" / BLOCK0_LORA
     if not lora.exists():
         tiny_models.write_tiny_wan_lora(lora, model_layers=1, seed=3)
+    for name, writer in ((SCALED_FP8_WAN, tiny_models.write_tiny_wan21_scaled_fp8),
+                         (MIXED_PRECISION_WAN, tiny_models.write_tiny_wan21_mixed_precision)):
+        path = base / "models" / "diffusion_models" / name
+        if not path.exists():
+            writer(path)
+    both = base / "models" / "loras" / WAN_CLIP_LORA
+    if not both.exists():
+        tiny_models.write_wan_and_clip_lora(both)
     clip = base / "models" / "text_encoders" / tiny_models.CLIP_L_FILENAME
     if not clip.exists():
         tiny_models.write_random_clip_l(clip)
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line(
+        "markers", f"{TREE_MARKER}: runs ComfyUI from the tree under test; the only tests of the "
+                   "0.33 lane (set automatically for users of the server harness)")
+
+
+def pytest_report_header(config) -> str:
+    return f"ComfyUI under test: {comfy_version()} ({COMFY_ROOT})"
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        module = getattr(item, "module", None)
+        uses_harness = module is not None and any(
+            value is harness for value in vars(module).values() for harness in _HARNESS)
+        if uses_harness or "comfy" in getattr(item, "fixturenames", ()):
+            item.add_marker(TREE_MARKER)
 
 
 @pytest.fixture(scope="session")

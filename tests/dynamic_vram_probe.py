@@ -1,24 +1,23 @@
-"""Probe of Apply Layerwise Offload's Dynamic-VRAM branch against the ComfyUI tree under test.
+"""Probe of Apply Layerwise Offload's two modes against the ComfyUI tree under test.
 
 Run by test_dynamic_vram_compat.py as `PYTHON dynamic_vram_probe.py OUT_DIR` with the ComfyUI
-root as the working directory (the Python and tree the server tests use, so a newer release can
-be checked with TIERED_OFFLOAD_COMFY_ROOT / TIERED_OFFLOAD_COMFY_PYTHON). Prints one JSON object.
+root as the working directory (the Python and tree the server tests use). Prints one JSON object.
 
-A real ModelPatcherDynamic cannot be built without a GPU: its `__new__` hands a CPU load device
-to the classic ModelPatcher, and its `__init__` allocates comfy-aimdo host buffers, whose native
-library loads only with CUDA or ROCm. So the dynamic case uses a stand-in: a subclass of the real
-ModelPatcher that says it is dynamic and carries ModelPatcherDynamic's own
-`get_non_dynamic_delegate` function. `clone(disable_dynamic=...)` and the delegate then run
-ComfyUI's real code against a model from ComfyUI's real loader (`comfy.sd.load_diffusion_model`,
-which registers `cached_patcher_init`). What the stand-in does not cover is said in "covers".
+Models come from ComfyUI's real loader (`comfy.sd.load_diffusion_model`, which registers the
+reload factory `cached_patcher_init`); the node and core's clone / delegate / load code are the
+real ones. Dynamic models are stand-ins (tests/dynamic_vram_standin.py) because a real
+ModelPatcherDynamic needs a GPU. The reload factory is wrapped to count its calls (it still runs):
+that count is how "no copy, no reload" is seen.
 """
 from __future__ import annotations
 
+import gc
 import importlib
 import inspect
 import json
 import sys
 import types
+import weakref
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
@@ -27,6 +26,7 @@ REPO = TESTS.parent
 OUT_DIR = Path(sys.argv[1])
 sys.argv = [sys.argv[0], "--cpu"]  # ComfyUI parses the command line when comfy.cli_args loads
 sys.path.insert(0, str(Path.cwd()))
+sys.path.insert(0, str(TESTS))
 sys.path.insert(0, str(TESTS / "fixtures"))
 
 import comfy.options  # noqa: E402
@@ -38,14 +38,18 @@ import comfy.model_patcher  # noqa: E402
 import comfy.sd  # noqa: E402
 import tiny_models  # noqa: E402
 
+LAYERS = 4
+SETTINGS = {"resident_blocks": 2, "vram_budget_gb": 12.0, "prefetch": 1, "pin": True}
 
-def import_layerwise():
-    """nodes/layerwise.py as a package module, without running the pack's server wiring."""
+
+def import_pack():
+    """nodes/ as a package, without running the pack's server wiring."""
     for name, path in (("tiered_offload_probe", REPO), ("tiered_offload_probe.nodes", REPO / "nodes")):
         module = types.ModuleType(name)
         module.__path__ = [str(path)]
         sys.modules[name] = module
-    return importlib.import_module("tiered_offload_probe.nodes.layerwise")
+    return (importlib.import_module("tiered_offload_probe.nodes.layerwise"),
+            importlib.import_module("tiered_offload_probe.nodes.dynamic_vram"))
 
 
 def state_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
@@ -53,69 +57,186 @@ def state_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+class CountingLoader:
+    """Core's loader function, counted."""
+
+    def __init__(self, source) -> None:
+        self.fn, self.args = source.cached_patcher_init[0], source.cached_patcher_init[1]
+        self.calls = 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.fn(*args, **kwargs)
+
+    def install(self, patcher) -> None:
+        patcher.cached_patcher_init = (self, self.args)
+
+
+def classic_case(layerwise, path: Path) -> dict:
+    classic = comfy.sd.load_diffusion_model(str(path))
+    settings = layerwise.LayerwiseSettings(**{k: SETTINGS[k] for k in ("resident_blocks", "vram_budget_gb",
+                                                                          "prefetch", "pin")})
+    got = layerwise._classic_patcher(classic, settings)
+    node = layerwise.ApplyLayerwiseOffload()
+    outs = {mode: node.apply(classic, **SETTINGS, mode=mode)[0] for mode in ("auto", "engine")}
+    return {
+        "input_dynamic": layerwise._is_dynamic(classic),
+        "is_clone": got is not classic,
+        "shares_module": got.model is classic.model,
+        "output_dynamic": layerwise._is_dynamic(got),
+        # On a classic model both modes are the engine: no object patch, a session per module.
+        "modes_share_module": all(o.model is classic.model for o in outs.values()),
+        "modes_have_units_patch": [standin_units(o) is not None for o in outs.values()],
+        "engine_session": any(r["module_id"] == id(classic.model.diffusion_model)
+                              for r in layerwise.REGISTRY.report()),
+    }
+
+
+def standin_units(patcher):
+    return patcher.object_patches.get("get_dynamic_vram__units")
+
+
+def load_order(dyn) -> dict:
+    """Run core's ModelPatcherDynamic.load on `dyn` and read the VBAR addresses it assigned."""
+    import dynamic_vram_standin as standin
+    device = torch.device("cpu", 0)  # not "the CPU" to core's VBAR check, the same memory
+    dyn.load_device = device
+    standin.prepare_dynamic_load(dyn, device)
+    dyn.patch_model(load_weights=False)  # applies object patches, as partially_load does
+    try:
+        had_units = hasattr(dyn.model, "get_dynamic_vram__units")
+        dyn.load(device)
+    finally:
+        dyn.unpatch_model(unpatch_weights=False)
+    restored = not hasattr(dyn.model, "get_dynamic_vram__units")
+    blocks = list(dyn.model.diffusion_model.blocks)
+    spans = {}
+    for i, block in enumerate(blocks):
+        addrs = [(m._v[1], m._v[1] + m._v[2]) for m in block.modules() if hasattr(m, "_v")]
+        spans[i] = (min(a for a, _ in addrs), max(b for _, b in addrs))
+    in_blocks = {id(m) for b in blocks for m in b.modules()}
+    others = [m._v[1] for m in dyn.model.modules() if hasattr(m, "_v") and id(m) not in in_blocks]
+    return {"had_units_during_load": had_units, "patch_restored": restored,
+            "block_spans": spans, "other_range": (min(others), max(others)),
+            "unit_roots_marked": [hasattr(b, "_v_block") for b in blocks]}
+
+
+def dynamic_cases(layerwise, dynamic_vram, path: Path) -> dict:
+    import dynamic_vram_standin as standin
+    report: dict = {}
+    node = layerwise.ApplyLayerwiseOffload()
+    source = comfy.sd.load_diffusion_model(str(path))
+    loader = CountingLoader(source)
+    dyn = standin.dynamic_from(source)
+    loader.install(dyn)
+
+    # auto: core streams; the node only orders the VBAR. No copy, no reload.
+    auto = node.apply(dyn, **SETTINGS, mode="auto")[0]
+    units = standin_units(auto)
+    resident, streamed = units() if units is not None else ([], [])
+    blocks = list(dyn.model.diffusion_model.blocks)
+    report["auto"] = {
+        "output_dynamic": layerwise._is_dynamic(auto),
+        "shares_module": auto.model is dyn.model,
+        "loader_calls": loader.calls,
+        "resident": [blocks.index(b) for b in resident],
+        "streamed": [blocks.index(b) for b in streamed],
+        "engine_session": any(r["module_id"] == id(dyn.model.diffusion_model)
+                              for r in layerwise.REGISTRY.report()),
+    }
+
+    # Core's own load, with and without the node: which blocks get the low (kept) addresses.
+    for name, make in (("order_with_node", lambda d: node.apply(d, **SETTINGS, mode="auto")[0]),
+                       ("order_core_alone", lambda d: d)):
+        spent = standin.dynamic_from(comfy.sd.load_diffusion_model(str(path)))
+        report[name] = load_order(make(spent))
+
+    # engine: a classic copy, made once per underlying model, after every check.
+    first = node.apply(dyn, **SETTINGS, mode="engine")[0]
+    calls_first = loader.calls
+    lora = standin.with_lora(dyn, 0.5)
+    after_lora = node.apply(lora, **SETTINGS, mode="engine")[0]
+    lora2 = standin.with_lora(dyn, 0.8)
+    other_settings = node.apply(lora2, **dict(SETTINGS, resident_blocks=1), mode="engine")[0]
+    entry = dynamic_vram.DELEGATES.get(dyn.model)
+    session = next((r for r in layerwise.REGISTRY.report()
+                    if r["module_id"] == id(first.model.diffusion_model)), None)
+    report["engine"] = {
+        "output_type": type(first).__name__,
+        "output_dynamic": layerwise._is_dynamic(first),
+        "new_module": first.model is not dyn.model,
+        "same_weights": state_equal(first.model, dyn.model),
+        "loader_calls_first": calls_first,
+        "loader_calls_after_lora_and_settings": loader.calls,
+        "lora_reuses_copy": after_lora.model is first.model and other_settings.model is first.model,
+        "lora_patches_kept": after_lora.patches.keys() == lora.patches.keys()
+                             and after_lora.patches_uuid == lora.patches_uuid
+                             and after_lora.patches_uuid != first.patches_uuid,
+        "uses": entry.uses if entry else None,
+        "report": session["dynamic_vram"] if session else None,
+        "model_size": dyn.model_size(),
+    }
+
+    # Refusals come before any copy.
+    refused = {}
+    fresh = standin.dynamic_from(comfy.sd.load_diffusion_model(str(path)))
+    fresh_loader = CountingLoader(fresh)
+    fresh_loader.install(fresh)
+    bad = fresh.clone()
+    bad.add_object_patch("diffusion_model", torch.nn.Linear(2, 2))
+    cases = {"budget": (fresh, dict(SETTINGS, resident_blocks=-1, vram_budget_gb=1e-6)),
+             "unsupported_model": (bad, SETTINGS)}
+    for name, (model, settings) in cases.items():
+        try:
+            node.apply(model, **settings, mode="engine")
+            refused[name] = "accepted"
+        except Exception as e:  # noqa: BLE001 - the probe reports what the node raised
+            refused[name] = type(e).__name__
+    refused["loader_calls"] = fresh_loader.calls
+    refused["no_copy_kept"] = dynamic_vram.DELEGATES.get(fresh.model) is None
+    # A model whose loader registered no way to rebuild it (core's loaders all do).
+    no_loader = standin.dynamic_from(comfy.sd.load_diffusion_model(str(path)), with_loader=False)
+    try:
+        node.apply(no_loader, **SETTINGS, mode="engine")
+        refused["no_loader_engine"] = "accepted"
+    except ValueError as e:
+        refused["no_loader_engine"] = str(e)
+    refused["no_loader_auto_dynamic"] = layerwise._is_dynamic(node.apply(no_loader, **SETTINGS)[0])
+    try:
+        node.apply(dyn, **SETTINGS, mode="fastest")
+        refused["bad_mode"] = "accepted"
+    except ValueError as e:
+        refused["bad_mode"] = str(e)
+    report["refused"] = refused
+
+    # The copy is freed with the model it was made from.
+    copy_ref = weakref.ref(first.model)
+    dyn_ref = weakref.ref(dyn.model)
+    copy_module_id = id(first.model.diffusion_model)
+    del auto, first, after_lora, other_settings, lora, lora2, dyn, entry, session, units
+    del resident, streamed, blocks, source, no_loader
+    gc.collect()
+    report["released"] = {
+        "model_freed": dyn_ref() is None,
+        "copy_freed": copy_ref() is None,
+        "copies_left": len(dynamic_vram.DELEGATES.values()),
+        "engine_session_left": any(r["module_id"] == copy_module_id for r in layerwise.REGISTRY.report()),
+    }
+    return report
+
+
 def main() -> None:
     path = OUT_DIR / "probe_wan21.safetensors"
-    tiny_models.write_tiny_wan21(path, seed=11)
-    layerwise = import_layerwise()
+    tiny_models.write_tiny_wan21(path, layers=LAYERS, seed=11)
+    layerwise, dynamic_vram = import_pack()
     MP = comfy.model_patcher.ModelPatcher
-    report: dict = {"clone_params": list(inspect.signature(MP.clone).parameters)[1:]}
-
-    # Classic model (0.3.75, or newer with Dynamic VRAM off, or any CPU load device).
-    classic = comfy.sd.load_diffusion_model(str(path))
-    got = layerwise._classic_patcher(classic)
-    report["classic"] = {
-        "input_dynamic": layerwise._is_dynamic(classic),
-        "is_clone": got is not None and got is not classic,
-        "shares_module": got is not None and got.model is classic.model,
-        "output_dynamic": got is not None and layerwise._is_dynamic(got),
-    }
-
+    report: dict = {"clone_params": list(inspect.signature(MP.clone).parameters)[1:],
+                    "classic": classic_case(layerwise, path)}
     MPD = getattr(comfy.model_patcher, "ModelPatcherDynamic", None)
-    if MPD is None or not hasattr(MPD, "get_non_dynamic_delegate"):
+    if MPD is None:
         report["dynamic"] = None
-        print(json.dumps(report))
-        return
-    report["delegate_params"] = list(inspect.signature(MPD.get_non_dynamic_delegate).parameters)[1:]
-    report["cached_patcher_init"] = getattr(classic, "cached_patcher_init", None) is not None
-
-    class DynamicStandIn(MP):
-        """The real ModelPatcher, reporting itself dynamic, with the real delegate method."""
-        is_dynamic = MPD.is_dynamic
-        get_non_dynamic_delegate = MPD.get_non_dynamic_delegate
-
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.non_dynamic_delegate_model = None  # as ModelPatcherDynamic.__init__ sets it
-
-    def dynamic_from(source, with_init: bool):
-        dyn = DynamicStandIn(source.model, source.load_device, source.offload_device,
-                             source.model_size())
-        if with_init:
-            dyn.cached_patcher_init = source.cached_patcher_init
-        key = next(k for k in source.model.state_dict() if k.startswith("diffusion_model.blocks.0.")
-                   and k.endswith(".weight") and source.model.state_dict()[k].ndim == 2)
-        dyn.add_patches({key: (torch.zeros_like(source.model.state_dict()[key]),)}, 0.5)
-        return dyn
-
-    dyn = dynamic_from(classic, with_init=True)
-    first = layerwise._classic_patcher(dyn)
-    second = layerwise._classic_patcher(dyn)
-    report["dynamic"] = {
-        "input_dynamic": layerwise._is_dynamic(dyn),
-        "got_patcher": first is not None,
-        "output_type": type(first).__name__ if first is not None else None,
-        "output_dynamic": first is not None and layerwise._is_dynamic(first),
-        "new_module": first is not None and first.model is not dyn.model,
-        "same_weights": first is not None and state_equal(first.model, dyn.model),
-        "patches_kept": first is not None and first.patches.keys() == dyn.patches.keys()
-                        and first.patches_uuid == dyn.patches_uuid,
-        "rerun_reuses_module": second is not None and first is not None
-                               and second is not first and second.model is first.model,
-        "no_loader_steps_aside": layerwise._classic_patcher(dynamic_from(classic, with_init=False)) is None,
-    }
-    report["covers"] = ("ModelPatcher.clone(disable_dynamic=True) and "
-                        "ModelPatcherDynamic.get_non_dynamic_delegate as shipped, on a stand-in "
-                        "patcher; not ModelPatcherDynamic.__init__/load (aimdo, GPU only)")
+    else:
+        report["dynamic"] = dynamic_cases(layerwise, dynamic_vram, path)
     print(json.dumps(report))
 
 

@@ -3,24 +3,29 @@
 Every test compares the latent sha256 of a workflow with the node against the same workflow
 without it. The server runs with pinned OMP_NUM_THREADS, so equal hashes mean bit-identical.
 """
+import copy
 import time
 
 import pytest
 
+import tiny_models
 from comfy_server import ComfyServer
-from conftest import BLOCK0_LORA, SECOND_WAN
+from conftest import BLOCK0_LORA, MIXED_PRECISION_WAN, SCALED_FP8_WAN, SECOND_WAN
 from workflows import latent_sha, sample_workflow, with_inputs
+from ws_interrupt import queue_and_interrupt
 
 SETTINGS = [
     {"resident_blocks": 0, "prefetch": 1},
     {"resident_blocks": 1, "prefetch": 1},
     {"resident_blocks": 0, "prefetch": 8},   # deeper than the stack
     {"resident_blocks": -1, "vram_budget_gb": 1.0, "prefetch": 2},  # budget-derived: all resident
+    {"resident_blocks": -1, "vram_budget_gb": 0.0, "prefetch": 2},  # auto (the default)
 ]
 
 
-def layerwise_state(comfy, model_class):
-    models = [m for m in comfy.get("/offload/layerwise")["models"] if m["model_class"] == model_class]
+def layerwise_state(comfy, model_class, blocks=None):
+    models = [m for m in comfy.get("/offload/layerwise")["models"] if m["model_class"] == model_class
+              and (blocks is None or m["blocks"] == blocks)]
     assert models, comfy.get("/offload/layerwise")
     return models[-1]
 
@@ -40,11 +45,14 @@ def test_offload_is_bit_identical_across_settings(comfy, kind, model_class):
             assert state["streamed_indices"] == list(range(state["blocks"]))
             assert telemetry["copies"] > 0 and telemetry["bytes_copied"] > 0
         assert 0 < telemetry["peak_materialized_bytes"] <= state["bound_bytes"], state
+        # Core's figures for the streamed model: its size is the model less the blocks plus the
+        # engine's bound, so core never makes room for blocks it does not load.
+        assert state["core_view"]["model_size"] == state["rest_bytes"] + state["bound_bytes"], state
     # A later prompt without the node runs the model exactly as core would.
     assert latent_sha(comfy.run(sample_workflow(kind))) == baseline
 
 
-def test_lora_is_honoured_and_strength_change_repacks_only_touched_blocks(comfy):
+def test_lora_is_honoured_and_strength_change_repacks_nothing(comfy):
     wf = sample_workflow("wan21", lora_strength=1.0)
     wf["lora"]["inputs"]["lora_name"] = BLOCK0_LORA
     plain = latent_sha(comfy.run(sample_workflow("wan21")))
@@ -57,8 +65,10 @@ def test_lora_is_honoured_and_strength_change_repacks_only_touched_blocks(comfy)
     offloaded["lora"]["inputs"]["lora_name"] = BLOCK0_LORA
     assert latent_sha(comfy.run(offloaded)) == base_full
     assert latent_sha(comfy.run(with_inputs(offloaded, "lora", strength_model=0.5))) == base_half
-    # Only block 0 carries LoRA weights, so only block 0 was packed again.
-    assert layerwise_state(comfy, "WanModel")["telemetry"]["blocks_packed"] == 1
+    # The host pack keeps the base weights and the LoRA is merged into each device copy, so a
+    # strength change packs nothing again; only block 0 carries LoRA weights to merge.
+    telemetry = layerwise_state(comfy, "WanModel")["telemetry"]
+    assert telemetry["blocks_packed"] == 0 and telemetry["transforms"] > 0
     assert latent_sha(comfy.run(offloaded)) == base_full
     # and core's own path is untouched afterwards
     assert latent_sha(comfy.run(sample_workflow("wan21"))) == plain
@@ -188,11 +198,140 @@ def test_unsupported_model_fails_clearly_and_server_keeps_serving(comfy):
 
 
 @pytest.mark.parametrize("settings,fragment", [
-    ({"resident_blocks": 5, "prefetch": 1}, "resident"),
-    ({"resident_blocks": -1, "vram_budget_gb": 0.0001, "prefetch": 2}, "too small"),
+    ({"resident_blocks": 5, "prefetch": 1}, "resident_blocks=5, but WanModel has 2 blocks"),
+    ({"resident_blocks": -1, "vram_budget_gb": 0.0001, "prefetch": 2}, "vram_budget_gb=0.0001 GiB is too small"),
 ])
 def test_impossible_settings_fail_clearly(comfy, settings, fragment):
     error = comfy.run_expect_error(sample_workflow("wan21", layerwise=settings))
     assert error["node_type"] == "ApplyLayerwiseOffload"
     assert fragment in error["exception_message"]
     assert latent_sha(comfy.run(sample_workflow("wan21"))) is not None
+
+
+def test_budget_auto_keeps_every_block_resident_on_the_cpu(comfy):
+    """vram_budget_gb=0 (the default) is auto: on a GPU what is free once core made room, on the
+    CPU (no device memory to save) every block resident."""
+    baseline = latent_sha(comfy.run(sample_workflow("wan21")))
+    got = latent_sha(comfy.run(sample_workflow("wan21", layerwise={"resident_blocks": -1,
+                                                                   "vram_budget_gb": 0.0})))
+    assert got == baseline
+    state = layerwise_state(comfy, "WanModel")
+    assert state["streamed_indices"] == [] and state["budget_bytes"] == state["bound_bytes"]
+
+
+@pytest.fixture(scope="module")
+def big_wan(comfy_base):
+    """A 16-block Wan of about 1 GiB with a LoRA: packing it takes long enough to interrupt."""
+    model = comfy_base / "models" / "diffusion_models" / "wan21_16blocks_1gib.safetensors"
+    lora = comfy_base / "models" / "loras" / "wan21_16blocks_lora.safetensors"
+    if not model.exists():
+        tiny_models.write_tiny_wan21(model, layers=16, dim=1024, ffn_dim=4096, seed=21)
+    if not lora.exists():
+        tiny_models.write_tiny_wan_lora(lora, model_layers=16, dim=1024, ffn_dim=4096, seed=22)
+    return model.name, lora.name
+
+
+def test_interrupt_while_packing_leaves_core_consistent(comfy, big_wan):
+    """An interrupt (or any error) after the hand-over from core and before the run gives core
+    its model back: its next run of the same LoRA'd model merges the LoRA again (issue 10 D)."""
+    model, lora = big_wan
+    wf = sample_workflow("wan21", lora_strength=1.0)
+    wf["load"]["inputs"]["unet_name"] = model
+    wf["lora"]["inputs"]["lora_name"] = lora
+    offloaded = copy.deepcopy(wf)
+    offloaded["offload"] = {"class_type": "ApplyLayerwiseOffload", "inputs": {
+        "model": ["lora", 0], "resident_blocks": 2, "vram_budget_gb": 0.0, "prefetch": 1, "pin": True}}
+    offloaded["sample"]["inputs"]["model"] = ["offload", 0]
+    reference = latent_sha(comfy.run(wf))
+    packing = 16 + 1  # blocks plus the shared pack: the node's progress bar while it packs
+    prompt_id, sent = queue_and_interrupt(comfy.url, offloaded,
+                                          lambda p: p["max"] == packing and p["value"] == 1)
+    assert sent, "the packing progress was never reported"
+    entry = comfy.wait(prompt_id)
+    assert "execution_interrupted" in [kind for kind, _ in entry["status"]["messages"]], entry["status"]
+    state = layerwise_state(comfy, "WanModel", blocks=16)
+    assert state["runs"] == 0 and not state["active"], "the interrupt did not land while packing"
+    assert latent_sha(comfy.run(wf)) == reference
+    assert latent_sha(comfy.run(offloaded)) == reference
+    assert latent_sha(comfy.run(wf)) == reference
+
+
+def fp8_workflows(unet_name):
+    plain = sample_workflow("wan21")
+    lora = sample_workflow("wan21", lora_strength=1.0)
+    for wf in (plain, lora):
+        wf["load"]["inputs"]["unet_name"] = unet_name
+    return plain, lora
+
+
+@pytest.mark.parametrize("unet_name", [SCALED_FP8_WAN, MIXED_PRECISION_WAN])
+def test_fp8_checkpoints_with_lora_stream_like_cores_full_load(comfy, unet_name):
+    """A LoRA on a scaled-fp8 block is merged through the layer's own set_weight, as core's full
+    load does (issue 12.3); a mixed-precision checkpoint whose blocks are not quantized is not
+    refused (issue 10 E). Either way the next plain prompt is right."""
+    plain, lora = fp8_workflows(unet_name)
+    ref_plain, ref_lora = latent_sha(comfy.run(plain)), latent_sha(comfy.run(lora))
+    assert ref_plain != ref_lora
+    for settings in SETTINGS[:2]:
+        def offloaded(wf):
+            out = copy.deepcopy(wf)
+            source = ["lora", 0] if "lora" in out else ["load", 0]
+            out["offload"] = {"class_type": "ApplyLayerwiseOffload", "inputs": {
+                "model": source, "vram_budget_gb": 0.0, "pin": True, **settings}}
+            out["sample"]["inputs"]["model"] = ["offload", 0]
+            return out
+        assert latent_sha(comfy.run(offloaded(lora))) == ref_lora, settings
+        assert latent_sha(comfy.run(offloaded(plain))) == ref_plain, settings
+    assert latent_sha(comfy.run(lora)) == ref_lora
+    assert latent_sha(comfy.run(plain)) == ref_plain
+
+
+def test_reference_is_cores_full_load_also_beside_its_partial_load(tmp_path, comfy_base):
+    """bf16 weights with a LoRA: core's partial load applies the LoRA at forward time without
+    stochastic rounding and so differs from its full load. On a card that holds the model less
+    its blocks but not the whole model, core alone loads partially; with the node core loads the
+    rest in full and the engine merges like core's full load, so the result is the full load's
+    (what a user whose card fits the model gets) (issue 10 H)."""
+    def server(name, env):
+        s = ComfyServer(tmp_path / name, extra_args=("--bf16-unet",), env=env)
+        (s.base / "models").symlink_to(comfy_base / "models", target_is_directory=True)
+        return s.start()
+
+    wf = sample_workflow("wan21", lora_strength=1.0)
+    offloaded = sample_workflow("wan21", lora_strength=1.0,
+                                layerwise={"resident_blocks": 1, "prefetch": 1})
+    full_server = server("full", {})
+    try:
+        full = latent_sha(full_server.run(wf))
+        assert latent_sha(full_server.run(offloaded)) == full
+        sizes = layerwise_state(full_server, "WanModel")
+    finally:
+        full_server.stop()
+    # Room for the model less its blocks, not for the whole model.
+    budget = sizes["rest_bytes"] + sizes["block_bytes"] // 2
+    partial_server = server("partial", {"TIERED_TEST_CORE_WEIGHT_BUDGET": str(budget)})
+    try:
+        partial = latent_sha(partial_server.run(wf))
+        assert "loaded partially" in partial_server.log_text()
+        assert partial != full, "core's two load paths agree here: this test shows nothing"
+        assert latent_sha(partial_server.run(offloaded)) == full
+    finally:
+        partial_server.stop()
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_highvram_keeps_the_master_on_the_host(tmp_path, comfy_base):
+    """With --highvram core's offload device is the GPU; the engine's master stays in host RAM,
+    so the second run finds its pack intact and packs nothing (issue 12.8)."""
+    server = ComfyServer(tmp_path / "base", extra_args=("--highvram",))
+    (server.base / "models").symlink_to(comfy_base / "models", target_is_directory=True)
+    server.start()
+    try:
+        plain = latent_sha(server.run(sample_workflow("wan21")))
+        offloaded = sample_workflow("wan21", layerwise={"resident_blocks": 1, "prefetch": 1})
+        for _ in range(2):
+            assert latent_sha(server.run(offloaded)) == plain
+        assert layerwise_state(server, "WanModel")["telemetry"]["blocks_packed"] == 0
+        assert latent_sha(server.run(sample_workflow("wan21"))) == plain
+    finally:
+        server.stop()

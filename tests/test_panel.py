@@ -1,31 +1,41 @@
 """The "Offload" sidebar panel in headless Chromium against a real ComfyUI server.
 
-The tests share one page and run in file order: open the tab, run a workflow through the
-Tiered loader, park from the panel, refuse an evict while a prompt runs, close the tab. The
-page's own requests are counted, so "updated from the websocket" is checked by the absence of
+The tests share one page and run in file order: open the tab, run the demo workflow with core's
+loaders (every loaded model gets a card), run a workflow through the Tiered loader, park from the
+panel, refuse an evict while a prompt runs, edit budgets and a model's policy, unload a core
+model, close the tab, and find the pack's example workflows in the template browser. The page's
+own requests are counted, so "updated from the websocket" is checked by the absence of
 GET /api/offload/tiers; the test's server-side checks use urllib, which the page never sees.
+Screenshots go to tests/artifacts/ only.
 """
 from __future__ import annotations
 
 import re
-import shutil
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from browser import LAUNCH_ARGS, chromium_path, load_template, open_offload_tab, wait_for_ui
+from comfy_server import PACK_LINK_NAME
 from conftest import ARTIFACTS
 from workflows import sample_workflow
 
-sync_api = pytest.importorskip("playwright.sync_api")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+import example_workflows  # noqa: E402
 
-CHROMIUM = "/usr/bin/chromium"
-WEB = Path(__file__).resolve().parent.parent / "web"
+sync_api = pytest.importorskip("playwright.sync_api")
+# Upper bounds for waits on a loaded machine (shared CI cores); no test asserts a time.
+sync_api.expect.set_options(timeout=20_000)
+
+CHROMIUM = chromium_path()
 WAN_FILE = "tiny_wan21_t2v.safetensors"
 TIER_LABEL = {"vram": "VRAM", "ram": "RAM", "disk": "DISK"}
+BINARY = re.compile(r"\d (B|KiB|MiB|GiB|TiB)\b")
+DECIMAL = re.compile(r"\d (kB|MB|GB|TB)\b")
 
-pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(),
-                                reason="needs Debian's chromium (make test installs it)")
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Chromium (make test installs it)")
 
 # Console errors the stock frontend prints with or without any custom node (harness doc §3.8),
 # plus the one HTTP error our own test provokes on purpose (the refused evict). 1.32.9 (ComfyUI
@@ -37,6 +47,7 @@ ALLOWED_HTTP = [
     (404, re.compile(r"/templates/|templates.*\.json")),
     (404, re.compile(r"/api/settings/")),
     (409, re.compile(r"/api/offload/models/[^/]+/evict$")),  # test_evict_in_use_is_refused
+    (409, re.compile(r"/api/offload/loaded/[^/]+/unload$")),  # test_core_unload_refused_while_a_prompt_runs
 ]
 ALLOWED_CONSOLE = [
     re.compile(r"TypeError: Cannot read properties of undefined \(reading 'id'\)[\s\S]*at onChange "
@@ -62,12 +73,12 @@ class PanelPage:
         self.requests: list[tuple[str, str]] = []   # (method, path) of /api/offload/*
         self.blocked: list[str] = []
         p = self.page
+        p.set_default_timeout(30_000)
         p.on("console", self._on_console)
         p.on("pageerror", lambda e: self.console.append({"text": f"pageerror: {e}", "url": ""}))
         p.on("response", lambda r: r.status >= 400 and self.http_errors.append((r.status, r.url)))
         p.on("request", self._on_request)
         p.route("**/*", self._route)
-        p.add_init_script("localStorage.setItem('vueNodesBannerDismissed', 'true')")
 
     def _route(self, route) -> None:
         host = re.match(r"^[a-z]+://([^/:]+)", route.request.url)
@@ -90,20 +101,19 @@ class PanelPage:
         return sum(1 for method, path in self.requests if method == "GET" and path == "/api/offload/tiers")
 
     def load(self) -> None:
-        self.page.goto(self.url, wait_until="domcontentloaded")
-        self.page.wait_for_function("() => window.app && window.app.graph && window.__tieredOffload?.ready",
-                                    timeout=120_000)
+        wait_for_ui(self.page, self.url)
 
     def toggle_tab(self) -> None:
         self.page.locator(".tiered-offload-tab-button").first.click()
 
     def open_tab(self) -> None:
-        if not self.page.locator("#tiered-offload-panel").count():
-            self.toggle_tab()
-        self.page.wait_for_selector("#tiered-offload-panel", timeout=10_000)
+        open_offload_tab(self.page)
 
     def row(self, model_id: str):
         return self.page.locator(f'#tiered-offload-panel [data-model-id="{css_attr(model_id)}"]')
+
+    def core_card(self, card_id: str):
+        return self.page.locator(f'#tiered-offload-panel [data-loaded-id="{css_attr(card_id)}"]')
 
     def wait_tier(self, model_id: str, tier: str, timeout_ms: float) -> None:
         self.page.wait_for_selector(
@@ -129,10 +139,7 @@ class PanelPage:
 @pytest.fixture(scope="module")
 def browser():
     with sync_api.sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
-                               args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                                     "--disable-background-networking", "--disable-component-update",
-                                     "--disable-sync"])
+        b = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=LAUNCH_ARGS)
         yield b
         b.close()
 
@@ -142,6 +149,7 @@ def ui(comfy, browser):
     status, _ = comfy.request("GET", "/api/offload/tiers")
     if status == 404:
         pytest.fail("server side missing: GET /api/offload/tiers -> 404")
+    example_workflows.write_models(comfy.base)
     page = PanelPage(browser, comfy.url)
     page.load()
     yield page
@@ -160,6 +168,16 @@ def server_model(comfy, name: str = WAN_FILE) -> dict:
     return max(models, key=lambda m: m.get("last_used") or 0)
 
 
+def wait_until(probe, timeout: float, what: str):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        found = probe()
+        if found:
+            return found
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 def wait_server(comfy, pred, timeout: float = 30.0, what: str = "condition") -> dict:
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -170,44 +188,99 @@ def wait_server(comfy, pred, timeout: float = 30.0, what: str = "condition") -> 
     raise AssertionError(f"server never reached {what}: {m}")
 
 
+def fmt_bytes(n: int) -> str:
+    """The panel's own formatting (web/panel.js fmtBytes), to compare shown figures."""
+    names, v, i = ["B", "KiB", "MiB", "GiB", "TiB"], float(abs(n)), 0
+    while v >= 1024 and i < len(names) - 1:
+        v, i = v / 1024, i + 1
+    digits = 0 if i == 0 or v >= 100 else 1 if v >= 10 else 2
+    return f"{'-' if n < 0 else ''}{v:.{digits}f} {names[i]}"
+
+
+def loaded_cards(comfy) -> list[dict]:
+    return comfy.get("/api/offload/tiers")["loaded"]
+
+
+def loaded_card(comfy, cls: str) -> dict:
+    found = [c for c in loaded_cards(comfy) if c["class"] == cls]
+    assert found, f"{cls} not among core's loaded models: {loaded_cards(comfy)}"
+    return found[0]
+
+
+def shown_figures(card) -> str:
+    """The figures legend of a card: VRAM + RAM + disk = total, as text."""
+    return card.locator('[data-role="figures"]').first.inner_text()
+
+
 # -- tests, in order ---------------------------------------------------------------------------
 
 def test_tab_opens_with_device_totals(ui):
     assert ui.tier_gets() == 0, "no GET before the tab is opened"
     ui.open_tab()
     panel = ui.page.locator("#tiered-offload-panel")
-    ui.page.wait_for_selector('#tiered-offload-panel [data-dev="vram"]', timeout=10_000)
+    ui.page.wait_for_selector('#tiered-offload-panel [data-dev="vram"]', timeout=20_000)
     for dev in ("vram", "pinned", "ram"):
         box = panel.locator(f'[data-dev="{dev}"]')
         text = box.inner_text()
-        if dev == "vram" and "no GPU memory" in text:   # CPU-only server: no VRAM bar
+        if dev == "vram" and "models run on the CPU" in text:   # CPU-only server: no VRAM bar
             continue
         assert box.locator(".to-bar").count() == 1, dev
-        assert re.search(r"\d+(\.\d+)? (B|kB|MB|GB|TB)", text), text
+        assert BINARY.search(text), text
     assert "VRAM" in panel.inner_text() and "Pinned" in panel.inner_text()
     assert ui.tier_gets() == 1, ui.requests
 
 
-def test_byte_unit_setting(ui):
-    setting = "TieredOffload.Panel.ByteUnits"
-    ui.page.evaluate(f"app.extensionManager.setting.set('{setting}', 'GiB')")
-    ram = ui.page.locator('#tiered-offload-panel [data-dev="ram"]')
-    sync_api.expect(ram).to_contain_text("GiB", timeout=5_000)
-    ui.page.evaluate(f"app.extensionManager.setting.set('{setting}', 'GB')")
-    sync_api.expect(ram).not_to_contain_text("iB", timeout=5_000)
+def test_every_figure_is_in_binary_units(ui):
+    text = ui.page.locator("#tiered-offload-panel").inner_text()
+    assert BINARY.search(text), text
+    assert not DECIMAL.search(text), DECIMAL.findall(text)
+
+
+def test_demo_models_are_listed_with_core_loaders(comfy, ui):
+    """The demo loads with core's UNETLoader and CLIPLoader: both models get a card, the streamed
+    one with its strip, a legend for it and the run's figures, and all figures add up."""
+    gets = ui.tier_gets()
+    comfy.run(example_workflows.demo())
+    # Other tests' tiny HunyuanVideo may still be loaded: the demo's is the one with 12 blocks.
+    dits = [c for c in loaded_cards(comfy) if c["class"] == "HunyuanVideo" and c["layerwise"]
+            and c["layerwise"]["blocks"] == 12]
+    assert len(dits) == 1, loaded_cards(comfy)
+    dit, clip = dits[0], loaded_card(comfy, "SD1ClipModel")
+    assert not dit["tier_id"] and clip["kind"] == "text encoder"
+    for truth in (dit, clip):
+        card = ui.core_card(truth["id"])
+        sync_api.expect(card).to_have_count(1, timeout=20_000)
+        assert card.locator('[data-role="class"]').inner_text().startswith(truth["class"])
+        b = truth["bytes"]
+        assert b["device"] + b["ram"] == b["total"], b
+        figures = shown_figures(card)
+        assert figures.endswith(fmt_bytes(b["total"])), figures
+        assert not DECIMAL.search(card.inner_text())
+    card = ui.core_card(dit["id"])
+    cells = card.locator(".to-strip .to-blk")
+    assert cells.count() == dit["layerwise"]["blocks"] == 12
+    assert "streamed from RAM" in card.locator('[data-role="strip-legend"]').inner_text()
+    sync_api.expect(card.locator(".to-stats")).to_contain_text("copied", timeout=20_000)
+    assert ui.tier_gets() == gets, "the cards must come from the websocket, not a GET"
+    ui.shot("panel_after_demo.png")
 
 
 def test_model_appears_after_run(comfy, ui):
     gets = ui.tier_gets()
     comfy.run(tiered_workflow(seed=101))
-    finished = time.time()
     truth = server_model(comfy)
-    ui.wait_tier(truth["id"], truth["tier"], timeout_ms=2_000)
-    assert time.time() - finished < 2.0
-    badge = ui.row(truth["id"]).locator('[data-role="tier"]').inner_text()
+    # Live means pushed, not fetched (checked below); the wait is only an upper bound.
+    ui.wait_tier(truth["id"], truth["tier"], timeout_ms=20_000)
+    row = ui.row(truth["id"])
+    badge = row.locator('[data-role="tier"]').inner_text()
     assert badge.strip() == TIER_LABEL[truth["tier"]]
     assert truth["tier"] in ("vram", "ram"), truth
+    # One card for the managed model, with its part in core named, figures adding up.
+    assert row.locator('[data-role="class"]').inner_text().startswith("WAN21")
+    assert shown_figures(row).endswith(fmt_bytes(truth["total_bytes"]))
+    assert row.locator('[data-role="name"]').get_attribute("title") == f"{WAN_FILE} ({truth['id']})"
     assert ui.tier_gets() == gets, "the row must come from the websocket, not a GET"
+    ui.shot("panel_tiered_model.png")
 
 
 def test_layerwise_block_strip(comfy, ui):
@@ -218,17 +291,17 @@ def test_layerwise_block_strip(comfy, ui):
     assert lw, f"no layerwise state for {truth['id']}"
     row = ui.row(truth["id"])
     cells = row.locator(".to-strip .to-blk")
-    sync_api.expect(cells).to_have_count(lw["blocks"], timeout=2_000)
+    sync_api.expect(cells).to_have_count(lw["blocks"], timeout=20_000)
     classes = [cells.nth(i).get_attribute("class") for i in range(lw["blocks"])]
     assert [c.split("to-blk-")[-1] for c in classes] == lw["block_states"]
     telemetry = lw.get("telemetry") or {}
     stats = row.locator(".to-stats")
     if "bytes_copied" in telemetry:
-        sync_api.expect(stats).to_contain_text("copied", timeout=2_000)
+        sync_api.expect(stats).to_contain_text("copied", timeout=20_000)
     if "gbps" in telemetry:
-        sync_api.expect(stats).to_contain_text("/s", timeout=2_000)
+        sync_api.expect(stats).to_contain_text("/s", timeout=20_000)
     if "wait_seconds" in telemetry or "compute_wait_s" in telemetry:
-        sync_api.expect(stats).to_contain_text("compute waited", timeout=2_000)
+        sync_api.expect(stats).to_contain_text("compute waited", timeout=20_000)
     assert ui.tier_gets() == gets
 
 
@@ -238,22 +311,21 @@ def test_park_updates_from_websocket(comfy, ui):
         comfy.post(f"/api/offload/models/{model['id']}/unpin")
     if model["tier"] != "vram":
         comfy.post(f"/api/offload/models/{model['id']}/load")
-    ui.wait_tier(model["id"], "vram", timeout_ms=5_000)
+    ui.wait_tier(model["id"], "vram", timeout_ms=20_000)
     ui.shot("panel_before_park.png")
 
     gets, posts = ui.tier_gets(), len(ui.requests)
     ui.row(model["id"]).locator('button[data-action="park"]').click()
-    ui.wait_tier(model["id"], "ram", timeout_ms=5_000)
+    ui.wait_tier(model["id"], "ram", timeout_ms=20_000)
     assert ("POST", f"/api/offload/models/{model['id']}/park") in ui.requests[posts:]
     assert ui.tier_gets() == gets, "the row must update from the websocket event, not a GET"
     assert server_model(comfy)["tier"] == "ram"
     assert ui.row(model["id"]).locator('[data-role="tier"]').inner_text().strip() == "RAM"
-    out = ui.shot("panel_after_park.png")
-    shutil.copyfile(out, WEB / "screenshot.png")
+    ui.shot("panel_after_park.png")
 
     # A change made by someone else (here: the test, through REST) reaches the open panel too.
     comfy.post(f"/api/offload/models/{model['id']}/load")
-    ui.wait_tier(model["id"], "vram", timeout_ms=2_000)
+    ui.wait_tier(model["id"], "vram", timeout_ms=20_000)
     assert ui.tier_gets() == gets
 
 
@@ -264,13 +336,13 @@ def test_evict_in_use_is_refused(comfy, ui):
         row = ui.row(model["id"])
         row.locator('button[data-action="evict"]').click()
         notice = row.locator('[data-role="notice"]')
-        sync_api.expect(notice).to_be_visible(timeout=5_000)
+        sync_api.expect(notice).to_be_visible(timeout=20_000)
         text = notice.inner_text()
         assert "evict refused" in text.lower() and "409" in text, text
         assert server_model(comfy)["in_use"] > 0, "the prompt ended before the click: not a refusal test"
         toast = ui.page.locator(".p-toast-message")
         if ui.page.evaluate("typeof app.extensionManager.toast?.add === 'function'"):
-            sync_api.expect(toast.filter(has_text="refused")).to_have_count(1, timeout=5_000)
+            sync_api.expect(toast.filter(has_text="refused")).to_have_count(1, timeout=20_000)
     finally:
         comfy.interrupt()
         comfy.wait(prompt_id, timeout=120)
@@ -279,20 +351,132 @@ def test_evict_in_use_is_refused(comfy, ui):
     sync_api.expect(ui.row(model["id"]).locator('[data-role="notice"]')).to_have_count(0)
 
 
+def test_buttons_keep_their_icons_and_names_show_in_full_on_hover(comfy, ui):
+    """At the sidebar's default width every action button shows its icon; a truncated name
+    carries the full one in its title."""
+    panel = ui.page.locator("#tiered-offload-panel")
+    width = panel.bounding_box()["width"]
+    icons = panel.locator(".to-btn .pi")
+    assert icons.count() >= 3
+    for i in range(icons.count()):
+        box = icons.nth(i).bounding_box()
+        assert box and box["width"] > 0 and box["height"] > 0, (i, width)
+    for name in panel.locator('[data-role="name"]').all():
+        assert name.get_attribute("title").startswith(name.inner_text().strip()), name.inner_text()
+    for card in comfy.get("/api/offload/tiers")["models"]:
+        assert ui.row(card["id"]).locator('[data-role="name"]').get_attribute("title") \
+            == f"{card['name']} ({card['id']})"
+
+
+def test_budgets_are_edited_from_the_panel(comfy, ui):
+    gets = ui.tier_gets()
+    panel = ui.page.locator("#tiered-offload-panel")
+    panel.locator('[data-role="edit-budgets"]').click()
+    form = panel.locator('[data-role="budget-form"]')
+    sync_api.expect(form).to_be_visible(timeout=20_000)
+    form.locator('input[name="ram_budget_gb"]').fill("-1")
+    form.locator('[data-role="save-budgets"]').click()
+    sync_api.expect(form.locator('[data-role="budget-error"]')).to_contain_text("GiB", timeout=20_000)
+    form.locator('input[name="ram_budget_gb"]').fill("3.5")
+    form.locator('input[name="ram_reserve_gb"]').fill("1.5")
+    form.locator('input[name="vram_reserve_gb"]').fill("0.5")
+    form.locator('input[name="disk_tier"]').uncheck()
+    # The form survives a websocket push while the user types (here: a pushed tier change).
+    model = wait_server(comfy, lambda m: m["in_use"] == 0, what="model idle")
+    comfy.post(f"/api/offload/models/{model['id']}/{'park' if model['tier'] == 'vram' else 'load'}")
+    ui.page.wait_for_timeout(300)
+    assert form.locator('input[name="ram_budget_gb"]').input_value() == "3.5"
+    ui.shot("panel_budgets_editing.png")
+    form.locator('[data-role="save-budgets"]').click()
+    sync_api.expect(form).to_have_count(0, timeout=20_000)
+    budgets = comfy.get("/api/offload/tiers")["budgets"]
+    assert budgets == {"ram_budget_bytes": int(3.5 * 2**30), "ram_reserve_bytes": int(1.5 * 2**30),
+                       "vram_reserve_bytes": 2**29, "disk_tier": False}, budgets
+    sync_api.expect(panel.locator('[data-role="budgets"]')).to_contain_text("RAM budget 3.50 GiB")
+    assert ui.tier_gets() == gets + 1, "one GET after the save, for the figures the server derives"
+    comfy.post("/api/offload/budgets", {"ram_budget_gb": None, "ram_reserve_gb": 2.0,
+                                        "vram_reserve_gb": 1.0, "disk_tier": True})
+
+
+def test_keep_in_ram_and_priority_from_the_panel(comfy, ui):
+    model = wait_server(comfy, lambda m: m["in_use"] == 0, what="model idle")
+    row = ui.row(model["id"])
+    gets = ui.tier_gets()
+    keep = row.locator('input[data-policy="keep_in_ram"]')
+    keep.set_checked(not model["policy"]["pinned"])
+    wait_server(comfy, lambda m: m["policy"]["pinned"] != model["policy"]["pinned"], what="keep in RAM")
+    prio = ui.row(model["id"]).locator('input[data-policy="priority"]')
+    prio.fill("7")
+    prio.press("Tab")
+    wait_server(comfy, lambda m: m["policy"]["priority"] == 7, what="priority 7")
+    sync_api.expect(ui.row(model["id"]).locator('input[data-policy="priority"]')).to_have_value("7")
+    assert ui.tier_gets() == gets
+    comfy.post(f"/api/offload/policy/{model['id']}", {"keep_in_ram": False, "priority": 0})
+
+
+def test_policy_route_refuses_bad_input(comfy):
+    model = server_model(comfy)
+    for body, fragment in (({"priority": 1000}, "priority"), ({"keep_in_ram": "yes"}, "keep_in_ram"),
+                           ({"path": "/etc"}, "JSON object"), ({}, "JSON object")):
+        status, reply = comfy.request("POST", f"/api/offload/policy/{model['id']}", body)
+        assert status == 400 and fragment in reply["error"], (body, status, reply)
+    status, reply = comfy.request("POST", "/api/offload/policy/0123456789abcdef", {"priority": 1})
+    assert status == 404, reply
+
+
+def test_core_unload_refused_while_a_prompt_runs(comfy, ui):
+    """While a long prompt runs, core's unload of a model it holds is refused."""
+    comfy.run(example_workflows.demo())   # the encoder's card arrives with the prompt's end
+    clip = loaded_card(comfy, "SD1ClipModel")
+    card = ui.core_card(clip["id"])
+    sync_api.expect(card).to_have_count(1, timeout=20_000)
+    long_run = example_workflows.demo()   # the same loaders and encodes, cached; a long sampling
+    long_run["6"]["inputs"].update(steps=10_000, seed=104)
+    prompt_id = comfy.queue(long_run)
+    try:
+        wait_until(lambda: comfy.get("/queue")["queue_running"], 60, "the long prompt to start")
+        card.locator('button[data-action="unload"]').click()
+        notice = card.locator('[data-role="notice"]')
+        sync_api.expect(notice).to_be_visible(timeout=20_000)
+        assert "409" in notice.inner_text() and "prompt is running" in notice.inner_text()
+        assert comfy.get("/queue")["queue_running"], "the prompt ended before the click: not a refusal test"
+    finally:
+        comfy.interrupt()
+        comfy.wait(prompt_id, timeout=120)
+    assert any(c["id"] == clip["id"] for c in loaded_cards(comfy))
+    ui.core_card(clip["id"]).locator('[data-role="dismiss"]').click()
+
+
+def test_core_unload_from_the_panel(comfy, ui):
+    clip = loaded_card(comfy, "SD1ClipModel")
+    gets = ui.tier_gets()
+    ui.core_card(clip["id"]).locator('button[data-action="unload"]').click()
+    sync_api.expect(ui.core_card(clip["id"])).to_have_count(0, timeout=20_000)
+    assert not [c for c in loaded_cards(comfy) if c["id"] == clip["id"]]
+    assert ui.tier_gets() == gets
+    status, reply = comfy.request("POST", f"/api/offload/loaded/{clip['id']}/unload")
+    assert status == 404, reply
+    # Core loads it again on its next use (a new prompt text makes the encode run again).
+    wf = example_workflows.demo()
+    wf["3"]["inputs"]["text"] += ", after an unload"
+    assert comfy.run(wf)["7"]["latents"]
+    assert loaded_card(comfy, "SD1ClipModel")
+
+
 def test_closed_tab_does_no_dom_work(comfy, ui):
     model = wait_server(comfy, lambda m: m["in_use"] == 0, what="model idle")
     ui.toggle_tab()
-    ui.page.wait_for_selector("#tiered-offload-panel", state="detached", timeout=5_000)
+    ui.page.wait_for_selector("#tiered-offload-panel", state="detached", timeout=20_000)
     renders, gets = ui.renders(), ui.tier_gets()
     target = "ram" if model["tier"] != "ram" else "vram"
     ui.page.evaluate("""async () => { const { api } = await import('/scripts/api.js');
         window.__toEvents = 0; api.addEventListener('tiered_offload.tiers', () => window.__toEvents++); }""")
     comfy.post(f"/api/offload/models/{model['id']}/{'park' if target == 'ram' else 'load'}")
-    ui.page.wait_for_function("() => window.__toEvents > 0", timeout=5_000)
+    ui.page.wait_for_function("() => window.__toEvents > 0", timeout=20_000)
     ui.page.wait_for_timeout(200)
     assert ui.renders() == renders, "rendered while the tab was closed"
     ui.open_tab()
-    ui.wait_tier(model["id"], target, timeout_ms=2_000)   # the kept payload, no new GET
+    ui.wait_tier(model["id"], target, timeout_ms=20_000)   # the kept payload, no new GET
     assert ui.tier_gets() == gets
 
 
@@ -303,10 +487,40 @@ def test_missing_server_side_shows_message(browser, comfy):
         page.load()
         page.open_tab()
         sync_api.expect(page.page.locator('#tiered-offload-panel [data-role="status"]')).to_contain_text(
-            "not available", timeout=5_000)
+            "not available", timeout=20_000)
         assert not [c for c in page.console if "pageerror" in c["text"]], page.console
     finally:
         page.page.close()
+
+
+def test_example_workflows_open_from_the_template_browser(comfy, ui):
+    """ComfyUI lists the pack's example_workflows/ in its template browser; each graph file is
+    the API graph tools/example_workflows.py builds, and the demo runs from the UI."""
+    listed = comfy.get("/api/workflow_templates")
+    assert sorted(listed.get(PACK_LINK_NAME, [])) == sorted(example_workflows.EXAMPLES), listed
+    page = ui.page
+    page.evaluate("app.extensionManager.command.execute('Comfy.BrowseTemplates')")
+    dialog = page.get_by_role("dialog").filter(has_text="Templates")
+    dialog.get_by_text(PACK_LINK_NAME).first.click()
+    for stem in example_workflows.EXAMPLES:
+        sync_api.expect(dialog.get_by_text(stem, exact=True)).to_be_visible(timeout=30_000)
+    dialog.get_by_text("tiered_offload_demo", exact=True).click()
+    page.wait_for_function("() => app.graph.nodes.some(n => n.type === 'ApplyLayerwiseOffload')",
+                           timeout=30_000)
+    page.wait_for_timeout(500)
+    # The frontend validates a workflow as it loads and shows what it rejects.
+    assert page.get_by_text("Invalid workflow").count() == 0, page.locator("body").inner_text()[-3000:]
+    for stem, api_graph in example_workflows.api_graphs().items():
+        load_template(page, PACK_LINK_NAME, stem)
+        prompt = page.evaluate("async () => (await app.graphToPrompt()).output")
+        assert {k: v["class_type"] for k, v in prompt.items()} == \
+            {k: v["class_type"] for k, v in api_graph.items()}, stem
+        assert {k: v["inputs"] for k, v in prompt.items()} == \
+            {k: v["inputs"] for k, v in api_graph.items()}, stem
+    load_template(page, PACK_LINK_NAME, "tiered_offload_demo")
+    prompt = page.evaluate("async () => (await app.graphToPrompt()).output")
+    prompt["6"]["inputs"]["seed"] = 43  # a new seed, so the sampler really runs again
+    assert comfy.run(prompt)["7"]["latents"], "the demo from the UI did not save its latent"
 
 
 def test_no_console_errors(ui):

@@ -1,36 +1,60 @@
-"""`make demo`: a real ComfyUI with this pack, a generated demo model, one workflow through /prompt.
+"""`make demo`: a real ComfyUI with this pack, the demo models written on the spot, the demo
+workflow through /prompt, and the way to open it in the UI.
 
-It serves on 127.0.0.1:8188 until Ctrl-C so the UI can be opened; DEMO_EXIT=1 (or --exit) stops
-it right after the workflow, for scripts. The demo base directory is .demo/ in the repository.
-The conditioning comes from the test suite's conditioning node: no real text encoder is small
-enough to generate on the spot.
+The server is a user's: core's nodes and the pack's, none of the test suite's. It serves on
+127.0.0.1:8188 until Ctrl-C; DEMO_EXIT=1 (or --exit) stops it right after the workflow, for
+scripts. The demo base directory is .demo/ in the repository. The workflow is the one the pack
+ships in example_workflows/ (tools/example_workflows.py builds both).
 """
 from __future__ import annotations
 
 import argparse
-import json
+import hashlib
 import os
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO / "tests" / "fixtures"))
+sys.path[:0] = [str(REPO / "tools"), str(REPO / "tests")]
 
-import tiny_models  # noqa: E402
-from comfy_server import ComfyServer  # noqa: E402
-from workflows import latent_sha, sample_workflow  # noqa: E402
+import example_workflows  # noqa: E402
+from comfy_server import PACK_LINK_NAME, ComfyServer  # noqa: E402
 
-DEMO_LAYERS = 8
+MiB = 2**20
 
 
-def build_workflow() -> dict:
-    wf = sample_workflow("wan21", layerwise={"resident_blocks": 2, "prefetch": 2}, steps=8)
-    wf["load"]["inputs"]["unet_name"] = "demo_wan21_8blocks.safetensors"
-    wf["save"] = {"class_type": "SaveLatent",
-                  "inputs": {"samples": ["sample", 0], "filename_prefix": "latents/tiered_offload_demo"}}
-    return wf
+def latent_sha256(path: Path) -> str:
+    """sha256 of the saved latent tensor's bytes: equal hashes mean bit-identical results."""
+    import torch
+    from safetensors.torch import load_file
+
+    tensor = load_file(str(path))["latent_tensor"].contiguous()
+    return hashlib.sha256(tensor.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def print_layerwise(server: ComfyServer) -> None:
+    for state in server.get("/offload/layerwise")["models"]:
+        t = state["telemetry"] or {}
+        seconds = t.get("seconds", 0)
+        rate = t.get("bytes_copied", 0) / seconds / MiB if seconds else 0.0
+        print(f"Apply Layerwise Offload: {state['model_class']} with {state['blocks']} blocks, "
+              f"resident {state['resident_indices']}, streamed {state['streamed_indices']}")
+        print(f"  last run: streamed {t.get('bytes_copied', 0) / MiB:.1f} MiB in {t.get('copies', 0)} "
+              f"copies ({rate:.1f} MiB/s over {seconds:.2f} s), at most "
+              f"{t.get('peak_materialized_bytes', 0) / MiB:.1f} MiB of blocks on {state['device']} "
+              f"(bound {state['bound_bytes'] / MiB:.1f} MiB), "
+              f"{t.get('sync_fallbacks', 0)} synchronous fallbacks")
+
+
+def print_loaded(server: ComfyServer) -> None:
+    for card in server.get("/offload/tiers")["loaded"]:
+        b = card["bytes"] or {}
+        what = [w for w, on in (("streamed", card["layerwise"]), ("swapped", card["swap"]),
+                                ("tier-managed", card["tier_id"])) if on]
+        print(f"loaded: {card['class']} ({card['kind']}, {card['file'] or 'file unknown'}) "
+              f"{b.get('total', 0) / MiB:.1f} MiB on {card['device']}"
+              + (f", {', '.join(what)}" if what else ""))
 
 
 def main() -> int:
@@ -38,35 +62,32 @@ def main() -> int:
     ap.add_argument("--exit", action="store_true", default=os.environ.get("DEMO_EXIT") == "1",
                     help="stop the server after the workflow (also DEMO_EXIT=1)")
     ap.add_argument("--port", type=int, default=int(os.environ.get("DEMO_PORT", "8188")))
+    ap.add_argument("--base", type=Path, default=REPO / ".demo", help="ComfyUI base directory")
     args = ap.parse_args()
 
-    base = REPO / ".demo"
-    model = base / "models" / "diffusion_models" / "demo_wan21_8blocks.safetensors"
-    if not model.exists():
-        tiny_models.write_tiny_wan21(model, layers=DEMO_LAYERS, dim=256, ffn_dim=1024, seed=0)
-        print(f"demo model written: {model} ({model.stat().st_size / 2**20:.1f} MiB, "
-              f"{DEMO_LAYERS} blocks)")
+    base = args.base.resolve()
+    for path in example_workflows.write_models(base):
+        print(f"demo model written: {path} ({path.stat().st_size / MiB:.1f} MiB)")
 
-    server = ComfyServer(base, port=args.port)
+    server = ComfyServer(base, port=args.port, test_nodes=False)
     print(f"starting ComfyUI on {server.url} (log: {server.log_path})")
     server.start()
     try:
+        failed = [line for line in server.log_text().splitlines() if "IMPORT FAILED" in line]
+        for line in failed:
+            print(f"warning: ComfyUI could not import a module: {line.strip()}")
         t0 = time.time()
-        outputs = server.run(build_workflow())
-        seconds = time.time() - t0
-        print(f"demo workflow finished in {seconds:.2f} s; latent sha256 {latent_sha(outputs)}")
-        for model_state in server.get("/offload/layerwise")["models"]:
-            t = model_state["telemetry"] or {}
-            print(f"layerwise offload: {model_state['model_class']} with {model_state['blocks']} blocks, "
-                  f"resident {model_state['resident_indices']}, streamed {model_state['streamed_indices']}")
-            print(f"  last run: streamed {t.get('bytes_copied', 0) / 1e6:.1f} MB in {t.get('copies', 0)} "
-                  f"copies ({t.get('gbps', 0):.2f} GB/s over {t.get('seconds', 0):.2f} s), "
-                  f"peak on the compute device {t.get('peak_materialized_bytes', 0) / 1e6:.1f} MB "
-                  f"(bound {model_state['bound_bytes'] / 1e6:.1f} MB), "
-                  f"{t.get('sync_fallbacks', 0)} synchronous fallbacks")
-            print("  full telemetry: " + json.dumps(t, sort_keys=True))
-        print(f"saved latent under {base / 'output' / 'latents'}")
-        print(f"ComfyUI UI is served at {server.url}/")
+        outputs = server.run(example_workflows.demo())
+        latent = outputs["7"]["latents"][0]
+        path = base / "output" / latent["subfolder"] / latent["filename"]
+        print(f"demo workflow finished in {time.time() - t0:.2f} s; latent {path}, "
+              f"sha256 {latent_sha256(path)}")
+        print_layerwise(server)
+        print_loaded(server)
+        print(f"\nComfyUI is served at {server.url}/ . To open the demo workflow there: "
+              f"Workflow menu → Browse Templates, then '{PACK_LINK_NAME}' under EXTENSIONS on the "
+              f"left, then 'tiered_offload_demo'. The Offload tab in the left sidebar (the server "
+              f"icon) lists the models this run loaded.")
         if args.exit:
             return 0
         print("serving until Ctrl-C")

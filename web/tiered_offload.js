@@ -1,23 +1,23 @@
 // comfyui-tiered-offload: the "Offload" sidebar tab.
 // Data flow: one GET /api/offload/tiers when the tab opens (and after a websocket reconnect),
-// then only websocket pushes ("tiered_offload.tiers" on every tier change,
-// "tiered_offload.layerwise" after each sampling run). No polling. While the tab is closed the
-// latest payload is kept and nothing touches the DOM.
+// then only websocket pushes ("tiered_offload.tiers" on every tier change, after every prompt
+// and after every change made from the panel; "tiered_offload.layerwise" after each sampling
+// run). No polling. While the tab is closed the latest payload is kept and nothing touches the
+// DOM. The one extra GET follows a budgets save, whose figures (the RAM budget) the server
+// derives.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import { Panel } from "./panel.js";
 
 const TAB_ID = "tiered-offload";
-const SETTING_UNITS = "TieredOffload.Panel.ByteUnits";
 const SETTING_STRIPS = "TieredOffload.Panel.ShowBlockStrips";
 
 const state = {
   payload: null,      // last GET /api/offload/tiers body (or websocket copy of it)
-  lastRuns: {},       // model_id -> Layerwise from "tiered_offload.layerwise" (null id: "")
   status: "idle",     // idle | loading | ok | unavailable | error
   error: null,        // text for status "error" / "unavailable"
-  notice: null,       // {kind: "error"|"info", text} shown above the models
-  pending: {},        // model_id -> action in flight
+  notice: null,       // {kind: "error"|"info", text, model_id} shown in that card (or on top)
+  pending: {},        // card id -> action in flight
   stale: true,        // a GET is due the next time the tab opens
 };
 
@@ -32,8 +32,11 @@ function setting(id, fallback) {
 
 const panel = new Panel({
   state,
-  settings: () => ({ units: setting(SETTING_UNITS, "GB"), strips: setting(SETTING_STRIPS, true) }),
-  onAction: (id, action) => runAction(id, action),
+  settings: () => ({ strips: setting(SETTING_STRIPS, true) }),
+  onAction: (id, action) => post(id, action, `/offload/models/${encodeURIComponent(id)}/${action}`),
+  onUnload: (id) => post(id, "unload", `/offload/loaded/${encodeURIComponent(id)}/unload`),
+  onPolicy: (id, body) => post(id, "policy", `/offload/policy/${encodeURIComponent(id)}`, body),
+  onBudgets: (body) => saveBudgets(body),
   onRefresh: () => fetchTiers(),
   onDismiss: () => { state.notice = null; panel.update(); },
 });
@@ -73,29 +76,62 @@ async function errorText(res) {
   }
 }
 
-async function runAction(id, action) {
-  const model = state.payload?.models?.find((m) => m.id === id);
-  const label = model?.name ?? id;
+function cardLabel(id) {
+  const p = state.payload;
+  const m = p?.models?.find((x) => x.id === id) ?? p?.loaded?.find((x) => x.id === id);
+  return m?.name ?? m?.file ?? m?.class ?? id;
+}
+
+// One panel request; the change itself arrives as a "tiered_offload.tiers" push.
+// Requests about one card go out one after the other, in the order the user made them: a
+// priority typed while the keep-in-RAM change is still on its way is sent after it, not dropped.
+const chains = {};
+function post(id, action, path, body) {
+  const send = () => postNow(id, action, path, body);
+  chains[id] = (chains[id] ?? Promise.resolve()).then(send, send);
+  return chains[id];
+}
+
+async function postNow(id, action, path, body) {
+  const label = cardLabel(id);
   state.pending[id] = action;
   panel.update();
   let failure = null;
   try {
-    const res = await api.fetchApi(
-      `/offload/models/${encodeURIComponent(id)}/${action}`, { method: "POST" });
+    const init = { method: "POST" };
+    if (body !== undefined) {
+      init.body = JSON.stringify(body);
+      init.headers = { "Content-Type": "application/json" };
+    }
+    const res = await api.fetchApi(path, init);
     if (!res.ok) failure = `${await errorText(res)} (HTTP ${res.status})`;
   } catch (e) {
     failure = String(e?.message ?? e);
   }
   delete state.pending[id];
-  // Success needs no redraw of its own: the server pushes "tiered_offload.tiers" for the change.
   if (failure) {
-    // The row already names the model; the toast (seen from anywhere) says which one.
+    // The card already names the model; the toast (seen from anywhere) says which one.
     state.notice = { kind: "error", text: `${action[0].toUpperCase()}${action.slice(1)} refused: ${failure}`, model_id: id };
     toast(`Offload: ${action} refused`, `“${label}”: ${failure}`);
   } else if (state.notice?.model_id === id) {
     state.notice = null;
   }
   panel.update();
+}
+
+// Returns an error text, or null once saved.
+async function saveBudgets(body) {
+  try {
+    const res = await api.fetchApi("/offload/budgets", {
+      method: "POST", body: JSON.stringify(body), headers: { "Content-Type": "application/json" } });
+    if (!res.ok) return `${await errorText(res)} (HTTP ${res.status})`;
+    const saved = await res.json();
+    if (state.payload && saved?.budgets) state.payload.budgets = saved.budgets;
+  } catch (e) {
+    return String(e?.message ?? e);
+  }
+  await fetchTiers();
+  return null;
 }
 
 function toast(summary, detail) {
@@ -116,12 +152,15 @@ function onTiers(e) {
   panel.update();
 }
 
+// A sampling run ended: its figures go into the card of the model it streamed.
 function onLayerwise(e) {
   const { model_id: id = null, layerwise = null } = e.detail ?? {};
-  if (!layerwise) return;
-  state.lastRuns[id ?? ""] = layerwise;
-  const model = id && state.payload?.models?.find((m) => m.id === id);
-  if (model) model.layerwise = layerwise;
+  if (!layerwise || !state.payload) return;
+  const managed = id && state.payload.models?.find((m) => m.id === id);
+  if (managed) managed.layerwise = layerwise;
+  for (const card of state.payload.loaded ?? []) {
+    if (card.layerwise?.module_id === layerwise.module_id) card.layerwise = layerwise;
+  }
   panel.update();
 }
 
@@ -133,16 +172,6 @@ function onReconnected() {
 app.registerExtension({
   name: "comfyui-tiered-offload.panel",
   settings: [
-    {
-      id: SETTING_UNITS,
-      category: ["Tiered Offload", "Panel", "Byte units"],
-      name: "Byte units",
-      tooltip: "GB = 10^9 bytes, GiB = 2^30 bytes",
-      type: "combo",
-      options: ["GB", "GiB"],
-      defaultValue: "GB",
-      onChange: () => panel.update(),
-    },
     {
       id: SETTING_STRIPS,
       category: ["Tiered Offload", "Panel", "Block strips"],
@@ -162,7 +191,7 @@ app.registerExtension({
         id: TAB_ID,
         icon: "pi pi-server",
         title: "Offload",
-        tooltip: "Tiered offload: models in VRAM / RAM / disk",
+        tooltip: "Offload: every loaded model, in VRAM / RAM / disk",
         type: "custom",
         render: (el) => {
           panel.mount(el);

@@ -9,6 +9,10 @@
   install; it scales each block's output slightly so its effect shows in the result.
 - TieredTestUnsupportedModel: swaps the diffusion model (through an object patch on a clone)
   for a module with no block list, to exercise the "unsupported model" error.
+- TieredTestWeightReport: an output node that puts, for every parameter of the diffusion
+  model's blocks, its class, whether it is a Parameter, its storage size and dtype, and the
+  GGUF attributes (tensor_type, tensor_shape, number of patches) into /history. It takes the
+  sampled latent too, so it runs after sampling.
 
 With TIERED_TEST_CORE_WEIGHT_BUDGET=<bytes> in the server's environment, core loads every
 diffusion model with that weight budget: its real partial-loading ("lowvram") path, which
@@ -125,6 +129,26 @@ class TieredTestUnsupportedModel:
         return (m,)
 
 
+class TieredTestWeightReport(_StatsNode):
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",), "samples": ("LATENT",)}}
+
+    def stats(self, model, samples):
+        blocks = model.get_model_object("diffusion_model").blocks
+        report = {}
+        for name, weight in blocks.named_parameters():
+            qtype = getattr(weight, "tensor_type", None)
+            report[name] = {
+                "class": type(weight).__name__, "parameter": isinstance(weight, torch.nn.Parameter),
+                "size": list(weight.size()), "dtype": str(weight.dtype),
+                "tensor_type": None if qtype is None else getattr(qtype, "name", str(qtype)),
+                "tensor_shape": list(getattr(weight, "tensor_shape", [])) or None,
+                "patches": len(getattr(weight, "patches", []) or []),
+            }
+        return {"ui": {"weights": [report]}}
+
+
 def _force_core_weight_budget(budget: float) -> None:
     import comfy.model_base
     import comfy.model_management
@@ -149,4 +173,5 @@ NODE_CLASS_MAPPINGS = {
     "TieredTestUnsupportedModel": TieredTestUnsupportedModel,
     "TieredTestConditioning": TieredTestConditioning,
     "TieredTestLatentStats": TieredTestLatentStats,
+    "TieredTestWeightReport": TieredTestWeightReport,
 }

@@ -16,7 +16,6 @@ from typing import Any, Callable
 import torch
 
 import family_adapters
-import mixed_precision
 import tiny_checkpoint
 import tiny_flux
 import tiny_models
@@ -141,7 +140,7 @@ def _plan(big: bool) -> tuple[list[Model], list[tuple[str, str, Callable, dict]]
                                 "time_embedding.2", "head.head")),
             ("wan_tiny_mixed_blocks", ("text_embedding.0", "blocks.0.ffn.0", "blocks.1.self_attn.q"))):
         filename = f"dt_{name}.safetensors"
-        add_file("diffusion_models", filename, _write_mixed_wan, {"layers": list(layers)})
+        add_file("diffusion_models", filename, tiny_models.write_tiny_wan21_mixed_precision, {"layers": list(layers)})
         models.append(Model(name=name, filename=filename, file_dtype="mixed_fp8",
                             quantized=frozenset(layers), mixed=True, **wan_small))
 
@@ -189,10 +188,6 @@ def _plan(big: bool) -> tuple[list[Model], list[tuple[str, str, Callable, dict]]
     add_file("text_encoders", tiny_models.CLIP_L_FILENAME, tiny_models.write_random_clip_l, {})
     add_file("vae", "dt_taesd.safetensors", tiny_vae.write_tiny_taesd, {})
     return models, files
-
-
-def _write_mixed_wan(path, *, layers: list[str]) -> str:
-    return mixed_precision.write_mixed_precision(path, tiny_models.build_tiny_wan21(), layers)
 
 
 def _spec(writer: Callable, kwargs: dict) -> str:

@@ -1,4 +1,5 @@
-"""GPU-only checks: equality, VRAM bound, no device-to-host traffic, ordering under delays, pinning."""
+"""GPU-only checks: equality, VRAM bound, no device-to-host traffic, ordering under delays, pinning,
+transforms on device copies, staged pageable copies, streams, capture refusal, shared pin budget."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 import torch
 from toy_models import ToyDiT, assert_restored, bits, inputs, snapshot
 
-from offload_core import HostStorage, LayerwiseStreamer, ModuleSwap, pinned_bytes
+from offload_core import HostStorage, LayerwiseStreamer, ModuleSwap, pinned_bytes, set_pin_accounting
+from offload_core.staging import PIECE_BYTES
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -164,10 +166,10 @@ def test_gpu_ordering_under_random_delays():
     ring = st._ring
     copy_in = ring.copy_in
 
-    def slow_copy(slot, host):
+    def slow_copy(slot, host, *args):
         with torch.cuda.stream(ring.stream):
             torch.cuda._sleep(rng.randrange(0, 2_000_000))
-        copy_in(slot, host)
+        copy_in(slot, host, *args)
 
     ring.copy_in = slow_copy
     with torch.no_grad():
@@ -240,3 +242,147 @@ def test_gpu_module_swap_round_trip_without_device_to_host():
         assert torch.equal(bits(model(x, t)), bits(ref))
     swap.close()
     assert_restored(model, before, keys)
+
+
+def test_gpu_pack_views_read_as_pinned():
+    """Core's pin_memory trusts is_pinned(): every tensor aliasing the pack must say True, or core
+    registers the same pages again and leaves a CUDA error behind."""
+    model, _ = _models(depth=4, dim=128)
+    st = LayerwiseStreamer(model.blocks, DEV, resident=1, prefetch=1, host_chunk_bytes=1 << 20)
+    st.attach()
+    st.detach(keep_pack=True)  # CPU tensors now alias the kept pack
+    host = st._host
+    assert len(host._chunks) > 1 and host.pageable_bytes == 0
+    for i in range(len(st._packs) + 1):
+        assert host.buffer(i).numel() == 0 or host.buffer(i).is_pinned(), i
+    dense = [t for t in [*model.blocks.parameters(), *model.blocks.buffers()] if t.stride()[0] != 0]
+    assert dense and all(t.is_pinned() for t in dense)
+    st.close()
+
+
+def _delta(i: int, name: str, w: torch.Tensor) -> torch.Tensor | None:
+    if name not in ("qkv.weight", "proj.weight", "wt"):
+        return None
+    g = torch.Generator(device=w.device).manual_seed(100 * i + len(name))
+    return torch.randn(w.shape, generator=g, device=w.device) * 0.05
+
+
+def _merge(i: int, name: str, w: torch.Tensor) -> torch.Tensor:
+    d = _delta(i, name, w)
+    return w if d is None else (w.float() + d).to(w.dtype)
+
+
+def _merged_reference(ref_model: ToyDiT) -> ToyDiT:
+    merged = copy.deepcopy(ref_model)
+    with torch.no_grad():
+        for i, blk in enumerate(merged.blocks):
+            for name, p in blk.named_parameters():
+                p.copy_(_merge(i, name, p))
+    return merged
+
+
+@pytest.mark.parametrize("pin", [True, False])
+def test_gpu_transform_runs_on_device_copies_under_delays(pin):
+    """The merge runs on the copy stream after each copy and before the slot is ready: with the
+    copy stream slowed at random, compute still only ever sees merged weights. A pageable pack
+    (pin=False) goes through the staging worker the same way."""
+    model, ref_model = _models(depth=6, dim=128)
+    x, t = _inputs()
+    with torch.no_grad():
+        ref = _merged_reference(ref_model)(x, t)
+    base = pinned_bytes()
+    rng = random.Random(1)
+    st = LayerwiseStreamer(model.blocks, DEV, resident=2, prefetch=2, pin=pin)
+    st.attach(_merge)
+    ring = st._ring
+    copy_in = ring.copy_in
+
+    def slow_copy(slot, host, *args):
+        with torch.cuda.stream(ring.stream):
+            torch.cuda._sleep(rng.randrange(0, 2_000_000))
+        copy_in(slot, host, *args)
+
+    ring.copy_in = slow_copy
+    with torch.no_grad():
+        for _ in range(4):
+            assert torch.equal(model(x, t), ref)
+    snap = st.telemetry.snapshot(wait=True)
+    assert snap["transforms"] == 3 * (snap["copies"] + len(st.resident_indices)) and snap["sync_fallbacks"] == 0
+    host = st.host_bytes()
+    assert snap["staged_copies"] == (0 if pin else snap["copies"]), snap
+    assert host["pageable"] == (0 if pin else host["packed"]), host
+    st.close()
+    assert pinned_bytes() == base
+
+
+def test_gpu_partly_pinned_pack_stages_only_its_pageable_blocks():
+    model, ref_model = _models(depth=6, dim=128)
+    x, t = _inputs()
+    with torch.no_grad():
+        ref = ref_model(x, t)
+    probe = LayerwiseStreamer(model.blocks, DEV, resident=0, prefetch=1)
+    block = probe._packs[0].nbytes
+    # Room for the staging buffer (taken first) and about half of the blocks, one per chunk.
+    budget = pinned_bytes() + 2 * PIECE_BYTES + 3 * (block + 4096)
+    st = LayerwiseStreamer(model.blocks, DEV, resident=0, prefetch=1, ram_budget_bytes=budget,
+                           host_chunk_bytes=block)
+    st.attach()
+    host = st.host_bytes()
+    assert host["pinned"] > 0 and host["pageable"] > 0, host
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(model(x, t), ref)
+    snap = st.telemetry.snapshot(wait=True)
+    assert 0 < snap["staged_copies"] < snap["copies"], snap
+    st.close()
+
+
+def test_gpu_compute_on_another_stream_waits_for_the_resident_upload():
+    """Resident buffers are uploaded on the stream attach runs on; compute on any other stream must
+    wait for that upload (here held back by a long sleep queued before it)."""
+    model, ref_model = _models(depth=6, dim=256)
+    x, t = _inputs()
+    with torch.no_grad():
+        ref = ref_model(x, t)
+    st = LayerwiseStreamer(model.blocks, DEV, resident=4, prefetch=1)
+    torch.cuda._sleep(200_000_000)  # the resident copies queue behind this
+    st.attach()
+    side = torch.cuda.Stream(DEV)  # not ordered after the attach stream: only the engine's event orders it
+    with torch.no_grad(), torch.cuda.stream(side):
+        out = model(x, t)
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+    st.close()
+
+
+def test_gpu_capture_of_a_streamed_block_is_refused_and_the_engine_recovers():
+    model, ref_model = _models(depth=4, dim=128)
+    x, t = _inputs()
+    with torch.no_grad():
+        ref = ref_model(x, t)
+    st = LayerwiseStreamer(model.blocks, DEV, resident=1, prefetch=1)
+    st.attach()
+    with torch.no_grad():
+        assert torch.equal(model(x, t), ref)  # warm-up, as capture needs
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
+            with torch.cuda.graph(graph):
+                model(x, t)
+        torch.cuda.synchronize()
+        assert torch.equal(model(x, t), ref)
+    st.close()
+
+
+def test_gpu_shared_pin_budget_caps_real_registrations():
+    reports: list[int] = []
+    base = pinned_bytes()
+    try:
+        set_pin_accounting(lambda: base + (6 << 20), reports.append)
+        hs = HostStorage([4 << 20, 4 << 20], pin=True, chunk_bytes=4 << 20)
+        first, second = hs.buffer(0), hs.buffer(1)
+        assert first.is_pinned() and not second.is_pinned()  # the second would pass the shared cap
+        assert reports[-1] == pinned_bytes() == base + (4 << 20)
+        hs.release()
+        assert reports[-1] == pinned_bytes() == base
+    finally:
+        set_pin_accounting(None, None)

@@ -1,4 +1,4 @@
-"""PackedBlock: layout, faithful round trips, zero-copy, refusals, fingerprints."""
+"""PackedBlock: layout, faithful round trips, zero-copy, refusals, transforms on device copies."""
 
 from __future__ import annotations
 
@@ -101,15 +101,31 @@ def test_views_reject_small_or_wrong_buffers():
         pb.views(torch.empty(pb.nbytes, dtype=torch.float32))
 
 
-class _Sub(torch.Tensor):
-    pass
+class _Dispatching(torch.Tensor):
+    """Intercepts dispatch, so its bytes may not be its values, and names no inner tensors."""
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        with torch._C._DisableTorchDispatch():
+            return func(*args, **(kwargs or {}))
+
+
+class _WithTensorAttr(torch.Tensor):
+    """Keeps a tensor beside its storage: the engine would not move it with the data."""
+
+
+def _with_tensor_attr() -> torch.Tensor:
+    t = torch.randn(4).as_subclass(_WithTensorAttr)
+    t.scale = torch.ones(())
+    return t
 
 
 @pytest.mark.filterwarnings("ignore:.*quantized tensor creation functions")
 @pytest.mark.parametrize(
     "make,exc,match",
     [
-        (lambda: torch.randn(4).as_subclass(_Sub), TypeError, "subclass .*_Sub"),
+        (lambda: torch.randn(4).as_subclass(_Dispatching), TypeError, "subclass .*_Dispatching"),
+        (lambda: _with_tensor_attr(), TypeError, "_WithTensorAttr keeps a tensor in its attribute 'scale'"),
         (lambda: nn.parameter.UninitializedParameter(), TypeError, "subclass .*UninitializedParameter"),
         (lambda: torch.randn(4, 4).to_sparse(), TypeError, "not strided"),
         (lambda: torch.empty(4, device="meta"), ValueError, "meta tensor"),
@@ -126,21 +142,39 @@ def test_unpackable_tensors_are_refused_by_name(make, exc, match):
         PackedBlock(tensor_refs(m, 3), index=3)
 
 
-def test_repack_follows_fingerprints():
+def test_transform_rewrites_a_copy_and_never_the_pack():
     blk = _block()
     pb, host = _packed(blk)
+    master = host.clone()
+    names = [e.label for e in pb.entries]
     calls = []
 
-    def double(block, name, w):
-        calls.append(name)
-        return w * 2 if name == "qkv.weight" else w
+    def double(block, name, view):
+        calls.append((block, name))
+        return view * 2 if name == "qkv.weight" else view
 
-    assert pb.repack(None, None) is False  # same (absent) fingerprint, no transform
-    assert pb.repack(double, "v1") is True and calls
-    calls.clear()
-    assert pb.repack(double, "v1") is False and not calls
-    assert pb.repack(double, None) is True  # a transform without a fingerprint always re-packs
-    assert pb.repack(double, None) is True
-    w = pb.views(host)[[e.label for e in pb.entries].index("block 0: qkv.weight")]
-    pb.restore(keep_host=True)
-    assert torch.equal(w, blk.qkv.weight * 2)  # baked from the original, never compounded
+    for _ in range(2):  # every fresh copy gets the same result: nothing compounds
+        slot = host.clone()  # what a device slot holds after its copy
+        assert pb.apply_transform(slot, double) == 1
+        w = pb.views(slot)[names.index("block 0: qkv.weight")]
+        assert torch.equal(w, blk.qkv.weight * 2)
+        others = [i for i, n in enumerate(names) if n != "block 0: qkv.weight"]
+        assert all(torch.equal(bits(pb.views(slot)[i]), bits(pb.views(host)[i])) for i in others)
+    assert torch.equal(host, master)  # the pack keeps the untransformed values
+    assert {n for _, n in calls} == {e.owner[1] for e in pb.entries} and {b for b, _ in calls} == {0}
+
+
+@pytest.mark.parametrize(
+    "transform,exc,match",
+    [
+        (lambda b, n, v: v[:1] if n == "qkv.weight" else v, ValueError, "shape and dtype.*qkv.weight"),
+        (lambda b, n, v: v.double() if v.is_floating_point() else v, ValueError, "shape and dtype"),
+        (lambda b, n, v: v.mul_(1) if n == "mlp_out.bias" else v, ValueError, "in place"),
+        (lambda b, n, v: v.tolist(), TypeError, "plain torch.Tensor"),
+    ],
+)
+def test_transform_output_is_checked(transform, exc, match):
+    blk = _block()
+    pb, host = _packed(blk)
+    with pytest.raises(exc, match=match):
+        pb.apply_transform(host.clone(), transform)

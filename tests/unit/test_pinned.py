@@ -1,14 +1,20 @@
-"""HostStorage: exact sizes, chunking, budget refusal, pageable fallback, release."""
+"""HostStorage: exact sizes, page-aligned chunks, budget refusal, pageable fallback, release, pin accounting."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
-from offload_core import HostStorage, available_ram_bytes, pinned_bytes
-from offload_core.pinned import ALIGN, PAGE
+from offload_core import HostStorage, available_ram_bytes, pin_cap, pinned_bytes, set_pin_accounting
+from offload_core.pinned import ALIGN, PAGE, PIN_FRACTION, _malloc_trim
 
 
 def test_exact_sizes_and_chunks_never_split_an_item():
@@ -24,7 +30,12 @@ def test_exact_sizes_and_chunks_never_split_an_item():
                 assert b.data_ptr() + b.numel() <= c.data_ptr() or c.data_ptr() + c.numel() <= b.data_ptr()
     chunks = hs._chunks
     assert [c.items for c in chunks] == [[0, 1], [2, 3], [4], [5, 6]]  # the 9000-byte item gets its own chunk
-    assert all(c.data.data_ptr() % PAGE == 0 for c in chunks)
+    for i, b in enumerate(bufs):
+        base = chunks[hs._where[i][0]].data
+        if b.numel():
+            # is_pinned() asks CUDA about the storage's base, which must be the registered start
+            assert b.untyped_storage().data_ptr() == base.data_ptr() == base.untyped_storage().data_ptr()
+    assert all(c.data.data_ptr() % PAGE == 0 for c in chunks if c.nbytes)
     assert hs.total_bytes == hs.allocated_bytes <= sum(sizes) + len(chunks) * ALIGN
     assert hs.pageable_bytes == hs.allocated_bytes and hs.pinned_bytes == 0
 
@@ -80,3 +91,48 @@ def test_release_item_frees_a_chunk_once_all_its_items_are_done():
     assert hs.allocated_bytes == full - hs._chunks[0].nbytes
     hs.release_item(2)
     assert hs.allocated_bytes == 0
+
+
+def test_views_kept_after_release_stay_valid():
+    """A chunk's mapping lives as long as any view of it: a view held elsewhere never dangles."""
+    hs = HostStorage([PAGE * 3 + 5], pin=False)
+    view = hs.buffer(0)[PAGE:]
+    view.fill_(9)
+    hs.release()
+    assert hs.allocated_bytes == 0
+    assert int(view.sum()) == 9 * view.numel()
+
+
+def test_pin_accounting_hook_caps_and_hears_totals():
+    reports: list[int] = []
+    own = int(PIN_FRACTION * psutil.virtual_memory().total)
+    try:
+        set_pin_accounting(lambda: 5 << 30, reports.append)
+        assert reports == [pinned_bytes()]  # told the current total at once
+        assert pin_cap() == min(own, 5 << 30) and pin_cap(1 << 30) == 1 << 30
+        set_pin_accounting(lambda: None, reports.append)  # the application sets no limit
+        assert pin_cap() == own
+        set_pin_accounting(lambda: -7, reports.append)  # over its cap already: no room at all
+        assert pin_cap() == 0
+    finally:
+        set_pin_accounting(None, None)
+    assert pin_cap() == own
+
+
+PROBE = Path(__file__).with_name("pack_rss_probe.py")
+
+
+@pytest.mark.skipif(_malloc_trim() is None, reason="needs glibc's malloc_trim")
+def test_rss_after_packing_is_the_pack_not_pack_plus_freed_originals(tmp_path):
+    """Pack a ~1 GiB block stack on CPU in a fresh process and read RSS around it."""
+    proc = subprocess.run([sys.executable, str(PROBE)], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    fig = json.loads(proc.stdout.strip().splitlines()[-1])
+    mib = {k: v / 2**20 for k, v in fig.items()}
+    print(f"RSS before building {mib['rss_start']:.0f} MiB, built {mib['rss_built']:.0f} MiB, "
+          f"packed {mib['rss_packed']:.0f} MiB; pack {mib['packed']:.0f} MiB of {mib['weights']:.0f} MiB weights")
+    assert fig["packed"] >= fig["weights"] > 900 << 20
+    assert fig["rss_built"] - fig["rss_start"] >= 0.9 * fig["weights"]  # the originals were really in RAM
+    # The pack replaces the originals: RSS grows by a small fraction, not by another copy.
+    assert fig["rss_packed"] - fig["rss_built"] < 0.1 * fig["packed"], mib

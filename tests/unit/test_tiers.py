@@ -20,8 +20,9 @@ import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
 from offload_core.tiers import (
-    ModelInUseError, ModelPinnedError, Policy, Tier, TierCapacityError, TierManager,
-    UnknownModelError, model_id)
+    MAX_BUDGET_BYTES, ModelInUseError, ModelPinnedError, Policy, SourceChangedError,
+    SourceGoneError, Tier, TierCapacityError, TierManager, UnknownModelError, model_id,
+    ram_total_bytes, source_key)
 
 WIDTH = 32
 DEPTH = 2
@@ -64,6 +65,7 @@ class LinearStack:
         self.module: nn.Module | None = None
         self.device_copy: nn.Module | None = None
         self.fail_loads = fail_loads
+        self.source_error: Exception | None = None  # what the next load_from_disk raises
         self.gate = gate
         self.started = threading.Event()
         self.disk_reads = 0
@@ -74,6 +76,9 @@ class LinearStack:
         if self.gate is not None:
             assert self.gate.wait(JOIN_S)
         assert self.module is None, "loaded twice"
+        if self.source_error is not None:
+            error, self.source_error = self.source_error, None
+            raise error
         if self.fail_loads:
             self.fail_loads -= 1
             raise OSError(f"simulated read error on {self.path.name}")
@@ -137,6 +142,13 @@ def rig(tmp_path):
     return make
 
 
+def tier_events(manager: TierManager) -> list[dict]:
+    """Subscribe and collect only the tier moves (other event types are tested on their own)."""
+    events: list[dict] = []
+    manager.subscribe(lambda event: events.append(event) if event["type"] == "tier" else None)
+    return events
+
+
 def _consistent(manager: TierManager, backends) -> None:
     for i, backend in enumerate(backends):
         entry = manager.get(f"m{i}")
@@ -187,8 +199,7 @@ def test_lowering_the_budget_drops_idle_models_now(rig):
 
 def test_in_use_model_is_never_evicted(rig):
     manager, _, (a, b) = rig(2, ram_models=1.5, vram_models=1.5)
-    events = []
-    manager.subscribe(events.append)
+    events = tier_events(manager)
     manager.acquire("m0", to=Tier.VRAM)
     for action in (manager.evict, manager.park, manager.load, manager.forget):
         with pytest.raises(ModelInUseError, match="model 0"):
@@ -330,8 +341,7 @@ def test_failed_preload_is_logged_and_model_stays_usable(rig, caplog):
 def test_threads_acquire_release_evict_without_deadlock(rig):
     manager, machine, backends = rig(4, ram_models=2.5, vram_models=1.5)
     references = {f"m{i}": _reference(b) for i, b in enumerate(backends)}
-    events = []
-    manager.subscribe(events.append)
+    events = tier_events(manager)
     errors = []
     outcomes = {"used": 0, "capacity": 0, "in_use": 0}
     start = threading.Barrier(4)
@@ -403,22 +413,44 @@ def test_listeners_see_every_tier_change_and_a_raising_one_is_isolated(rig, capl
         manager.load("m0")
         with manager.using("m1"):
             pass
-    assert [(e["id"], e["old"], e["new"], e["reason"]) for e in events] == [
-        ("m0", "disk", "ram", "load"), ("m0", "ram", "vram", "load"),
-        ("m0", "vram", "ram", "ram_budget"), ("m0", "ram", "disk", "ram_budget"),
-        ("m1", "disk", "ram", "acquire")]
+    assert [(e["type"], e["id"], e.get("old"), e.get("new"), e["reason"]) for e in events] == [
+        ("tier", "m0", "disk", "ram", "load"), ("tier", "m0", "ram", "vram", "load"),
+        ("tier", "m0", "vram", "ram", "ram_budget"), ("tier", "m0", "ram", "disk", "ram_budget"),
+        ("tier", "m1", "disk", "ram", "acquire"), ("use", "m1", None, None, "acquire"),
+        ("use", "m1", None, None, "release")]
     assert [e["seq"] for e in events] == sorted(e["seq"] for e in events)
     assert {e["name"] for e in events} == {"model 0", "model 1"}
-    assert all(outside_lock) and len(outside_lock) == 5
-    assert caplog.text.count("tier listener") == 5 and "listener bug" in caplog.text
+    # The callback's set_priority(m1, 0) changed nothing, so it announced nothing.
+    assert all(outside_lock) and len(outside_lock) == 7
+    assert caplog.text.count("tier listener") == 7 and "listener bug" in caplog.text
     manager.unsubscribe(events.append)
     manager.evict("m1")
-    assert len(events) == 5
+    assert len(events) == 7
     _consistent(manager, [a, b])
 
 
+def test_policy_budget_and_registry_changes_are_announced(rig, tmp_path):
+    manager, machine, _ = rig(1)
+    events = []
+    manager.subscribe(events.append)
+    manager.pin("m0")
+    manager.pin("m0")  # no change, no event
+    manager.unpin("m0")
+    manager.set_priority("m0", 5)
+    manager.set_budgets(disk_tier=False)
+    manager.set_budgets(disk_tier=False)
+    manager.register("m1", "model 1", LinearStack(machine, tmp_path / "x.safetensors", 9),
+                     kind="vae")
+    manager.forget("m1")
+    assert [(e["type"], e.get("id"), e["reason"]) for e in events] == [
+        ("policy", "m0", "pin"), ("policy", "m0", "unpin"), ("policy", "m0", "priority"),
+        ("budgets", None, "budgets"), ("register", "m1", "register"), ("forget", "m1", "forget")]
+    assert events[3]["budgets"] == manager.budgets()
+    assert json.loads(json.dumps(events)) == events
+
+
 @pytest.mark.parametrize("kwargs, message", [
-    ({"ram_budget_bytes": -1}, "ram_budget_bytes must be >= 0, got -1"),
+    ({"ram_budget_bytes": -1}, "ram_budget_bytes must be >= 0"),
     ({"ram_budget_bytes": "8G"}, "ram_budget_bytes must be a whole number of bytes or null"),
     ({"ram_reserve_bytes": 1.5e9}, "ram_reserve_bytes must be a whole number of bytes"),
     ({"ram_reserve_bytes": None}, "ram_reserve_bytes must be a whole number of bytes"),
@@ -432,6 +464,23 @@ def test_bad_budgets_raise_value_error_and_change_nothing(kwargs, message):
     with pytest.raises(ValueError, match=message):
         manager.set_budgets(**kwargs)
     assert manager.budgets() == before
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"ram_budget_bytes": MAX_BUDGET_BYTES + 1}, "ram_budget_bytes must be at most"),
+    ({"ram_budget_bytes": 10 ** 4294}, "ram_budget_bytes must be at most"),
+    ({"ram_reserve_bytes": -10 ** 4294}, "ram_reserve_bytes must be >= 0"),
+    ({"vram_reserve_bytes": MAX_BUDGET_BYTES * 2}, "vram_reserve_bytes must be at most"),
+    ({"ram_reserve_bytes": ram_total_bytes() + 1}, "is more than this machine's RAM"),
+])
+def test_impossible_budgets_are_refused_with_a_short_message(kwargs, message):
+    manager = TierManager(vram_free_fn=lambda: None)
+    before = manager.budgets()
+    with pytest.raises(ValueError, match=message) as refused:
+        manager.set_budgets(**kwargs)
+    assert len(str(refused.value)) < 200
+    assert manager.budgets() == before
+    json.dumps(manager.snapshot())  # every published figure stays a small JSON number
 
 
 def test_bad_constructor_and_policy_values_raise_value_error(rig):
@@ -479,8 +528,7 @@ def test_register_is_idempotent_and_forget_releases_memory(rig, tmp_path):
 
 def test_observe_records_moves_made_outside_the_manager(rig):
     manager, _, (a, b) = rig(2, vram_models=1.5)
-    events = []
-    manager.subscribe(events.append)
+    events = tier_events(manager)
     manager.park("m0")
     a.to_vram()  # what ComfyUI does on its own when it samples
     assert manager.observe("m0", "vram") is True
@@ -507,7 +555,8 @@ def test_snapshot_is_json_and_has_the_documented_shape(rig):
     assert snap["ram"]["budget"] <= manager.budgets()["ram_budget_bytes"]
     m0, m1 = snap["models"]
     assert set(m0) == {"id", "name", "kind", "tier", "bytes", "total_bytes", "last_used",
-                       "load_count", "loads_from_disk", "loads_from_ram", "in_use", "policy"}
+                       "load_count", "loads_from_disk", "loads_from_ram", "in_use", "moving",
+                       "policy"}
     assert (m0["tier"], m0["bytes"], m0["total_bytes"]) == ("vram", {"vram": a.size, "ram": a.size},
                                                            a.size)
     assert (m1["tier"], m1["in_use"], m1["policy"]) == ("ram", 1, {"pinned": False, "priority": 0})
@@ -526,3 +575,81 @@ def test_model_id_tracks_file_identity_and_options(tmp_path):
     assert model_id(path, path.stat().st_mtime_ns, options) != base
     assert model_id(path, mtime, {**options, "dtype": "bf16"}) != base
     assert model_id(tmp_path / "other.safetensors", mtime, options) != base
+
+
+def test_a_newer_version_of_a_file_supersedes_the_old_entry(rig, tmp_path):
+    manager, machine, (old,) = rig(1)
+    manager.forget("m0")
+    manager.register("v1", "model", old, kind="diffusion", source="file-a")
+    manager.load("v1")
+    v2 = LinearStack(machine, tmp_path / "v2.safetensors", seed=200)
+    manager.register("v2", "model", v2, kind="diffusion", source="file-a")
+    # The idle old version is forgotten at once: RAM holds one version of the file.
+    assert old.actual_tier() is Tier.DISK
+    with pytest.raises(UnknownModelError):
+        manager.get("v1")
+    # An old version in use stays until its job ends, but nothing new may use it.
+    manager.acquire("v2")
+    v3 = LinearStack(machine, tmp_path / "v3.safetensors", seed=300)
+    manager.register("v3", "model", v3, kind="diffusion", source="file-a")
+    assert manager.get("v2").superseded and v2.actual_tier() is Tier.RAM
+    for action in (manager.acquire, manager.park):
+        with pytest.raises((SourceChangedError, ModelInUseError)):
+            action("v2")
+    manager.release("v2")
+    with pytest.raises(UnknownModelError):
+        manager.get("v2")
+    assert v2.actual_tier() is Tier.DISK
+    assert [m["id"] for m in manager.snapshot()["models"]] == ["v3"]
+    # Another source is another model.
+    other = LinearStack(machine, tmp_path / "other.safetensors", seed=400)
+    manager.register("o", "other", other, kind="diffusion", source="file-b")
+    assert {m["id"] for m in manager.snapshot()["models"]} == {"v3", "o"}
+
+
+def test_source_errors_on_load_leave_a_consistent_manager(rig):
+    manager, _, (a, b) = rig(2)
+    a.source_error = SourceGoneError("model 0's file is gone")
+    with pytest.raises(SourceGoneError):
+        manager.load("m0")
+    assert manager.get("m0").tier is Tier.DISK and manager.get("m0").moving is None
+    assert manager.snapshot()["models"][0]["moving"] is None
+    with manager.using("m0"):  # the file is back: the same id loads
+        assert torch.equal(a.run(X), _reference(a))
+    # A changed file under an old id is never loaded: the entry is forgotten instead.
+    b.source_error = SourceChangedError("model 1's file changed")
+    with pytest.raises(SourceChangedError):
+        manager.acquire("m1")
+    with pytest.raises(UnknownModelError):
+        manager.get("m1")
+    assert b.disk_reads == 0 and b.actual_tier() is Tier.DISK
+
+
+def test_a_status_read_during_a_load_sees_the_move_and_never_waits(rig):
+    manager, _, (a,) = rig(1)
+    a.gate = threading.Event()
+    loader = threading.Thread(target=manager.load, args=("m0",))
+    loader.start()
+    assert a.started.wait(JOIN_S)
+    # The load holds the lock: the published state says what is moving, and an observation
+    # that must not wait gives up instead of blocking.
+    seen = manager.snapshot()["models"][0]
+    assert seen["moving"] == {"from": "disk", "to": "ram", "reason": "load"}
+    observed = []
+    reader = threading.Thread(target=lambda: observed.append(
+        manager.observe("m0", Tier.RAM, wait=False)))
+    reader.start()
+    reader.join(JOIN_S)
+    assert not reader.is_alive() and observed == [False]
+    a.gate.set()
+    loader.join(JOIN_S)
+    assert not loader.is_alive()
+    final = manager.snapshot()["models"][0]
+    assert final["moving"] is None and final["tier"] == "vram"
+
+
+def test_source_key_ignores_mtime_but_not_path_or_options(tmp_path):
+    path = tmp_path / "model.safetensors"
+    assert source_key(path, {"a": 1}) == source_key(str(path), {"a": 1})
+    assert source_key(path, {"a": 1}) != source_key(path, {"a": 2})
+    assert source_key(path, {"a": 1}) != source_key(tmp_path / "other", {"a": 1})

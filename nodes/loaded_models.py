@@ -1,0 +1,167 @@
+"""Every model ComfyUI has loaded, as the Offload panel lists it, and core's own unload.
+
+The tier manager only knows the models of the Tiered loaders, but a user's workflow loads most
+models with core's loaders. Core's `current_loaded_models` is the one list that holds them all,
+so the panel's cards start from it: each model with its class, its file where the loader left a
+trace of it, its bytes on the compute device and in RAM, and what the pack does with it (streamed
+by Apply Layerwise Offload, swapped by Model-Level Swap, kept by the tier manager). Models the
+pack still holds in RAM after core let go of them (a layerwise pack, a swap master) are listed
+too, so no pinned byte is hidden.
+
+Core's unload (`LoadedModel.model_unload`, what core itself does to make room) is offered only
+between prompts: the check and the unload run under the prompt queue's lock, so no prompt can
+start in between.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import weakref
+from typing import Any
+
+import torch
+
+import comfy.model_base
+import comfy.model_management
+import comfy.sd1_clip
+
+from ..offload_core.tiers import TierError
+from .core_models import unload_from_core
+from .layerwise import REGISTRY as LAYERWISE
+from .swap import MEMBERS as SWAP_MEMBERS
+from .tiers import MANAGER, diffusion_module_ids, key_of
+
+log = logging.getLogger(__name__)
+
+_ids: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
+_ids_lock = threading.Lock()  # reports run on the prompt worker and on the server's loop
+_counter = itertools.count(1)
+
+
+def _card_id(module: torch.nn.Module) -> str:
+    """A short id per model module that is never reused, unlike id()."""
+    with _ids_lock:
+        found = _ids.get(module)
+        if found is None:
+            found = _ids[module] = f"core-{next(_counter)}"
+        return found
+
+
+def _find(card_id: str) -> list:
+    with _ids_lock:
+        return [lm for lm in list(comfy.model_management.current_loaded_models)
+                if lm.model is not None and _ids.get(lm.model.model) == card_id]
+
+
+def _kind(module: torch.nn.Module) -> str:
+    if isinstance(module, comfy.model_base.BaseModel):
+        return "diffusion model"
+    if isinstance(module, comfy.sd1_clip.SD1ClipModel):
+        return "text encoder"
+    name = f"{type(module).__module__}.{type(module).__name__}".lower()
+    return "VAE" if "vae" in name or "autoencoder" in name else "model"
+
+
+def _file_of(patcher) -> str | None:
+    """The file a core loader read, where core recorded it (0.33's `cached_patcher_init`)."""
+    init = getattr(patcher, "cached_patcher_init", None)
+    if not isinstance(init, tuple) or len(init) < 2 or not init[1]:
+        return None
+    paths = init[1][0]
+    paths = [paths] if isinstance(paths, (str, os.PathLike)) else paths
+    if not isinstance(paths, (list, tuple)) or not all(isinstance(p, (str, os.PathLike)) for p in paths):
+        return None
+    return " + ".join(os.path.basename(os.fspath(p)) for p in paths) or None
+
+
+def _layerwise_by_module() -> dict[int, dict]:
+    return {report["module_id"]: report for report in LAYERWISE.report()}
+
+
+def _card(lm, layerwise: dict[int, dict], tier_names: dict[str, str],
+          swapped: list) -> dict[str, Any] | None:
+    patcher = lm.model
+    if patcher is None:  # core's entry outlived its patcher; core drops it on its next pass
+        return None
+    module = patcher.model
+    diffusion_model = getattr(module, "diffusion_model", None)
+    total = lm.model_memory()
+    loaded = min(lm.model_loaded_memory(), total)
+    on_device = 0 if lm.device.type == "cpu" else loaded
+    tier_id = key_of(patcher)
+    swap = SWAP_MEMBERS.get(module)
+    swapped.append(swap)
+    return {
+        "id": _card_id(module),
+        "class": type(module).__name__,
+        "network": type(diffusion_model).__name__ if diffusion_model is not None else None,
+        "kind": _kind(module),
+        "file": tier_names.get(tier_id) or _file_of(patcher),
+        "device": str(lm.device),
+        "core": True,
+        # device + ram == total. With a CPU compute device (--cpu) what core "loaded" is in RAM.
+        "bytes": {"total": total, "device": on_device, "ram": total - on_device,
+                  "loaded_by_core": loaded},
+        "tier_id": tier_id,
+        "layerwise": layerwise.pop(id(diffusion_model), None) if diffusion_model is not None else None,
+        "swap": swap.report() if swap is not None else None,
+    }
+
+
+def report() -> list[dict[str, Any]]:
+    """Core's loaded models, newest first, then what the pack holds for models core let go."""
+    layerwise = _layerwise_by_module()
+    tier_names = {m["id"]: m["name"] for m in MANAGER.snapshot()["models"]}
+    swapped: list = []
+    cards = [card for lm in list(comfy.model_management.current_loaded_models)
+             if (card := _card(lm, layerwise, tier_names, swapped)) is not None]
+    managed = set(diffusion_module_ids().values())  # the tier manager's cards show these
+    for module_id, lw in layerwise.items():
+        if module_id in managed:
+            continue
+        cards.append({"id": f"layerwise-{module_id:x}", "class": lw["model_class"],
+                      "network": lw["model_class"], "kind": "diffusion model", "file": None,
+                      "device": lw["device"], "core": False, "bytes": None, "tier_id": None,
+                      "layerwise": lw, "swap": None})
+    for member in SWAP_MEMBERS.values():
+        if member not in swapped and not member.closed:
+            cards.append({"id": f"swap-{id(member):x}", "class": member.name, "network": None,
+                          "kind": "model", "file": None, "device": "cpu",  # a master lives in host RAM
+                          "core": False, "bytes": None, "tier_id": None, "layerwise": None,
+                          "swap": member.report()})
+    return cards
+
+
+def _prompt_queue():
+    from server import PromptServer
+
+    return getattr(PromptServer.instance, "prompt_queue", None)
+
+
+def unload(card_id: str) -> dict[str, Any]:
+    """Core's own unload of one loaded model, refused while a prompt runs.
+
+    Holding the queue's lock keeps the prompt worker from taking a prompt between the check and
+    the unload. Raises LookupError (unknown id) or TierError (a prompt runs, or the tier manager
+    owns the model).
+    """
+    queue = _prompt_queue()
+    lock = getattr(queue, "mutex", None)
+    if lock is None or not isinstance(getattr(queue, "currently_running", None), dict):
+        raise TierError("this ComfyUI does not say whether a prompt runs; unload refused")
+    with lock:
+        if queue.currently_running:
+            raise TierError("a prompt is running; core's unload is offered between prompts only")
+        for lm in _find(card_id):
+            patcher = lm.model
+            if patcher is None:
+                continue
+            if key_of(patcher) is not None:
+                raise TierError("the tier manager keeps this model: use Park or Evict")
+            name = type(patcher.model).__name__
+            unload_from_core(patcher.model)
+            log.info("tiered offload: %s unloaded through core's unload (panel request)", name)
+            return {"id": card_id, "class": name}
+    raise LookupError(card_id)

@@ -1,0 +1,146 @@
+"""Copies out of pageable host memory that do not hold up the sampling thread.
+
+Why: from pageable memory ``cudaMemcpyAsync`` is not asynchronous for the host.
+The driver stages the source through its own pinned buffer and returns only when
+the last piece is staged, so a copy issued when a block exits would hold the
+sampling thread for the whole transfer, and the GPU would run out of queued work.
+Here one worker thread does that staging instead: it copies the source piece by
+piece into a small pinned bounce buffer (two halves; a half is refilled only
+after the device copy out of it has finished) and issues the device copies on the
+copy stream.  The sampling thread only queues the job, and waits on the host only
+when it needs a block whose copies have not all been issued yet.
+
+Every copy of one ring goes through the worker once it has one, in submission
+order, so the copy stream sees the same order as without staging.  Without CUDA
+the same code copies synchronously (events are skipped), which keeps the piece
+logic and the error path testable on a CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from collections.abc import Callable
+
+import torch
+
+from .pinned import HostStorage
+
+PIECE_BYTES = 16 << 20  # one half of the bounce buffer
+
+
+class Ticket:
+    """The host-side state of one staged copy: done once all of its device work is issued."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self.error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> None:
+        """Block until the job's work is issued; re-raise what the job raised."""
+        self._done.wait()
+        if self.error is not None:
+            raise RuntimeError(f"a staged copy failed: {self.error}") from self.error
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        self.error = error
+        self._done.set()
+
+
+class Stager:
+    """A worker thread that copies host ranges into device buffers through a pinned bounce buffer.
+
+    ``bounce`` holds ``2 * piece_bytes`` bytes of host memory (pinned, or there is
+    no point in staging).  ``stream`` is the copy stream on CUDA, None on the CPU.
+    """
+
+    def __init__(self, device: torch.device, stream: torch.cuda.Stream | None, bounce: HostStorage,
+                 piece_bytes: int = PIECE_BYTES) -> None:
+        self.device = device
+        self._stream = stream
+        self._piece = piece_bytes
+        buf = bounce.buffer(0)
+        if buf.numel() < 2 * piece_bytes:
+            raise ValueError(f"the bounce buffer needs {2 * piece_bytes} bytes, got {buf.numel()}")
+        bounce.note_reader(device)
+        self._halves = [buf[:piece_bytes], buf[piece_bytes : 2 * piece_bytes]]
+        cuda = device.type == "cuda"
+        self._drained = [torch.cuda.Event() for _ in range(2)] if cuda else None
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="offload-stager", daemon=True)
+        self._thread.start()
+
+    def submit(
+        self,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        *,
+        bounce: bool = True,
+        after_free: torch.cuda.Event | None = None,
+        prepare: Callable[[torch.Tensor], None] | None = None,
+        ready: torch.cuda.Event | None = None,
+    ) -> Ticket:
+        """Queue ``dst.copy_(src)`` (uint8, same size), then ``prepare(dst)``, then record ``ready``.
+
+        On CUDA the copy stream first waits for ``after_free``; everything runs on
+        that stream, so ``ready`` covers the copy and whatever ``prepare`` queued.
+        Without ``bounce`` (a pinned ``src``) the copy is issued directly, still in
+        submission order.
+        """
+        if dst.numel() != src.numel():
+            raise ValueError(f"staged copy of {src.numel()} bytes into {dst.numel()}")
+        ticket = Ticket()
+        self._jobs.put((ticket, dst, src, bounce, after_free, prepare, ready))
+        return ticket
+
+    def close(self) -> None:
+        """Let queued jobs finish, then stop the worker."""
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            ticket = job[0]
+            try:
+                self._copy(*job[1:])
+            except BaseException as e:  # reported to the thread that waits for this copy
+                ticket._finish(e)
+            else:
+                ticket._finish()
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, bounce: bool, after_free: torch.cuda.Event | None,
+              prepare: Callable[[torch.Tensor], None] | None, ready: torch.cuda.Event | None) -> None:
+        stream = self._stream
+        on_stream = contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
+        device = contextlib.nullcontext() if stream is None else torch.cuda.device(self.device)
+        with torch.no_grad(), torch.inference_mode(False), device, on_stream:
+            if after_free is not None:
+                stream.wait_event(after_free)
+            if bounce:
+                self._pieces(dst, src)
+            else:
+                dst.copy_(src, non_blocking=True)
+            if prepare is not None:
+                prepare(dst)
+            if ready is not None:
+                ready.record(stream)
+
+    def _pieces(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        for k, start in enumerate(range(0, src.numel(), self._piece)):
+            half, n = k % 2, min(self._piece, src.numel() - start)
+            bounce = self._halves[half][:n]
+            if self._drained is not None:
+                self._drained[half].synchronize()  # the device copy out of this half is done
+            bounce.copy_(src[start : start + n])
+            dst[start : start + n].copy_(bounce, non_blocking=True)
+            if self._drained is not None:
+                self._drained[half].record(self._stream)

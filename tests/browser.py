@@ -1,0 +1,47 @@
+"""Which Chromium the browser tests and tools drive (with playwright; no browser is downloaded).
+
+`CHROMIUM` names one explicitly; otherwise the first `chromium` on PATH, then Debian's path.
+The Makefile's chromium rule looks for it the same way before it offers to install one.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+DEBIAN_CHROMIUM = "/usr/bin/chromium"
+
+
+def chromium_path() -> str | None:
+    """The Chromium executable to drive, or None when there is none."""
+    for candidate in (os.environ.get("CHROMIUM"), shutil.which("chromium"), DEBIAN_CHROMIUM):
+        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+LAUNCH_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+               "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+def wait_for_ui(page, url: str) -> None:
+    """Open ComfyUI's frontend and wait until the app and this pack's extension are set up."""
+    page.add_init_script("localStorage.setItem('vueNodesBannerDismissed', 'true')")
+    page.goto(url, wait_until="domcontentloaded")
+    page.wait_for_function("() => window.app && window.app.graph && window.__tieredOffload?.ready",
+                           timeout=120_000)
+
+
+def open_offload_tab(page) -> None:
+    """Open the Offload sidebar tab (a no-op when it is open)."""
+    if not page.locator("#tiered-offload-panel").count():
+        page.locator(".tiered-offload-tab-button").first.click()
+    page.wait_for_selector("#tiered-offload-panel", timeout=30_000)
+
+
+def load_template(page, module: str, name: str) -> None:
+    """Put a custom node pack's example workflow on the canvas, as the template browser does."""
+    page.evaluate("""async ([module, name]) => {
+        const res = await fetch(`/api/workflow_templates/${module}/${name}.json`);
+        await app.loadGraphData(await res.json(), true, true, name);
+    }""", [module, name])

@@ -1,0 +1,205 @@
+"""The demo and the example workflows: one source for `make demo`, the tests and the UI files.
+
+Every workflow uses only nodes a user has: core's and the pack's. The models are ones a user can
+make on the spot: a small random-weight HunyuanVideo-shaped DiT, whose text width ComfyUI reads
+from the weights (768, CLIP-L's), and a random-weight CLIP-L text encoder loaded with core's
+CLIPLoader. (A Wan needs 4096-wide umt5-xxl conditioning: ComfyUI fixes Wan's text width, and no
+encoder of that width is small enough to write here.)
+
+`python tools/example_workflows.py` rewrites `example_workflows/*.json`, the graph (UI) files
+ComfyUI's template browser lists for this pack, from the API graphs below: it starts a server
+with the pack, lets the frontend build each graph in headless Chromium and saves what the
+frontend serializes, so the files are what a user would get by saving the workflow.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "fixtures")]
+import tiny_models  # noqa: E402
+
+EXAMPLES_DIR = REPO / "example_workflows"
+DIT_FILE = "demo_hunyuan_video_12blocks.safetensors"
+CLIP_FILE = tiny_models.CLIP_L_FILENAME
+DIT_SHAPE = {"double_blocks": 4, "single_blocks": 8, "hidden": 128, "text_dim": 768, "seed": 0}
+PROMPT = "a lighthouse on a cliff at dusk, waves below"
+NEGATIVE = "blurry"
+
+
+def write_models(base: Path) -> list[Path]:
+    """Write the demo's DiT and text encoder under base/models where core's loaders look."""
+    dit = base / "models" / "diffusion_models" / DIT_FILE
+    clip = base / "models" / "text_encoders" / CLIP_FILE
+    written = []
+    if not dit.exists():
+        tiny_models.write_tiny_hunyuan_video(dit, **DIT_SHAPE)
+        written.append(dit)
+    if not clip.exists():
+        tiny_models.write_random_clip_l(clip)
+        written.append(clip)
+    return written
+
+
+def _base(unet: str = "UNETLoader", clip: str = "CLIPLoader") -> dict[str, dict]:
+    """Loaders, text encodes, an empty video latent and the sampler; numeric ids as the UI uses."""
+    return {
+        "1": {"class_type": unet, "inputs": {"unet_name": DIT_FILE, "weight_dtype": "default"}},
+        "2": {"class_type": clip, "inputs": {"clip_name": CLIP_FILE, "type": "stable_diffusion",
+                                             "device": "default"}},
+        "3": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["2", 0], "text": PROMPT}},
+        "4": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["2", 0], "text": NEGATIVE}},
+        "5": {"class_type": "EmptyHunyuanLatentVideo",
+              "inputs": {"width": 64, "height": 64, "length": 5, "batch_size": 1}},
+        "6": {"class_type": "KSampler", "inputs": {
+            "model": ["1", 0], "positive": ["3", 0], "negative": ["4", 0],
+            "latent_image": ["5", 0], "seed": 42, "steps": 6, "cfg": 4.0,
+            "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0}},
+        "7": {"class_type": "SaveLatent",
+              "inputs": {"samples": ["6", 0], "filename_prefix": "latents/tiered_offload"}},
+    }
+
+
+def demo() -> dict[str, dict]:
+    """`make demo`: core's loaders, the DiT streamed by Apply Layerwise Offload (2 blocks resident)."""
+    wf = _base()
+    wf["8"] = {"class_type": "ApplyLayerwiseOffload", "inputs": {
+        "model": ["1", 0], "resident_blocks": 2, "vram_budget_gb": 12.0, "prefetch": 2, "pin": True}}
+    wf["6"]["inputs"]["model"] = ["8", 0]
+    wf["7"]["inputs"]["filename_prefix"] = "latents/tiered_offload_demo"
+    return wf
+
+
+def layerwise() -> dict[str, dict]:
+    """Apply Layerwise Offload as most users set it: resident blocks from a VRAM budget in GiB."""
+    wf = _base()
+    wf["8"] = {"class_type": "ApplyLayerwiseOffload", "inputs": {
+        "model": ["1", 0], "resident_blocks": -1, "vram_budget_gb": 12.0, "prefetch": 2, "pin": True}}
+    wf["6"]["inputs"]["model"] = ["8", 0]
+    return wf
+
+
+def swap() -> dict[str, dict]:
+    """Model-Level Swap: the DiT and the text encoder take turns on the GPU."""
+    wf = _base()
+    wf["8"] = {"class_type": "ModelLevelSwap", "inputs": {"model": ["1", 0], "clip": ["2", 0]}}
+    wf["6"]["inputs"]["model"] = ["8", 0]
+    for node in ("3", "4"):
+        wf[node]["inputs"]["clip"] = ["8", 1]
+    return wf
+
+
+def tiered() -> dict[str, dict]:
+    """The Tiered loaders, with the VRAM Tier Manager setting budgets and the DiT's policy."""
+    wf = _base("TieredUNETLoader", "TieredCLIPLoader")
+    wf["8"] = {"class_type": "VRAMTierManager", "inputs": {
+        "model": ["1", 0], "clip": ["2", 0], "ram_budget_gb": 0.0, "ram_reserve_gb": 2.0,
+        "vram_reserve_gb": 1.0, "disk_tier": True, "keep_in_ram": True, "priority": 10}}
+    wf["6"]["inputs"]["model"] = ["8", 0]
+    for node in ("3", "4"):
+        wf[node]["inputs"]["clip"] = ["8", 1]
+    return wf
+
+
+# file stem -> (API graph, the note shown on the canvas)
+EXAMPLES: dict[str, tuple[Callable[[], dict], str]] = {
+    "tiered_offload_demo": (demo, (
+        "The demo of comfyui-tiered-offload (make demo). Apply Layerwise Offload streams the "
+        "diffusion model's blocks from pinned RAM: 2 of its 12 blocks stay on the GPU, the rest "
+        "are copied in while earlier blocks compute. The result is bit-identical to the same "
+        "workflow without the node. Open the Offload tab in the sidebar after a run: every "
+        "loaded model, its blocks and the run's figures. The models are random-weight demo "
+        "files that make demo writes; pick your own in the loaders.")),
+    "apply_layerwise_offload": (layerwise, (
+        "Apply Layerwise Offload between the model loader (and any LoRA) and the sampler. With "
+        "resident_blocks -1, vram_budget_gb (GiB) decides how many blocks stay on the GPU; the "
+        "rest stream from pinned RAM. 12 GiB suits a 24 GiB card running a 14B video model; the "
+        "small demo model fits whole in it, so nothing streams here (the demo workflow keeps 2 "
+        "blocks resident to show streaming).")),
+    "model_level_swap": (swap, (
+        "Model-Level Swap after the loaders: the diffusion model is parked while text is "
+        "encoded, the text encoder while sampling. Both move from pinned RAM masters: a few "
+        "large copies in, nothing copied back.")),
+    "tiered_loaders_and_manager": (tiered, (
+        "The Tiered loaders are drop-in twins of core's loaders whose models the tier manager "
+        "keeps across workflows (VRAM, RAM, disk). The VRAM Tier Manager sets the budgets (GiB) "
+        "and this model's policy: keep in RAM, priority 10. Run another workflow, then this one "
+        "again: its models come back from RAM, not from disk. The Offload tab edits the same "
+        "budgets and policy.")),
+}
+
+
+def api_graphs() -> dict[str, dict]:
+    return {stem: build() for stem, (build, _) in EXAMPLES.items()}
+
+
+# Runs in the page: the frontend builds the graph from the API form, lays it out, adds the note
+# and fixes the seed (a template should give the same result on every run), then serializes it.
+_BUILD_JS = """async ([apiGraph, note, name]) => {
+  await app.loadApiJson(apiGraph, name);
+  for (const node of app.graph.nodes) {
+    for (const w of node.widgets ?? []) if (w.name === "control_after_generate") w.value = "fixed";
+  }
+  const n = LiteGraph.createNode("Note");
+  n.widgets[0].value = note;
+  n.size = [420, 160];
+  app.graph.add(n);
+  app.graph.arrange();
+  return JSON.stringify(app.graph.serialize());  // as saved: no undefined turned into null
+}"""
+
+
+def build_ui_files(url: str, out_dir: Path, chromium: str) -> list[Path]:
+    """Let the frontend at `url` turn each API graph into its graph (UI) file in `out_dir`, with
+    the thumbnail the template browser shows beside it (<name>.jpg: the graph on the canvas)."""
+    from playwright.sync_api import sync_playwright
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium, headless=True,
+                                     args=["--no-sandbox", "--disable-gpu"])
+        page = browser.new_page(viewport={"width": 1200, "height": 900})
+        page.add_init_script("localStorage.setItem('vueNodesBannerDismissed', 'true')")
+        page.goto(url, wait_until="domcontentloaded")
+        page.wait_for_function("() => window.app && window.app.graph && window.LiteGraph",
+                               timeout=120_000)
+        for stem, (build, note) in EXAMPLES.items():
+            graph = json.loads(page.evaluate(_BUILD_JS, [build(), note, stem]))
+            path = out_dir / f"{stem}.json"
+            path.write_text(json.dumps(graph, indent=1) + "\n")
+            page.evaluate("app.extensionManager.command.execute('Comfy.Canvas.FitView')")
+            page.wait_for_timeout(500)
+            thumb = out_dir / f"{stem}.jpg"
+            page.locator("#graph-canvas").screenshot(path=str(thumb), type="jpeg", quality=70)
+            written += [path, thumb]
+        browser.close()
+    return written
+
+
+def main() -> int:
+    from browser import chromium_path
+    from comfy_server import ComfyServer
+
+    chromium = chromium_path()
+    if chromium is None:
+        print("needs Chromium (see make chromium)", file=sys.stderr)
+        return 1
+    with tempfile.TemporaryDirectory(prefix="tiered_offload_examples_") as tmp:
+        base = Path(tmp)
+        write_models(base)
+        server = ComfyServer(base, test_nodes=False).start()
+        try:
+            for path in build_ui_files(server.url, EXAMPLES_DIR, chromium):
+                print(f"wrote {path.relative_to(REPO)}")
+        finally:
+            server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
