@@ -112,3 +112,11 @@ gpu-kit: $(COMFY)/.ready
 
 clean:
 	rm -rf $(VENV) $(COMFY) $(VENV033) $(COMFY033) .demo .pytest_cache .gpu_kit
+
+# A long randomized differential campaign (tests/differential, README "Tests"): every prompt on a
+# server with the pack against its stripped twin on one without. make difftest SEED=7 PROMPTS=500
+SEED ?= 1
+PROMPTS ?= 300
+.PHONY: difftest
+difftest: env
+	OMP_NUM_THREADS=2 $(PY) -m tests.differential --seed $(SEED) --prompts $(PROMPTS) $(DIFFTEST_ARGS)

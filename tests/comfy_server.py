@@ -29,6 +29,7 @@ DEFAULT_TREE = COMFY_ROOT.resolve() == (REPO / ".comfyui").resolve()
 PACK_LINK_NAME = "comfyui-tiered-offload"
 TEST_NODES_LINK_NAME = "tiered_offload_test_nodes"
 OUR_NODES = ("ApplyLayerwiseOffload",)
+TEST_NODES = ("TieredTestLatentStats",)
 
 
 def comfy_version(root: Path = COMFY_ROOT) -> str:
@@ -46,14 +47,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def prepare_base(base: Path, extra_nodes: dict[str, Path] | None = None,
-                 test_nodes: bool = True) -> Path:
-    """Lay out a ComfyUI base directory with our pack, the test nodes (unless a user's server is
-    wanted, as for the demo) and any extra node folders (name -> folder; the benchmarks link
-    their own) linked into custom_nodes/."""
+def prepare_base(base: Path, extra_nodes: dict[str, Path] | None = None, *,
+                 with_pack: bool = True, test_nodes: bool = True) -> Path:
+    """Lay out a ComfyUI base directory with our pack (unless `with_pack` is false: the
+    differential test's reference server), the test nodes (unless a user's server is wanted, as
+    for the demo) and any extra node folders (name -> folder; the benchmarks link their own)
+    linked into custom_nodes/."""
     custom = base / "custom_nodes"
     custom.mkdir(parents=True, exist_ok=True)
-    links = {PACK_LINK_NAME: REPO, **(extra_nodes or {})}
+    links = dict(extra_nodes or {})
+    if with_pack:
+        links[PACK_LINK_NAME] = REPO
     if test_nodes:
         links[TEST_NODES_LINK_NAME] = REPO / "tests" / "comfy_test_nodes"
     for name, target in links.items():
@@ -76,8 +80,12 @@ class PromptFailed(AssertionError):
 class ComfyServer:
     def __init__(self, base: Path, *, extra_args: tuple[str, ...] = (), threads: int = 2,
                  port: int | None = None, extra_nodes: dict[str, Path] | None = None,
-                 env: dict[str, str] | None = None, test_nodes: bool = True) -> None:
-        self.base = prepare_base(base, extra_nodes, test_nodes)
+                 env: dict[str, str] | None = None, with_pack: bool = True,
+                 test_nodes: bool = True) -> None:
+        # with_pack=False: the same ComfyUI without the pack, as the reference of the
+        # differential test (the test-only nodes are still there).
+        self.with_pack = with_pack
+        self.base = prepare_base(base, extra_nodes, with_pack=with_pack, test_nodes=test_nodes)
         self.env = env or {}
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -123,9 +131,11 @@ class ComfyServer:
             if "IMPORT FAILED" in line and any(name in line for name in ours):
                 raise RuntimeError(f"our pack failed to import: {line}\n{self.log_tail()}")
         info = self.get("/object_info")
-        missing = [n for n in OUR_NODES if n not in info]
+        missing = [n for n in (OUR_NODES if self.with_pack else TEST_NODES) if n not in info]
         if missing:
             raise RuntimeError(f"nodes missing from /object_info: {missing}\n{self.log_tail()}")
+        if not self.with_pack and any(n in info for n in OUR_NODES):
+            raise RuntimeError("a server started without the pack serves its nodes")
 
     def stop(self) -> None:
         if self.proc is None:

@@ -1,0 +1,81 @@
+"""Text for people: progress lines, mismatch paragraphs with hash pairs, replays, run summaries."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+PLUMBING = ("TieredTestConditioning", "TieredTestLatentStats", "TieredTestConditioningStats")
+
+
+def node_list(workflow: dict[str, Any]) -> str:
+    """The graph's nodes in id order, without the test plumbing (conditioning, stats)."""
+    return ", ".join(f"{nid}:{n['class_type']}" for nid, n in workflow.items()
+                     if n["class_type"] not in PLUMBING)
+
+
+def step_line(step: dict[str, Any], record: dict[str, Any]) -> str:
+    """One progress line: what ran, how long and how it ended on P and Q, and the verdict."""
+    verdict = record.get("verdict") or {}
+    sides = [record[s] for s in ("p", "q") if isinstance(record.get(s), dict)]
+    times = "/".join(str(side.get("seconds", "-")) for side in sides)
+    statuses = "/".join(str(side.get("status", "")) for side in sides)
+    what = "+".join(step.get("models", [])) or f"{step.get('action', '')} {step.get('name', '')}"
+    line = f"{step['op']} {what.strip()} [{times} s {statuses}] {verdict.get('result', '')}"
+    if step.get("interrupt"):
+        line += f" (interrupt {step['interrupt']} at {record['p'].get('interrupt_at')})"
+    return f"{line} {verdict.get('signature', '')}".rstrip()
+
+
+def verdict_lines(verdict: dict[str, Any]) -> list[str]:
+    """Hash pairs of a differing output, or the error of a failure."""
+    detail = verdict.get("detail")
+    if verdict.get("kind") == "output_differs":
+        lines = []
+        for d in detail:
+            pv, qv = (d["p"] or [{}])[0], (d["q"] or [{}])[0]
+            lines.append(f"  node {d['node']} {d['class_type']} {d['stat']}: "
+                         f"P {str(pv.get('sha256'))[:12]}… Q {str(qv.get('sha256'))[:12]}…")
+        return lines
+    if isinstance(detail, dict):
+        return [f"  {json.dumps({k: v for k, v in detail.items() if k != 'traceback'})[:600]}"]
+    return [f"  {detail}"] if detail else []
+
+
+def describe_mismatch(m: dict[str, Any]) -> str:
+    """One paragraph: where, what differs, which nodes, how to replay."""
+    verdict = m["verdict"]
+    return "\n".join([f"seed {m['seed']} step {m['step']} (prompt {m.get('index')}): {verdict['signature']}",
+                      *verdict_lines(verdict), f"  nodes: {m['nodes']}",
+                      f"  replay: python -m tests.differential --replay {m['replay']}"])
+
+
+def describe_replay(steps: list[dict[str, Any]], records: list[dict[str, Any]]) -> str:
+    """Every step of a replayed sequence: its nodes in order, and the verdict on the last one."""
+    lines = []
+    for index, (step, record) in enumerate(zip(steps, records)):
+        lines.append(f"step {index}: {step_line(step, record)}")
+        if step["op"] == "prompt":
+            lines.append(f"  P nodes: {node_list(step['p'])}")
+    if records and records[-1].get("verdict"):
+        lines += verdict_lines(records[-1]["verdict"])
+    return "\n".join(lines)
+
+
+def summary_text(summary: dict[str, Any]) -> str:
+    t = summary["totals"]
+    lines = [f"differential campaign on ComfyUI {summary['comfy_version']}: seeds "
+             f"{summary['options']['seeds']}, {t.get('prompts', 0)} prompts run "
+             f"({t.get('match', 0)} matched, {t.get('both_failed', 0)} of them failing alike, "
+             f"{t.get('refused', 0)} refused as documented, {t.get('interrupted', 0)} interrupted), "
+             f"{t.get('free', 0)} /free, {t.get('tier_action', 0) + t.get('tier_budgets', 0)} tier REST "
+             f"calls; "
+             f"{summary['mismatch_count']} mismatches in {len(summary['signatures'])} classes; "
+             f"{summary['seconds']} s" + (" (stopped early)" if summary.get("stopped_early") else "")]
+    if summary["catalogue"]["excluded"]:
+        lines.append(f"excluded (this ComfyUI does not load them): {summary['catalogue']['excluded']}")
+    firsts: dict[str, dict[str, Any]] = {}
+    for m in summary["mismatches"]:
+        firsts.setdefault(m["verdict"]["signature"], m)
+    for signature, count in summary["signatures"].items():
+        lines.append(f"[{count}x] " + describe_mismatch(firsts[signature]))
+    return "\n".join(lines)
