@@ -207,3 +207,40 @@ def test_soak_alternating_workflows_does_not_leak(tier_server):
     # A socket of a request just answered may still be closing: a little slack, never a trend.
     assert max(fds[-10:]) <= max(fds[:10]) + 4, fds
     assert max(threads[-10:]) <= max(threads[:10]) + 2, threads
+
+
+def test_tiered_checkpoint_and_vae_loaders_match_core(tier_server):
+    """The checkpoint and VAE loaders hand out VAEs, which the tier manager must track through
+    their patchers (a VAE failed as if it were a ModelPatcher). Decode and re-encode so the
+    VAE's weights reach the compared latent."""
+    import tiny_checkpoint
+    import tiny_vae
+
+    s = tier_server
+    ckpt = s.base / "models" / "checkpoints" / "tiny_sd3_checkpoint.safetensors"
+    tiny_checkpoint.write_tiny_sd3_checkpoint(ckpt)
+    tiny_vae.write_tiny_taesd(s.base / "models" / "vae" / "tiny_taesd.safetensors", seed=5)
+
+    def through_vae(wf: dict, vae_link: list) -> dict:
+        wf["image"] = {"class_type": "VAEDecode", "inputs": {"samples": ["sample", 0], "vae": vae_link}}
+        wf["again"] = {"class_type": "VAEEncode", "inputs": {"pixels": ["image", 0], "vae": vae_link}}
+        wf["stats"]["inputs"]["samples"] = ["again", 0]
+        return wf
+
+    def from_checkpoint(loader: str) -> dict:
+        wf = sample_workflow("sd3")
+        wf["load"] = {"class_type": loader, "inputs": {"ckpt_name": ckpt.name}}
+        return through_vae(wf, ["load", 2])
+
+    def separate_vae(loader: str) -> dict:
+        wf = sample_workflow("sd3")
+        wf["vae"] = {"class_type": loader, "inputs": {"vae_name": "tiny_taesd.safetensors"}}
+        return through_vae(wf, ["vae", 0])
+
+    for core, ours, build in (("CheckpointLoaderSimple", "TieredCheckpointLoader", from_checkpoint),
+                              ("VAELoader", "TieredVAELoader", separate_vae)):
+        reference = latent_sha(s.run(build(core)))
+        assert latent_sha(s.run(build(ours))) == reference, ours
+        assert latent_sha(s.run(build(ours))) == reference, f"{ours}, second run"
+    names = models_by_name(s)
+    assert ckpt.name in names and "tiny_taesd.safetensors" in names, sorted(names)
