@@ -33,7 +33,7 @@ import folder_paths
 import nodes as core_nodes
 
 from ..offload_core.tiers import (
-    SourceChangedError, SourceGoneError, SourceUnreadableError, Tier, TierError, TierManager,
+    DEFAULT_RAM_RESERVE_BYTES, DEFAULT_VRAM_RESERVE_BYTES, SourceChangedError, SourceGoneError, SourceUnreadableError, Tier, TierError, TierManager,
     model_id, source_key)
 from . import budgets, prompt_lifecycle
 from .core_models import loaded_entries, unload_from_core
@@ -398,15 +398,18 @@ class VRAMTierManager:
             "required": {
                 "ram_budget_gb": ("FLOAT", {
                     "default": 0.0, "min": 0.0, "max": 4096.0, "step": 0.5,
-                    "tooltip": "Cap on RAM held by parked models; 0 means only the reserve "
-                               "below limits it. Over budget, the least recently used idle "
-                               "model drops to disk."}),
+                    "tooltip": "Cap in GiB on RAM held by parked models; 0 means only the "
+                               "reserve below limits it. Over budget, the least recently used "
+                               "idle model drops to disk."}),
                 "ram_reserve_gb": ("FLOAT", {
-                    "default": 4.0, "min": 0.0, "max": 1024.0, "step": 0.5,
-                    "tooltip": "RAM always left free for ComfyUI and the system."}),
+                    "default": DEFAULT_RAM_RESERVE_BYTES / budgets.GIB, "min": 0.0, "max": 1024.0,
+                    "step": 0.5,
+                    "tooltip": "GiB of RAM always left free for ComfyUI and the system (the "
+                               "manager's default without this node too)."}),
                 "vram_reserve_gb": ("FLOAT", {
-                    "default": 1.0, "min": 0.0, "max": 1024.0, "step": 0.25,
-                    "tooltip": "VRAM kept free when the manager loads models itself."}),
+                    "default": DEFAULT_VRAM_RESERVE_BYTES / budgets.GIB, "min": 0.0, "max": 1024.0,
+                    "step": 0.25,
+                    "tooltip": "GiB of VRAM kept free when the manager loads models itself."}),
                 "disk_tier": ("BOOLEAN", {
                     "default": True,
                     "tooltip": "Allow dropping idle models to disk when RAM is over budget."}),
