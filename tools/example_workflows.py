@@ -68,7 +68,8 @@ def demo() -> dict[str, dict]:
     """`make demo`: core's loaders, the DiT streamed by Apply Layerwise Offload (2 blocks resident)."""
     wf = _base()
     wf["8"] = {"class_type": "ApplyLayerwiseOffload", "inputs": {
-        "model": ["1", 0], "resident_blocks": 2, "vram_budget_gb": 12.0, "prefetch": 2, "pin": True}}
+        "model": ["1", 0], "resident_blocks": 2, "vram_budget_gb": 12.0, "prefetch": 2, "pin": True,
+        "mode": "auto"}}
     wf["6"]["inputs"]["model"] = ["8", 0]
     wf["7"]["inputs"]["filename_prefix"] = "latents/tiered_offload_demo"
     return wf
@@ -78,7 +79,8 @@ def layerwise() -> dict[str, dict]:
     """Apply Layerwise Offload as most users set it: resident blocks from a VRAM budget in GiB."""
     wf = _base()
     wf["8"] = {"class_type": "ApplyLayerwiseOffload", "inputs": {
-        "model": ["1", 0], "resident_blocks": -1, "vram_budget_gb": 12.0, "prefetch": 2, "pin": True}}
+        "model": ["1", 0], "resident_blocks": -1, "vram_budget_gb": 12.0, "prefetch": 2, "pin": True,
+        "mode": "auto"}}
     wf["6"]["inputs"]["model"] = ["8", 0]
     return wf
 

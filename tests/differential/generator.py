@@ -63,7 +63,7 @@ class Generator:
         self.previous: Chain | None = None
         self.pending: list[dict[str, Any]] = []  # the next prompts of a scenario: _finish arguments
         self.tiered_names: list[str] = []
-        self.tiny_budget = False
+        self.capped_budget = False  # a RAM budget is set: a Tiered load may be refused
         self.lift_after: int | None = None  # prompts until a tiny RAM budget is lifted
         self.index = 0
 
@@ -90,7 +90,7 @@ class Generator:
                     # loader in a prompt would be refused before its tier manager node ran).
                     steps.append({"op": "tier_budgets", "body": {"ram_budget_gb": None},
                                   "tags": ["rest_budgets"]})
-                    self.lift_after, self.tiny_budget = None, False
+                    self.lift_after, self.capped_budget = None, False
         return steps
 
     def prompt(self) -> dict[str, Any]:
@@ -294,7 +294,7 @@ class Generator:
             tags.add("text_encode")
         if interrupt:
             tags.add(f"interrupt:{interrupt}")
-        if self.tiny_budget:
+        if self.capped_budget:
             refusals.append({"kind": "tier_capacity"})
         wf = g.to_api()
         return {"op": "prompt", "index": self.index, "p": wf, "q": strip(wf), "interrupt": interrupt,
@@ -347,9 +347,13 @@ class Generator:
                     tags.add(f"tier_manager:{name}")
                 if not chain.loader.startswith("Tiered"):
                     refusals.append({"kind": "tier_untracked", "node": node})
-                if 0 < op["ram_budget_gb"] < 0.01:
-                    self.tiny_budget = True
+                # Any cap can refuse a load: a model in use is never evicted, and with the disk
+                # tier off no idle model is dropped either (seed 7 of a long run: 0.5 GiB, no
+                # disk tier, 1.3 GiB parked). The cap stays two prompts, then is lifted.
+                if op["ram_budget_gb"] > 0:
+                    self.capped_budget = True
                     self.lift_after = self.lift_after or 2
+                if 0 < op["ram_budget_gb"] < 0.01:
                     tags.add("tiny_budget")
             elif kind == "block_replace":
                 model = out(g.add("TieredTestBlockReplace", model=model, scale=op["scale"]))
