@@ -33,9 +33,12 @@ import comfy.patcher_extension
 import comfy.utils
 
 from ..offload_core.discovery import find_blocks
+from ..offload_core.disk_tier import DiskOptions
+from ..offload_core.host_cache import CacheTooSmallError
 from ..offload_core.per_module import PerModule
+from ..offload_core.phases import GRANULARITIES
 from ..offload_core.streamer import LayerwiseStreamer
-from . import block_budget, comfy_weights
+from . import block_budget, comfy_weights, disk_source
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +52,10 @@ class LayerwiseSettings:
     vram_budget_gb: float  # 0: auto
     prefetch: int
     pin: bool
+    host_cache_gb: float = 0.0  # 0: every block packed in RAM; else the RAM cap, disk beyond it
+    disk_workers: int = 2
+    granularity: str = "block"
+    spill_dir: str = ""
 
     @property
     def requested_budget(self) -> int | None:
@@ -78,7 +85,9 @@ class LayerwiseSession:
         self.settings = settings
         resident = settings.resident_blocks if settings.resident_blocks >= 0 else None
         self.streamer = LayerwiseStreamer(list(self.blocks), self.device, resident=resident,
-                                          prefetch=settings.prefetch, pin=settings.pin)
+                                          prefetch=settings.prefetch, pin=settings.pin,
+                                          granularity=settings.granularity,
+                                          disk=self._disk_options(patcher, settings))
         least, _ = self.streamer.bound_range()
         requested = settings.requested_budget
         if resident is None and requested is not None and requested < least:
@@ -99,6 +108,17 @@ class LayerwiseSession:
         self.last_run: dict[str, Any] | None = None
         self.core_view: dict[str, int] | None = None
 
+    def _disk_options(self, patcher, settings: LayerwiseSettings) -> DiskOptions | None:
+        """The disk tier when host_cache_gb caps the RAM for blocks; the model's own file is
+        looked for when the blocks are first placed, once they hold their base weights."""
+        if settings.host_cache_gb <= 0:
+            return None
+        prefixes, blocks = self.prefixes, self.blocks
+        return DiskOptions(cap_bytes=max(1, int(settings.host_cache_gb * GIB)),
+                           workers=settings.disk_workers,
+                           spill_dir=disk_source.spill_folder(settings.spill_dir),
+                           model_file=lambda: disk_source.model_file(patcher, prefixes, blocks))
+
     def begin(self, patcher, noise_shape=None, conds=None) -> None:
         """Plan, hand the blocks over from core, pack and attach. Called before core's load; if
         anything here raises, `end()` (from the sampler's OUTER_SAMPLE) gives core its model back."""
@@ -112,11 +132,17 @@ class LayerwiseSession:
         touched = any(key in patcher.patches for prefix, block in zip(self.prefixes, self.blocks)
                       for key in comfy_weights.block_keys(prefix, block))
         transform = comfy_weights.lora_transform(patcher, self.prefixes) if touched else None
-        self.streamer.telemetry.reset()
+        self.streamer.reset_figures()
         start = time.perf_counter()
-        progress = comfy.utils.ProgressBar(len(self.blocks) + 1)
-        self.streamer.attach(transform=transform,
-                             progress=lambda done, total: progress.update_absolute(done, total))
+        progress = comfy.utils.ProgressBar(len(self.streamer.units) + 1)
+        try:
+            self.streamer.attach(transform=transform,
+                                 progress=lambda done, total: progress.update_absolute(done, total))
+        except CacheTooSmallError as e:
+            raise ValueError(
+                f"Apply Layerwise Offload: host_cache_gb={self.settings.host_cache_gb:g} GiB is too "
+                f"small for {self.model_class}: {e}. Raise host_cache_gb, lower prefetch, or use "
+                "granularity 'phase' (smaller units).") from None
         # Until account(), core's load() sees every block as empty: it neither counts nor moves
         # them, and it merges no LoRA into resident blocks that already carry the engine's merge.
         self.streamer.conceal_resident()
@@ -166,7 +192,7 @@ class LayerwiseSession:
             return
         try:
             if self.active:
-                self.last_run = run_figures(self.streamer.telemetry.snapshot(wait=True),
+                self.last_run = run_figures(self.streamer.figures(wait=True),
                                             time.perf_counter() - self.started,
                                             self.attach_seconds, self.device)
                 self.runs += 1
@@ -203,10 +229,19 @@ class LayerwiseSession:
             "streamed_indices": list(self.streamer.streamed_indices),
             "bound_bytes": self.streamer.bound_bytes(),
             "block_states": self.streamer.block_states(),
+            "granularity": self.streamer.granularity,
+            "units": self.streamer.describe_units(),
+            "unit_states": self.streamer.unit_states(),
+            "host": self.streamer.host_bytes(),
+            "disk": self.streamer.disk_figures(),
             "active": self.active,
             "runs": self.runs,
-            "telemetry": self.streamer.telemetry.snapshot() if self.active else self.last_run,
+            "telemetry": self.streamer.figures() if self.active else self.last_run,
         }
+
+    def disk_bytes(self) -> int:
+        """Bytes of the model's blocks that are only on disk now (disk streaming), else 0."""
+        return self.streamer.host_bytes().get("disk", 0)
 
 
 def run_figures(snapshot: dict[str, Any], seconds: float, attach_seconds: float,
@@ -260,6 +295,11 @@ class _Registry:
     def discard(self, diffusion_model: torch.nn.Module) -> LayerwiseSession | None:
         """Close this model's engine (its pinned pack is freed, its tensors handed back)."""
         return self._sessions.discard(diffusion_model)
+
+    def disk_bytes(self, diffusion_model: torch.nn.Module | None) -> int:
+        """Bytes of this model's blocks that only the disk holds now (0 without disk streaming)."""
+        session = self._sessions.get(diffusion_model) if diffusion_model is not None else None
+        return session.disk_bytes() if session is not None else 0
 
     def is_active(self, diffusion_model: torch.nn.Module) -> bool:
         """Whether the engine holds this model's blocks right now (a sampling run is on)."""
@@ -336,6 +376,26 @@ class ApplyLayerwiseOffload:
                 "tooltip": "Keep the block weights in pinned RAM for full-speed async copies. "
                            "Falls back to pageable RAM (slower, logged) if pinning would exceed "
                            "the RAM budget."}),
+        }, "optional": {
+            "host_cache_gb": ("FLOAT", {
+                "default": 0.0, "min": 0.0, "max": 4096.0, "step": 0.25,
+                "tooltip": "RAM in GiB for the streamed weights. 0 keeps every block packed in "
+                           "RAM. When the blocks do not fit, they are read from disk (the "
+                           "model's own file, or a spill file) through a cache of this size, "
+                           "ahead of need."}),
+            "disk_workers": ("INT", {
+                "default": 2, "min": 1, "max": 16,
+                "tooltip": "Threads reading blocks from disk ahead of need (disk streaming)."}),
+            "granularity": (list(GRANULARITIES), {
+                "default": "block",
+                "tooltip": "Stream whole blocks, or each block's phases (attention, cross-"
+                           "attention, FFN): phases need about a third of the GPU memory per "
+                           "slot, at more and smaller copies."}),
+            "spill_dir": ("STRING", {
+                "default": "",
+                "tooltip": "Folder for the spill file, written when blocks are streamed from "
+                           "disk and the loaded weights are not the model file's bytes (a "
+                           "cast, a conversion). Empty: ComfyUI's temp folder."}),
         }}
 
     RETURN_TYPES = ("MODEL",)
@@ -345,7 +405,9 @@ class ApplyLayerwiseOffload:
                    "earlier blocks compute. Results are bit-identical to core loading the whole "
                    "model.")
 
-    def apply(self, model, resident_blocks: int, vram_budget_gb: float, prefetch: int, pin: bool):
+    def apply(self, model, resident_blocks: int, vram_budget_gb: float, prefetch: int, pin: bool,
+              host_cache_gb: float = 0.0, disk_workers: int = 2, granularity: str = "block",
+              spill_dir: str = ""):
         patcher = _classic_patcher(model)
         if patcher is None:
             log.warning("Apply Layerwise Offload: this ComfyUI runs the model with Dynamic VRAM "
@@ -357,7 +419,8 @@ class ApplyLayerwiseOffload:
                 "Apply Layerwise Offload got a model that is already under Model-Level Swap, "
                 "which keeps the whole model in pinned RAM; streaming its blocks would hold them "
                 "twice. Put Apply Layerwise Offload first, then Model-Level Swap.")
-        settings = LayerwiseSettings(resident_blocks, vram_budget_gb, prefetch, pin)
+        settings = LayerwiseSettings(resident_blocks, vram_budget_gb, prefetch, pin, host_cache_gb,
+                                     disk_workers, granularity, spill_dir)
         # Every check (blocks, packability, settings) runs here, before anything is moved, so
         # a refused model costs nothing and the error names the node.
         session = REGISTRY.session_for(patcher, settings)

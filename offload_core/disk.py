@@ -237,13 +237,18 @@ class DiskStore:
     """The disk home of every pack of one streamer: placement, reads and detached views.
 
     ``place(i, pack, scratch, check)`` moves pack ``i`` to disk (see the module docstring) and
-    binds its module tensors to copy-on-write maps of those bytes. ``read(i, dst, start, length)``
+    binds its module tensors to copy-on-write maps of those bytes. The model's own file is used
+    only where each tensor starts at a multiple of ``align`` bytes: CPU kernels pick their code
+    path by the address of a weight, so a host that computes on the maps itself (a CPU device)
+    must see them aligned as the allocator would place them, or its results change in the last
+    bits. ``read(i, dst, start, length)``
     reads a byte range of the pack's packed layout into ``dst`` (page-aligned host memory).
     """
 
-    def __init__(self, spill_dir: str, model_file: ModelFile | None = None) -> None:
+    def __init__(self, spill_dir: str, model_file: ModelFile | None = None, align: int = 1) -> None:
         self._spill_dir = spill_dir
         self._model = model_file
+        self._align = align
         self._index: dict[str, TensorInFile] | None = None
         self._model_src: _Source | None = None
         self._model_map: torch.Tensor | None = None
@@ -293,7 +298,8 @@ class DiskStore:
             key = self._model.key_of(*e.owner)
             found = self._index.get(key) if key is not None else None
             if found is None or found.dtype != e.dtype or found.shape != tuple(e.shape) \
-                    or found.nbytes != e.nbytes or not _contiguous(e) or found.offset % e.dtype.itemsize:
+                    or found.nbytes != e.nbytes or not _contiguous(e) \
+                    or found.offset % max(self._align, e.dtype.itemsize):
                 return None
             out.append(_Extent(found.offset, e.nbytes, e.offset))
         return out

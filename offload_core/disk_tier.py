@@ -28,17 +28,19 @@ _MiB = 1 << 20
 _GiB = 1 << 30
 # Entry size when no unit is streamed: the cache then only stages resident uploads.
 STAGING_BYTES = 64 << 20
+CPU_ALIGN = 64  # torch's CPU allocator alignment
 
 
 @dataclass(frozen=True)
 class DiskOptions:
     """``cap_bytes``: host RAM for the streamed weights (the cache); ``workers``: read threads;
-    ``spill_dir``: where the spill file goes; ``model_file``: the model's own file, if known."""
+    ``spill_dir``: where the spill file goes; ``model_file``: the model's own file, or a callable
+    that finds it when the packs are first placed (then the tensors hold their base weights)."""
 
     cap_bytes: int
     workers: int = 2
     spill_dir: str = field(default_factory=tempfile.gettempdir)
-    model_file: ModelFile | None = None
+    model_file: ModelFile | Callable[[], ModelFile | None] | None = None
 
     def __post_init__(self) -> None:
         for name in ("cap_bytes", "workers"):
@@ -63,6 +65,7 @@ class DiskTier:
         self.cache: HostCache | None = None
         self.placed_from_file = 0
         self.placed_spilled = 0
+        self.model_file: ModelFile | None = None  # found at the first placement
 
     @property
     def placed(self) -> bool:
@@ -113,7 +116,13 @@ class DiskTier:
     # ---------------------------------------------------------------- placing
     def place(self, packs: Sequence[PackedBlock], progress: Callable[[int, int], None] | None) -> int:
         """Put every pack on disk (see DiskStore.place); returns how many packs held tensors."""
-        store = DiskStore(self.options.spill_dir, self.options.model_file)
+        src = self.options.model_file
+        if callable(src) and not isinstance(src, ModelFile):
+            src = src()
+        self.model_file = src
+        # A CPU device computes on the host maps between runs: they must be aligned like the
+        # allocator's memory (64 bytes) for the same results. A GPU copies them first.
+        store = DiskStore(self.options.spill_dir, src, align=CPU_ALIGN if self.device.type == "cpu" else 1)
         self.store = store
         largest = align_up(max((p.nbytes for p in packs), default=0), PAGE)
         scratch = HostStorage([largest, largest], pin=False, ram_budget_bytes=0)
@@ -133,7 +142,6 @@ class DiskTier:
         finally:
             scratch.release()
         store.finish()
-        src = self.options.model_file
         log.info("disk stream: %.2f GiB read from the model's own file%s, %.2f GiB spilled",
                  self.placed_from_file / _GiB, f" ({os.path.basename(src.path)})" if src else "",
                  self.placed_spilled / _GiB)
@@ -158,7 +166,7 @@ class DiskTier:
 
     def figures(self) -> dict[str, Any]:
         store, cache = self.store, self.cache
-        model = self.options.model_file
+        model = self.model_file
         return {
             "active": store is not None,
             "cap_bytes": self.options.cap_bytes,
@@ -181,6 +189,7 @@ class DiskTier:
         """Free the cache and close the store; module tensors keep their maps of the bytes."""
         cache, store = self.cache, self.store
         self.cache = self.store = None
+        self.model_file = None
         self.placed_from_file = self.placed_spilled = 0
         try:
             if cache is not None:
