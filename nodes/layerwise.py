@@ -105,6 +105,7 @@ class LayerwiseSession:
         self.started = 0.0
         self.attach_seconds = 0.0
         self.runs = 0
+        self.finished_at: float | None = None  # unix time the last sampling run ended
         self.last_run: dict[str, Any] | None = None
         self.core_view: dict[str, int] | None = None
 
@@ -196,6 +197,7 @@ class LayerwiseSession:
                                             time.perf_counter() - self.started,
                                             self.attach_seconds, self.device)
                 self.runs += 1
+                self.finished_at = time.time()
         finally:
             self.active = False
             self.begun = False
@@ -236,6 +238,7 @@ class LayerwiseSession:
             "disk": self.streamer.disk_figures(),
             "active": self.active,
             "runs": self.runs,
+            "finished_at": self.finished_at,
             "telemetry": self.streamer.figures() if self.active else self.last_run,
         }
 

@@ -55,6 +55,11 @@ def align_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
+def size_text(n: float) -> str:
+    """Bytes in binary units for log lines and messages: GiB from 1 GiB up, MiB below."""
+    return f"{n / _GiB:.2f} GiB" if n >= _GiB else f"{n / _MiB:.1f} MiB"
+
+
 class DiskReadError(OSError):
     """A pack could not be read back from disk: the file is gone, truncated or unreadable."""
 
@@ -357,8 +362,8 @@ class DiskStore:
         padded = align_up(pack.nbytes, PAGE)
         free = shutil.disk_usage(self._spill_dir).free
         if padded > free:
-            raise OSError(f"no room for the spill file in {self._spill_dir}: {padded / _MiB:.1f} MiB more "
-                          f"needed, {free / _MiB:.1f} MiB free")
+            raise OSError(f"no room for the spill file in {self._spill_dir}: {size_text(padded)} more "
+                          f"needed, {size_text(free)} free")
         scratch[pack.nbytes : padded].zero_()
         offset = align_up(self._spill_end, SPILL_ALIGN)
         spill.write(_memview(scratch[:padded]), offset, aligned=scratch.data_ptr() % PAGE == 0)
@@ -375,7 +380,7 @@ class DiskStore:
     def finish(self) -> None:
         """Log what placing cost on disk."""
         if self._spill_end:
-            log.info("disk stream: spill file holds %.2f GiB (%s)", self._spill_end / _GiB, self._spill_dir)
+            log.info("disk stream: the spill file in %s holds %s", self._spill_dir, size_text(self._spill_end))
 
     # ---------------------------------------------------------------- views
     def views(self, i: int, pack: PackedBlock) -> list[torch.Tensor]:
@@ -423,7 +428,7 @@ class DiskStore:
                 self._read_extents(where, dst, start, length)
         except OSError as e:
             source = self._spill_path if kind == "spill" else self._model.path
-            raise DiskReadError(f"reading {length / _MiB:.1f} MiB back from {source} failed: {e}") from e
+            raise DiskReadError(f"reading {size_text(length)} back from {source} failed: {e}") from e
         return length
 
     def _read_extents(self, extents: list[_Extent], dst: torch.Tensor, start: int, length: int) -> None:

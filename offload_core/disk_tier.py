@@ -17,15 +17,13 @@ from typing import Any
 
 import torch
 
-from .disk import PAGE, DiskStore, ModelFile, align_up
+from .disk import PAGE, DiskStore, ModelFile, align_up, size_text
 from .host_cache import CacheTooSmallError, DiskTelemetry, HostCache
 from .packing import PackedBlock
 from .pinned import HostStorage
 
 log = logging.getLogger(__name__)
 
-_MiB = 1 << 20
-_GiB = 1 << 30
 # Entry size when no unit is streamed: the cache then only stages resident uploads.
 STAGING_BYTES = 64 << 20
 CPU_ALIGN = 64  # torch's CPU allocator alignment
@@ -82,7 +80,8 @@ class DiskTier:
         cap = self.options.cap_bytes
         if order:
             entry = align_up(max(unit_bytes[u] for u in order), PAGE)
-            need = nslots + 1  # every slot's copy in flight, plus one unit read ahead
+            # Every slot's copy in flight plus one unit read ahead, unless every streamed unit fits.
+            need = min(nslots + 1, len(order))
         else:
             entry = align_up(max(PAGE, min(largest_pack, STAGING_BYTES, cap)), PAGE)
             need = 1
@@ -142,9 +141,9 @@ class DiskTier:
         finally:
             scratch.release()
         store.finish()
-        log.info("disk stream: %.2f GiB read from the model's own file%s, %.2f GiB spilled",
-                 self.placed_from_file / _GiB, f" ({os.path.basename(src.path)})" if src else "",
-                 self.placed_spilled / _GiB)
+        log.info("disk stream: %s of blocks read from the model's own file%s, %s spilled",
+                 size_text(self.placed_from_file), f" ({os.path.basename(src.path)})" if src else "",
+                 size_text(self.placed_spilled))
         return count
 
     def upload(self, index: int, nbytes: int, dst: torch.Tensor) -> None:

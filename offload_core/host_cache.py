@@ -27,12 +27,11 @@ from typing import Any, Protocol
 
 import torch
 
-from .disk import PAGE, DiskStore, align_up
+from .disk import PAGE, DiskStore, align_up, size_text
 from .pinned import HostStorage
 
 log = logging.getLogger(__name__)
 
-_MiB = 1 << 20
 _NEVER = float("inf")
 
 
@@ -46,9 +45,8 @@ class CacheTooSmallError(ValueError):
     def __init__(self, cap: int, unit_bytes: int, need: int) -> None:
         self.cap, self.unit_bytes, self.need = cap, unit_bytes, need
         super().__init__(
-            f"a host cache of {cap / _MiB:.1f} MiB holds {cap // unit_bytes} streamed unit(s) of "
-            f"{unit_bytes / _MiB:.1f} MiB, and disk streaming needs {need} at once "
-            f"({need * unit_bytes / _MiB:.1f} MiB)")
+            f"a host cache of {size_text(cap)} holds {cap // unit_bytes} streamed unit(s) of "
+            f"{size_text(unit_bytes)}, and disk streaming needs {need} at once ({size_text(need * unit_bytes)})")
 
 
 class DiskTelemetry:
@@ -171,8 +169,8 @@ class HostCache:
                          for k in range(workers)]
         for t in self._threads:
             t.start()
-        log.info("disk stream: host cache of %d x %.1f MiB (%s), %d read worker(s), read-ahead %d",
-                 count, self.entry_bytes / _MiB, "pinned" if self.pinned else "pageable", workers, depth)
+        log.info("disk stream: host cache of %d x %s (%s), %d read worker(s), read-ahead %d",
+                 count, size_text(self.entry_bytes), "pinned" if self.pinned else "pageable", workers, depth)
 
     # ---------------------------------------------------------------- figures
     @property

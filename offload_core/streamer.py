@@ -500,6 +500,18 @@ class LayerwiseStreamer:
             self._hooks.append(BlockHooks([(b, self.blocks[b]) for b in streamed_blocks],
                                           self._on_block_enter, self._on_block_exit))
         self._fill()
+        self._settle_copies()
+
+    def _settle_copies(self) -> None:
+        """Wait until a copy worker (the disk tier's, or the staging of pageable packs) has issued
+        the copies queued so far, transforms included. A transform binds its unit's tensors while
+        it runs, and what the caller does after attach (ComfyUI's model load) must find every
+        streamed unit empty. A failed copy is raised when its unit is entered."""
+        for ticket in list(getattr(self._ring, "_tickets", {}).values()):
+            try:
+                ticket.wait()
+            except RuntimeError:
+                pass
 
     def _teardown(self, keep_pack: bool) -> None:
         """Undo attach from any partial state: hooks, device memory, bindings, and maybe the pack."""
