@@ -56,8 +56,10 @@ def align_up(n: int, a: int) -> int:
 
 
 def size_text(n: float) -> str:
-    """Bytes in binary units for log lines and messages: GiB from 1 GiB up, MiB below."""
-    return f"{n / _GiB:.2f} GiB" if n >= _GiB else f"{n / _MiB:.1f} MiB"
+    """Bytes in binary units for log lines and messages: GiB, MiB, or KiB below 1 MiB."""
+    if n >= _GiB:
+        return f"{n / _GiB:.2f} GiB"
+    return f"{n / _MiB:.1f} MiB" if n >= _MiB else f"{n / 1024:.0f} KiB"
 
 
 class DiskReadError(OSError):
@@ -322,6 +324,10 @@ class DiskStore:
         If anything fails after the pack took the tensors, they get fresh memory with their
         values back before the error propagates, so the module is always whole.
         """
+        off_host = next((e for e in pack.entries if e.device.type != "cpu"), None)
+        if off_host is not None:
+            raise ValueError(f"disk streaming hands the tensors back as maps of host files, so they must "
+                             f"be on the CPU when first attached; {off_host.label} is on {off_host.device}")
         extents = self._extents(pack)
         pack.pack(scratch)  # the tensors' values in the packed layout; originals are let go
         try:

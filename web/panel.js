@@ -106,13 +106,20 @@ function devicesHtml(payload, units) {
   return out.join("") || `<div class="to-muted">No device figures.</div>`;
 }
 
+// Where a block's weights are: on the device, in a device slot, in the host cache, on disk only,
+// or packed in host RAM.
+const PLACE = {
+  resident: "on the GPU", in_flight: "in a GPU slot", cached: "in the RAM cache", disk: "on disk",
+  streamed: "in RAM",
+};
+
 function stripHtml(lw) {
   const states = Array.isArray(lw.block_states) && lw.block_states.length
     ? lw.block_states
     : Array.from({ length: num(lw.blocks) }, (_, i) =>
         (lw.resident_indices ?? []).includes(i) ? "resident" : "streamed");
   const cells = states.map((s, i) =>
-    `<span class="to-blk to-blk-${esc(s)}" title="block ${i}: ${esc(String(s).replace("_", " "))}"></span>`);
+    `<span class="to-blk to-blk-${esc(s)}" title="block ${i}: ${esc(PLACE[s] ?? String(s).replace("_", " "))}"></span>`);
   return `<div class="to-strip" aria-label="blocks">${cells.join("")}</div>`;
 }
 
@@ -145,6 +152,14 @@ function telemetryHtml(raw, units) {
     rows.push(stat("copied", `${fmtBytes(t.bytes_copied, units)}${typeof t.copies === "number" ? ` · ${t.copies}×` : ""}`));
   }
   if (typeof t.peak_materialized_bytes === "number") rows.push(stat("peak on device", fmtBytes(t.peak_materialized_bytes, units)));
+  // Disk streaming: how fast the disk delivered while reading, what the RAM cache saved, and
+  // how long compute waited for a read.
+  if (typeof t.disk_read_gibps === "number") {
+    rows.push(stat("disk read", `${(bin ? t.disk_read_gibps : (t.disk_read_gibps * 2 ** 30) / 1e9).toFixed(2)} ${bin ? "GiB" : "GB"}/s`));
+  }
+  if (typeof t.cache_hit_rate === "number") rows.push(stat("cache hits", `${(100 * t.cache_hit_rate).toFixed(0)}%`));
+  if (typeof t.disk_wait_s === "number") rows.push(stat("waited for disk", `${t.disk_wait_s.toFixed(2)} s`));
+  if (num(t.disk_read_errors) > 0) rows.push(stat("read errors", String(t.disk_read_errors), "to-warn"));
   if (num(t.fallbacks) > 0) rows.push(stat("fallbacks", String(t.fallbacks), "to-warn"));
   if (num(t.order_misses) > 0) rows.push(stat("order misses", String(t.order_misses), "to-warn"));
   return `<div class="to-stats">${rows.join("")}</div>`;
@@ -154,10 +169,15 @@ function layerwiseHtml(lw, showStrip, units, title = "Layerwise") {
   if (!lw) return "";
   const resident = lw.resident_indices?.length ?? 0;
   const streamed = lw.streamed_indices?.length ?? 0;
+  // Resident and streamed counts are in units: blocks, or phases of blocks.
+  const unitName = lw.granularity === "phase" ? "phases" : "";
+  const disk = lw.disk?.active
+    ? ` · from disk through ${esc(fmtBytes(num(lw.disk.cache_bytes), units))} RAM cache` : "";
   return `<div class="to-lw">
     <div class="to-lw-head"><b>${esc(title)}</b>
-      <span class="to-muted">${num(lw.blocks)} blocks · ${resident} resident · ${streamed} streamed
-      ${typeof lw.bound_bytes === "number" ? ` · ${esc(fmtBytes(lw.bound_bytes, units))} bound` : ""}</span></div>
+      <span class="to-muted" data-role="lw-summary">${num(lw.blocks)} blocks${unitName ? ` as ${num(lw.units?.length)} ${unitName}` : ""}
+      · ${resident} resident · ${streamed} streamed
+      ${typeof lw.bound_bytes === "number" ? ` · ${esc(fmtBytes(lw.bound_bytes, units))} bound` : ""}${disk}</span></div>
     ${showStrip ? stripHtml(lw) : ""}
     ${telemetryHtml(lw.telemetry, units)}
   </div>`;
@@ -168,9 +188,14 @@ function modelHtml(m, ctx) {
   const b = (n) => fmtBytes(n, units);
   const bytes = m.bytes ?? {};
   const total = num(m.total_bytes) || num(bytes.vram) + num(bytes.ram);
-  const pinned = Math.min(num(bytes.pinned), num(bytes.ram));
-  const unpinned = Math.max(0, num(bytes.ram) - pinned);
-  let disk = Math.max(0, total - num(bytes.vram) - num(bytes.ram));
+  // Blocks streamed from disk: the layerwise report (pushed after every run) says how many bytes
+  // only the disk holds; the rest of the model outside VRAM is in RAM (its other weights, the cache).
+  const lwDisk = m.layerwise?.disk?.active && typeof m.layerwise.host?.disk === "number"
+    ? Math.min(m.layerwise.host.disk, total) : null;
+  const ram = lwDisk !== null ? Math.max(0, total - num(bytes.vram) - lwDisk) : num(bytes.ram);
+  const pinned = Math.min(num(bytes.pinned), ram);
+  const unpinned = Math.max(0, ram - pinned);
+  let disk = lwDisk ?? (typeof bytes.disk === "number" ? bytes.disk : Math.max(0, total - num(bytes.vram) - ram));
   if (disk < total * 0.001) disk = 0; // rounding / buffers, not a real disk-only share
   const tier = TIER_LABEL[m.tier] ? m.tier : "disk";
   const busy = pending[m.id];
