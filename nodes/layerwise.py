@@ -33,9 +33,12 @@ import comfy.patcher_extension
 import comfy.utils
 
 from ..offload_core.discovery import find_blocks
+from ..offload_core.disk_tier import DiskOptions
+from ..offload_core.host_cache import CacheTooSmallError
 from ..offload_core.per_module import PerModule
+from ..offload_core.phases import GRANULARITIES
 from ..offload_core.streamer import LayerwiseStreamer
-from . import block_budget, comfy_weights, dynamic_vram
+from . import block_budget, comfy_weights, disk_source, dynamic_vram
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +52,10 @@ class LayerwiseSettings:
     vram_budget_gb: float  # 0: auto
     prefetch: int
     pin: bool
+    host_cache_gb: float = 0.0  # 0: every block packed in RAM; else the RAM cap, disk beyond it
+    disk_workers: int = 2
+    granularity: str = "block"
+    spill_dir: str = ""
 
     def streamer_kwargs(self) -> dict[str, Any]:
         """The residency settings as the streamer takes them (an auto budget plans no resident
@@ -86,7 +93,9 @@ class LayerwiseSession:
         self.settings = settings
         resident = settings.resident_blocks if settings.resident_blocks >= 0 else None
         self.streamer = LayerwiseStreamer(list(self.blocks), self.device, resident=resident,
-                                          prefetch=settings.prefetch, pin=settings.pin)
+                                          prefetch=settings.prefetch, pin=settings.pin,
+                                          granularity=settings.granularity,
+                                          disk=self._disk_options(patcher, settings))
         least, _ = self.streamer.bound_range()
         requested = settings.requested_budget
         if resident is None and requested is not None and requested < least:
@@ -104,8 +113,20 @@ class LayerwiseSession:
         self.started = 0.0
         self.attach_seconds = 0.0
         self.runs = 0
+        self.finished_at: float | None = None  # unix time the last sampling run ended
         self.last_run: dict[str, Any] | None = None
         self.core_view: dict[str, int] | None = None
+
+    def _disk_options(self, patcher, settings: LayerwiseSettings) -> DiskOptions | None:
+        """The disk tier when host_cache_gb caps the RAM for blocks; the model's own file is
+        looked for when the blocks are first placed, once they hold their base weights."""
+        if settings.host_cache_gb <= 0:
+            return None
+        prefixes, blocks = self.prefixes, self.blocks
+        return DiskOptions(cap_bytes=max(1, int(settings.host_cache_gb * GIB)),
+                           workers=settings.disk_workers,
+                           spill_dir=disk_source.spill_folder(settings.spill_dir),
+                           model_file=lambda: disk_source.model_file(patcher, prefixes, blocks))
 
     def begin(self, patcher, noise_shape=None, conds=None) -> None:
         """Plan, hand the blocks over from core, pack and attach. Called before core's load; if
@@ -120,11 +141,17 @@ class LayerwiseSession:
         touched = any(key in patcher.patches for prefix, block in zip(self.prefixes, self.blocks)
                       for key in comfy_weights.block_keys(prefix, block))
         transform = comfy_weights.lora_transform(patcher, self.prefixes) if touched else None
-        self.streamer.telemetry.reset()
+        self.streamer.reset_figures()
         start = time.perf_counter()
-        progress = comfy.utils.ProgressBar(len(self.blocks) + 1)
-        self.streamer.attach(transform=transform,
-                             progress=lambda done, total: progress.update_absolute(done, total))
+        progress = comfy.utils.ProgressBar(len(self.streamer.units) + 1)
+        try:
+            self.streamer.attach(transform=transform,
+                                 progress=lambda done, total: progress.update_absolute(done, total))
+        except CacheTooSmallError as e:
+            raise ValueError(
+                f"Apply Layerwise Offload: host_cache_gb={self.settings.host_cache_gb:g} GiB is too "
+                f"small for {self.model_class}: {e}. Raise host_cache_gb, lower prefetch, or use "
+                "granularity 'phase' (smaller units).") from None
         # Until account(), core's load() sees every block as empty: it neither counts nor moves
         # them, and it merges no LoRA into resident blocks that already carry the engine's merge.
         self.streamer.conceal_resident()
@@ -174,10 +201,11 @@ class LayerwiseSession:
             return
         try:
             if self.active:
-                self.last_run = run_figures(self.streamer.telemetry.snapshot(wait=True),
+                self.last_run = run_figures(self.streamer.figures(wait=True),
                                             time.perf_counter() - self.started,
                                             self.attach_seconds, self.device)
                 self.runs += 1
+                self.finished_at = time.time()
         finally:
             self.active = False
             self.begun = False
@@ -210,13 +238,22 @@ class LayerwiseSession:
             "resident_indices": list(self.streamer.resident_indices),
             "streamed_indices": list(self.streamer.streamed_indices),
             "bound_bytes": self.streamer.bound_bytes(),
-            "host": self.streamer.host_bytes(),
             "block_states": self.streamer.block_states(),
+            "granularity": self.streamer.granularity,
+            "units": self.streamer.describe_units(),
+            "unit_states": self.streamer.unit_states(),
+            "host": self.streamer.host_bytes(),
+            "disk": self.streamer.disk_figures(),
             "active": self.active,
             "runs": self.runs,
-            "telemetry": self.streamer.telemetry.snapshot() if self.active else self.last_run,
+            "finished_at": self.finished_at,
             "dynamic_vram": dynamic_vram.describe(self.module_id),
+            "telemetry": self.streamer.figures() if self.active else self.last_run,
         }
+
+    def disk_bytes(self) -> int:
+        """Bytes of the model's blocks that are only on disk now (disk streaming), else 0."""
+        return self.streamer.host_bytes().get("disk", 0)
 
 
 def run_figures(snapshot: dict[str, Any], seconds: float, attach_seconds: float,
@@ -270,6 +307,11 @@ class _Registry:
     def discard(self, diffusion_model: torch.nn.Module) -> LayerwiseSession | None:
         """Close this model's engine (its pinned pack is freed, its tensors handed back)."""
         return self._sessions.discard(diffusion_model)
+
+    def disk_bytes(self, diffusion_model: torch.nn.Module | None) -> int:
+        """Bytes of this model's blocks that only the disk holds now (0 without disk streaming)."""
+        session = self._sessions.get(diffusion_model) if diffusion_model is not None else None
+        return session.disk_bytes() if session is not None else 0
 
     def is_active(self, diffusion_model: torch.nn.Module) -> bool:
         """Whether the engine holds this model's blocks right now (a sampling run is on)."""
@@ -336,6 +378,25 @@ class ApplyLayerwiseOffload:
                            "streams. engine: always the pack's engine; on a Dynamic VRAM model "
                            "that costs a second copy of the model in RAM and one reload from "
                            "disk (logged and shown in the Offload panel)."}),
+            "host_cache_gb": ("FLOAT", {
+                "default": 0.0, "min": 0.0, "max": 4096.0, "step": 0.25,
+                "tooltip": "RAM in GiB for the streamed weights. 0 keeps every block packed in "
+                           "RAM. When the blocks do not fit, they are read from disk (the "
+                           "model's own file, or a spill file) through a cache of this size, "
+                           "ahead of need."}),
+            "disk_workers": ("INT", {
+                "default": 2, "min": 1, "max": 16,
+                "tooltip": "Threads reading blocks from disk ahead of need (disk streaming)."}),
+            "granularity": (list(GRANULARITIES), {
+                "default": "block",
+                "tooltip": "Stream whole blocks, or each block's phases (attention, cross-"
+                           "attention, FFN): phases need about a third of the GPU memory per "
+                           "slot, at more and smaller copies."}),
+            "spill_dir": ("STRING", {
+                "default": "",
+                "tooltip": "Folder for the spill file, written when blocks are streamed from "
+                           "disk and the loaded weights are not the model file's bytes (a "
+                           "cast, a conversion). Empty: ComfyUI's temp folder."}),
         }}
 
     RETURN_TYPES = ("MODEL",)
@@ -346,8 +407,10 @@ class ApplyLayerwiseOffload:
                    "model.")
 
     def apply(self, model, resident_blocks: int, vram_budget_gb: float, prefetch: int, pin: bool,
-              mode: str = "auto"):
-        settings = LayerwiseSettings(resident_blocks, vram_budget_gb, prefetch, pin)
+              mode: str = "auto", host_cache_gb: float = 0.0, disk_workers: int = 2,
+              granularity: str = "block", spill_dir: str = ""):
+        settings = LayerwiseSettings(resident_blocks, vram_budget_gb, prefetch, pin, host_cache_gb,
+                                     disk_workers, granularity, spill_dir)
         if dynamic_vram.check_mode(mode) == "auto" and _is_dynamic(model):
             return (dynamic_vram.cooperate(model, settings.streamer_kwargs()),)
         from . import swap  # swap builds on this module

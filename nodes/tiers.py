@@ -166,22 +166,26 @@ class ComfyModelBackend:
         return sum(p.model_size() for p in _patchers(self.outputs))
 
     def bytes_by_tier(self) -> dict[str, int]:
-        """Each byte once: on the compute device ("vram") or in host memory ("ram")."""
+        """Each byte once: on the compute device ("vram"), in host memory ("ram"), or, for blocks
+        that Apply Layerwise Offload streams from disk, only on disk ("disk")."""
         if self.outputs is None:
             return {"vram": 0, "ram": 0}
         vram = 0
         host = 0
+        disk = 0
         for patcher in _patchers(self.outputs):
             size = patcher.model_size()
+            on_disk = min(size, LAYERWISE.disk_bytes(getattr(patcher.model, "diffusion_model", None)))
+            disk += on_disk
             if patcher.load_device.type == "cpu":
                 # --cpu: a model core "loaded" still sits in RAM and counts against its budget.
-                host += size
+                host += size - on_disk
                 continue
             loaded = max((lm.model_loaded_memory() for lm in loaded_entries(patcher.model)),
                          default=0)
             vram += loaded
-            host += max(0, size - loaded)
-        return {"vram": vram, "ram": host}
+            host += max(0, size - loaded - on_disk)
+        return {"vram": vram, "ram": host, "disk": disk} if disk else {"vram": vram, "ram": host}
 
     def current_tier(self) -> Tier:
         if self.outputs is None:

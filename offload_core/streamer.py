@@ -35,8 +35,11 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from .cache_ring import CacheRing
+from .disk_tier import DiskOptions, DiskTier
 from .hooks import BlockHooks
 from .packing import PackedBlock, Transform, alias_key, check_packable, tensor_refs
+from .phases import hooked_modules, own_refs, stream_units, unit_refs
 from .pinned import DEFAULT_CHUNK_BYTES, HostStorage, return_freed_ram
 from .residency import bound_bytes, plan_residency, slot_count
 from .slots import SlotRing, resolve_device
@@ -87,9 +90,15 @@ class LayerwiseStreamer:
         ram_budget_bytes: int | None = None,
         host_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         timing: bool = True,
+        granularity: str = "block",
+        disk: DiskOptions | None = None,
     ) -> None:
         self.blocks = _check_blocks(blocks)
         self.device = resolve_device(device)
+        self.granularity = granularity
+        self.units = stream_units(self.blocks, granularity)
+        if disk is not None and not isinstance(disk, DiskOptions):
+            raise ValueError(f"disk must be None or DiskOptions, got {disk!r}")
         if not isinstance(pin, bool):
             raise ValueError(f"pin must be a bool, got {pin!r}")
         _check_optional_int("ram_budget_bytes", ram_budget_bytes, 0)
@@ -103,6 +112,7 @@ class LayerwiseStreamer:
         if self.device.type == "cuda" and timing:
             self.telemetry.stalls = StallTimer()
         self._host: HostStorage | None = None
+        self._disk = DiskTier(disk, self.device, pin, ram_budget_bytes) if disk is not None else None
         self._bounce: HostStorage | None = None  # pinned staging buffer, kept with the pack if it has pageable blocks
         self._hooks: list[BlockHooks] = []
         self._ring: SlotRing | None = None
@@ -110,41 +120,59 @@ class LayerwiseStreamer:
         self._resident_bufs: list[torch.Tensor] = []
         self._resident_ready: torch.cuda.Event | None = None  # resident upload done (CUDA)
         self._resident_waited: set[int] = set()  # compute streams that already wait for it
-        self._slot_of: dict[int, int] = {}  # streamed block -> slot it holds (in flight or running)
+        self._slot_of: dict[int, int] = {}  # streamed unit -> slot it holds (in flight or running)
         self._running: int | None = None
-        self._expected = 0  # position in streamed_indices of the block expected next
+        self._expected = 0  # position in streamed_indices of the unit expected next
         self._attached = False
         self._closed = False
         self._plan()
 
     # ----------------------------------------------------------------- planning
     def _plan(self) -> None:
-        """Layout of every block from live metadata (no data moves), then residency."""
-        refs = [tensor_refs(b, i) for i, b in enumerate(self.blocks)]
+        """Layout of every unit (a block, or a phase of one) from live metadata (no data moves),
+        then residency. Indices of packs, residency and slots are unit indices; with block
+        granularity a unit is a block."""
+        refs = [unit_refs(u) for u in self.units]
         owners: dict[tuple, set[int]] = {}
         for i, items in enumerate(refs):
             for ref, t in items:
                 check_packable(t, ref.label)
                 owners.setdefault(alias_key(t), set()).add(i)
-        shared = {k for k, s in owners.items() if len(s) > 1}
+        own: list[tuple] = []
+        if self.granularity != "block":  # tensors a block uses itself stay on the device
+            for b, block in enumerate(self.blocks):
+                own += own_refs(block, b, [u for u in self.units if u.block == b])
+            for ref, t in own:
+                check_packable(t, ref.label)
+        shared = {k for k, s in owners.items() if len(s) > 1} | {alias_key(t) for _, t in own}
         self._packs = [
             PackedBlock([(r, t) for r, t in items if alias_key(t) not in shared], index=i)
             for i, items in enumerate(refs)
         ]
-        self._shared = PackedBlock([(r, t) for items in refs for r, t in items if alias_key(t) in shared], index=-1)
+        self._shared = PackedBlock(
+            [(r, t) for items in [*refs, own] for r, t in items if alias_key(t) in shared], index=-1)
         self._plan_residency()
         self._signature = self._current_signature()
         if shared:
-            log.info("%d tensors are shared between blocks; they stay resident", len(self._shared.entries))
+            log.info("%d tensors are shared between units or used by their blocks themselves; they stay "
+                     "resident", len(self._shared.entries))
 
     def _plan_residency(self) -> None:
         sizes = [p.nbytes for p in self._packs]
-        self.resident_indices: list[int] = plan_residency(sizes, self._shared.nbytes, **self._settings)
+        settings = self._settings
+        if self.granularity != "block" and settings["resident"] is not None:
+            # A resident count is in blocks: every phase of the picked blocks stays.
+            block_sizes = [sum(sizes[u] for u, unit in enumerate(self.units) if unit.block == b)
+                           for b in range(len(self.blocks))]
+            blocks = set(plan_residency(block_sizes, self._shared.nbytes, **settings))
+            self.resident_indices = [u for u, unit in enumerate(self.units) if unit.block in blocks]
+        else:
+            self.resident_indices = plan_residency(sizes, self._shared.nbytes, **settings)
         res = set(self.resident_indices)
-        self.streamed_indices: list[int] = [i for i in range(len(self.blocks)) if i not in res]
+        self.streamed_indices: list[int] = [i for i in range(len(self.units)) if i not in res]
         self._pos = {b: j for j, b in enumerate(self.streamed_indices)}
         self._slot_bytes = max((sizes[i] for i in self.streamed_indices), default=0)
-        self._nslots = slot_count(self._settings["prefetch"], len(self.streamed_indices))
+        self._nslots = slot_count(settings["prefetch"], len(self.streamed_indices))
 
     def replan(self, *, resident: int | None = None, vram_budget_bytes: int | None = None) -> None:
         """Choose the resident blocks again, e.g. from the device memory free when a run starts.
@@ -153,10 +181,14 @@ class LayerwiseStreamer:
         """
         if self._attached:
             raise RuntimeError("replan() needs a detached streamer")
-        settings = dict(self._settings, resident=resident, vram_budget_bytes=vram_budget_bytes)
-        plan_residency([p.nbytes for p in self._packs], self._shared.nbytes, **settings)  # validate first
-        self._settings = settings
-        self._plan_residency()
+        old = self._settings
+        self._settings = dict(old, resident=resident, vram_budget_bytes=vram_budget_bytes)
+        try:
+            self._plan_residency()
+        except BaseException:
+            self._settings = old
+            self._plan_residency()
+            raise
 
     def bound_range(self) -> tuple[int, int]:
         """The bound with every block streamed (the least device memory streaming can work in)
@@ -183,24 +215,70 @@ class LayerwiseStreamer:
         sizes = [p.nbytes for p in self._packs]
         return bound_bytes(sizes, self.resident_indices, self._shared.nbytes, self._settings["prefetch"])
 
-    def block_states(self) -> list[str]:
-        """Per block: 'resident', 'in_flight' (bytes in a device slot) or 'streamed' (host only)."""
+    def unit_states(self) -> list[str]:
+        """Per unit: 'resident' (on the device), 'in_flight' (in a device slot), 'cached' (in the
+        host cache), 'disk' (only on disk) or 'streamed' (in the host pack)."""
         res = set(self.resident_indices)
+        disk = self._disk is not None and self._disk.placed
+        cached = self._disk.cached_units() if disk else set()
         return [
-            "resident" if i in res else "in_flight" if self._attached and i in self._slot_of else "streamed"
-            for i in range(len(self.blocks))
+            "resident" if i in res else "in_flight" if self._attached and i in self._slot_of
+            else "cached" if i in cached else "disk" if disk else "streamed"
+            for i in range(len(self.units))
         ]
+
+    def block_states(self) -> list[str]:
+        """Per block, the state of its units (``unit_states``); a block whose phases are in several
+        places shows the nearest to the device."""
+        rank = ("resident", "in_flight", "cached", "streamed", "disk")
+        states = self.unit_states()
+        out = ["disk"] * len(self.blocks)
+        for unit, state in zip(self.units, states):
+            if rank.index(state) < rank.index(out[unit.block]):
+                out[unit.block] = state
+        return out
+
+    def describe_units(self) -> list[dict]:
+        """Each unit: its block, name, bytes and (disk streaming) where its bytes are read from."""
+        return [{"block": u.block, "name": u.name, "bytes": p.nbytes,
+                 "source": self._disk.source_of(i) if self._disk is not None else None}
+                for i, (u, p) in enumerate(zip(self.units, self._packs))]
 
     def host_bytes(self) -> dict[str, int]:
         """Host master size, the tensors in it without alignment padding (a quantized weight's
-        inner tensors), and how much of it is page-locked."""
+        inner tensors), and how much of it is page-locked; with disk streaming, what the host
+        cache holds and what lives on disk."""
         host = self._host
-        return {
+        out = {
             "packed": self.packed_bytes,
             "tensors": sum(p.tensor_bytes for p in self._packs) + self._shared.tensor_bytes,
             "pinned": host.pinned_bytes if host else 0,
             "pageable": host.pageable_bytes if host else 0,
         }
+        disk = self._disk
+        if disk is not None:
+            figures = disk.figures()
+            cached = disk.cached_units()
+            out.update(cache=figures["cache_bytes"], cache_pinned=figures["cache_pinned_bytes"],
+                       disk=self.packed_bytes - sum(self._packs[i].nbytes for i in cached) if disk.placed else 0)
+        return out
+
+    def disk_figures(self) -> dict | None:
+        """The disk tier's settings and sizes, None without one."""
+        return self._disk.figures() if self._disk is not None else None
+
+    def reset_figures(self) -> None:
+        """Zero the counters (the engine's and the disk tier's), e.g. at the start of a run."""
+        self.telemetry.reset()
+        if self._disk is not None:
+            self._disk.telemetry.reset()
+
+    def figures(self, wait: bool = False) -> dict:
+        """The telemetry snapshot, with the disk tier's counters when there is one."""
+        out = self.telemetry.snapshot(wait=wait)
+        if self._disk is not None:
+            out.update(self._disk.telemetry.snapshot())
+        return out
 
     @property
     def attached(self) -> bool:
@@ -230,7 +308,7 @@ class LayerwiseStreamer:
             if adopted:
                 log.info("%d block tensors were re-wrapped over the kept pack; it stays valid", adopted)
         if self._current_signature() != self._signature or not all(p.is_current() for p in packs):
-            if self._host is not None:
+            if self._has_pack():
                 log.info("block tensors were re-assigned since the pack was kept; packing from scratch")
                 self._free_pack()
             self._plan()
@@ -243,14 +321,24 @@ class LayerwiseStreamer:
             raise
         self._attached = True
         host = self.host_bytes()
+        where = (f"on disk through a {host['cache'] / _MiB:.1f} MiB host cache" if self._disk_active()
+                 else f"host {host['packed'] / _MiB:.1f} MiB ({host['pinned'] / _MiB:.1f} MiB pinned)")
         log.info(
-            "attached %d blocks (%d resident, %d streamed) to %s: %d slots x %.1f MiB, bound %.1f MiB, "
-            "host %.1f MiB (%.1f MiB pinned), %d blocks packed, %s",
-            len(self.blocks), len(self.resident_indices), len(self.streamed_indices), self.device,
-            self._nslots, self._slot_bytes / _MiB, self.bound_bytes() / _MiB,
-            host["packed"] / _MiB, host["pinned"] / _MiB, packed,
+            "attached %d blocks as %d %s units (%d resident, %d streamed) to %s: %d slots x %.1f MiB, "
+            "bound %.1f MiB, %s, %d units packed, %s",
+            len(self.blocks), len(self.units), self.granularity, len(self.resident_indices),
+            len(self.streamed_indices), self.device, self._nslots, self._slot_bytes / _MiB,
+            self.bound_bytes() / _MiB, where, packed,
             "transform on device copies" if transform is not None else "no transform",
         )  # fmt: skip
+
+    def _disk_active(self) -> bool:
+        """Whether the packs live on disk (the disk tier has placed them)."""
+        return self._disk is not None and self._disk.placed
+
+    def _has_pack(self) -> bool:
+        """Whether a pack (in host RAM or on disk) is kept from an earlier attach."""
+        return self._host is not None or self._disk_active()
 
     def conceal_resident(self) -> None:
         """Unset the resident blocks' tensors (and shared ones) in their modules until
@@ -291,8 +379,11 @@ class LayerwiseStreamer:
         self._closed = True
 
     def _pack(self, progress: Callable[[int, int], None] | None) -> int:
-        """Pack every block into fresh host storage unless a valid pack is kept; returns blocks packed."""
+        """Pack every unit into fresh host storage (or, over the disk tier's RAM cap, onto disk)
+        unless a valid pack is kept; returns units packed."""
         packs = self._packs + [self._shared]
+        if self._disk is not None and (self._disk.placed or self._disk.wanted(self.packed_bytes)):
+            return self._pack_on_disk(packs, progress)
         if self._host is not None:
             if progress is not None:
                 progress(len(packs), len(packs))
@@ -320,6 +411,25 @@ class LayerwiseStreamer:
         self.telemetry.blocks_packed += count
         return count
 
+    def _pack_on_disk(self, packs: list[PackedBlock], progress: Callable[[int, int], None] | None) -> int:
+        """Disk tier: place every pack on disk once (kept across attaches), then size the host cache
+        for this run's streamed units. The cache's size is checked before anything moves."""
+        disk = self._disk
+        sizes = {i: p.nbytes for i, p in enumerate(packs)}
+        order = list(self.streamed_indices)
+        largest = max(sizes.values(), default=0)
+        count = 0
+        if disk.placed:
+            if progress is not None:
+                progress(len(packs), len(packs))
+        else:
+            disk.check(order, sizes, self._nslots, largest)
+            count = disk.place(packs, progress)
+            return_freed_ram()
+            self.telemetry.blocks_packed += count
+        disk.open_cache(order, sizes, self._nslots, largest)
+        return count
+
     def _settle_bounce(self) -> None:
         """Keep the staging buffer only if a streamed block's pack is pageable and the buffer is pinned.
 
@@ -343,15 +453,21 @@ class LayerwiseStreamer:
 
     def _materialize(self) -> None:
         tel = self.telemetry
-        self._host.note_reader(self.device)
-        for p in [self._packs[i] for i in self.resident_indices] + [self._shared]:
+        disk = self._disk if self._disk_active() else None
+        if disk is None:
+            self._host.note_reader(self.device)
+        resident = [(i, self._packs[i]) for i in self.resident_indices] + [(len(self._packs), self._shared)]
+        for index, p in resident:
             if not p.entries:
                 continue
             with torch.inference_mode(False):
                 buf = torch.empty(p.nbytes, dtype=torch.uint8, device=self.device)
             self._resident_bufs.append(buf)
             tel.add_device_alloc(p.nbytes)
-            buf.copy_(p.host, non_blocking=True)
+            if disk is not None:
+                disk.upload(index, p.nbytes, buf)
+            else:
+                buf.copy_(p.host, non_blocking=True)
             if self._transform is not None:  # queued behind the copy on the same stream
                 tel.transforms += p.apply_transform(buf, self._transform)
             p.bind(p.views(buf, transformed=self._transform is not None))
@@ -364,18 +480,44 @@ class LayerwiseStreamer:
             self._resident_ready = torch.cuda.Event()
             self._resident_ready.record(torch.cuda.current_stream(self.device))
             self._resident_waited = set()
-            resident = [(i, self.blocks[i]) for i in self.resident_indices]
-            self._hooks.append(BlockHooks(resident, self._on_enter_resident))
+            # Phases: a block's own tensors are resident, and it may read them before any phase.
+            waits = [(i, self.blocks[i]) for i in self.resident_indices] if self.granularity == "block" \
+                else list(enumerate(self.blocks))
+            self._hooks.append(BlockHooks(waits, self._on_enter_resident))
         if not self.streamed_indices:
             return
-        self._ring = SlotRing(self.device, self._nslots, self._slot_bytes, tel, bounce=self._bounce)
+        if disk is not None:
+            self._ring = CacheRing(self.device, self._nslots, self._slot_bytes, tel, disk.cache, disk.telemetry)
+        else:
+            self._ring = SlotRing(self.device, self._nslots, self._slot_bytes, tel, bounce=self._bounce)
         self._view_cache: dict[tuple[int, int], list[torch.Tensor]] = {}
         for i in self.streamed_indices:
             self._packs[i].release()
-        self._hooks.append(
-            BlockHooks([(i, self.blocks[i]) for i in self.streamed_indices], self._on_enter, self._on_exit)
-        )
+        if self.granularity == "block":
+            self._hooks.append(
+                BlockHooks([(i, self.blocks[i]) for i in self.streamed_indices], self._on_enter, self._on_exit)
+            )
+        else:
+            # A phase starts when any module inside it is called and ends when the next one starts
+            # or its block returns.
+            members = [(i, m) for i in self.streamed_indices for m in hooked_modules(self.units[i])]
+            self._hooks.append(BlockHooks(members, self._on_enter))
+            streamed_blocks = sorted({self.units[i].block for i in self.streamed_indices})
+            self._hooks.append(BlockHooks([(b, self.blocks[b]) for b in streamed_blocks],
+                                          self._on_block_enter, self._on_block_exit))
         self._fill()
+        self._settle_copies()
+
+    def _settle_copies(self) -> None:
+        """Wait until a copy worker (the disk tier's, or the staging of pageable packs) has issued
+        the copies queued so far, transforms included. A transform binds its unit's tensors while
+        it runs, and what the caller does after attach (ComfyUI's model load) must find every
+        streamed unit empty. A failed copy is raised when its unit is entered."""
+        for ticket in list(getattr(self._ring, "_tickets", {}).values()):
+            try:
+                ticket.wait()
+            except RuntimeError:
+                pass
 
     def _teardown(self, keep_pack: bool) -> None:
         """Undo attach from any partial state: hooks, device memory, bindings, and maybe the pack."""
@@ -387,7 +529,7 @@ class LayerwiseStreamer:
             self._ring = None
         if self.device.type == "cuda":  # resident uploads and transforms may be on any stream
             torch.cuda.synchronize(self.device)
-        keep = keep_pack and self._host is not None
+        keep = keep_pack and self._has_pack()
         try:
             for i, p in enumerate(self._packs + [self._shared]):
                 p.restore(keep_host=keep and p.host is not None)
@@ -421,6 +563,8 @@ class LayerwiseStreamer:
             if storage is not None:
                 storage.release()
         self._host = self._bounce = None
+        if self._disk is not None:
+            self._disk.close()  # the modules keep copy-on-write maps of their bytes on disk
 
     # ---------------------------------------------------------------- hot path
     def _on_enter_resident(self, i: int) -> None:
@@ -458,10 +602,12 @@ class LayerwiseStreamer:
             )
 
     def _on_enter(self, i: int) -> None:
+        if self._running == i:  # another module of the phase that is running
+            return
         self._refuse_untraceable(i)
         self._await_resident()
-        if self._running is not None:  # the previous block never reached its exit hook
-            self._finish(self._running)
+        if self._running is not None:  # the previous phase ends here (or a block whose exit never ran)
+            self._on_exit(self._running)
         pos = self._pos[i]
         retarget = pos != self._expected
         if retarget:
@@ -469,7 +615,7 @@ class LayerwiseStreamer:
             self._expected = pos
         if i not in self._slot_of:
             self.telemetry.sync_fallbacks += 1
-            log.debug("block %d was not prefetched; loading it now", i)
+            log.debug("unit %d was not prefetched; loading it now", i)
             retarget = True
         if retarget:
             self._fill()
@@ -492,6 +638,18 @@ class LayerwiseStreamer:
         self._finish(i)
         self._expected = (self._pos[i] + 1) % len(self.streamed_indices)
         self._fill()
+
+    def _on_block_enter(self, b: int) -> None:
+        """Phases: a block starts; the running phase of another block ends here at the latest."""
+        running = self._running
+        if running is not None and self.units[running].block != b:
+            self._on_exit(running)
+
+    def _on_block_exit(self, b: int) -> None:
+        """Phases: the block returned (or raised), so its running phase is over."""
+        running = self._running
+        if running is not None and self.units[running].block == b:
+            self._on_exit(running)
 
     def _finish(self, i: int) -> None:
         self._ring.mark_free(self._slot_of[i])
@@ -517,10 +675,16 @@ class LayerwiseStreamer:
             slot = next((s for s in free if holds[s] == b), None)
             if slot is None:
                 slot = next((s for s in free if holds[s] not in wanted), free[0])
-                self._ring.copy_in(slot, self._packs[b].host, b, self._prepare(b))
+                self._copy_in(slot, b)
             self._slot_of[b] = slot
             taken.add(slot)
             self.telemetry.add_materialized(self._packs[b].nbytes)
+
+    def _copy_in(self, slot: int, b: int) -> None:
+        if isinstance(self._ring, CacheRing):
+            self._ring.copy_unit(slot, b, self._packs[b].nbytes, self._prepare(b))
+        else:
+            self._ring.copy_in(slot, self._packs[b].host, b, self._prepare(b))
 
     def _prepare(self, b: int) -> Callable[[torch.Tensor], None] | None:
         """The step that applies this attach's transform to block ``b``'s fresh slot copy."""

@@ -14,6 +14,8 @@ const BLOCK_STATES = [
   ["resident", "resident on the device"],
   ["streamed", "streamed from RAM"],
   ["in_flight", "in a device slot now"],
+  ["cached", "in the RAM cache (disk streaming)"],
+  ["disk", "on disk only (disk streaming)"],
 ];
 const BUDGET_FIELDS = [
   { key: "ram_budget_gb", bytes: "ram_budget_bytes", label: "RAM budget", empty: "auto",
@@ -149,16 +151,23 @@ function devicesHtml(payload) {
   return out.join("") || `<div class="to-muted">No device figures.</div>`;
 }
 
+// Where a block's weights are: on the device, in a device slot, in the host cache, on disk only,
+// or packed in host RAM.
+const PLACE = {
+  resident: "on the device", in_flight: "in a device slot", cached: "in the RAM cache", disk: "on disk",
+  streamed: "in RAM",
+};
+
 function stripHtml(lw) {
   const states = Array.isArray(lw.block_states) && lw.block_states.length
     ? lw.block_states
     : Array.from({ length: num(lw.blocks) }, (_, i) =>
         (lw.resident_indices ?? []).includes(i) ? "resident" : "streamed");
   const cells = states.map((s, i) =>
-    `<span class="to-blk to-blk-${esc(s)}" title="block ${i}: ${esc(String(s).replace("_", " "))}"></span>`);
+    `<span class="to-blk to-blk-${esc(s)}" title="block ${i}: ${esc(PLACE[s] ?? String(s).replace("_", " "))}"></span>`);
   const shown = new Set(states);
   return `<div class="to-strip" aria-label="blocks">${cells.join("")}</div>
-    ${legend(BLOCK_STATES.filter(([s]) => shown.has(s) || s !== "in_flight")
+    ${legend(BLOCK_STATES.filter(([s]) => shown.has(s) || s === "resident" || s === "streamed")
       .map(([s, text]) => [`to-blk-${s}`, text]), "strip-legend")}`;
 }
 
@@ -194,6 +203,18 @@ function telemetryHtml(raw) {
   }
   if (num(fallbacks) > 0) rows.push(stat("fallbacks", String(fallbacks), "synchronous copies", "to-warn"));
   if (num(raw.order_misses) > 0) rows.push(stat("order misses", String(raw.order_misses), "blocks run out of order", "to-warn"));
+  // Disk streaming: how fast the disk delivered while reading, what the RAM cache saved, and
+  // how long compute waited for a read.
+  if (typeof raw.disk_read_gibps === "number") {
+    rows.push(stat("disk read", `${raw.disk_read_gibps.toFixed(2)} GiB/s`, "bytes read from disk over the time spent reading"));
+  }
+  if (typeof raw.cache_hit_rate === "number") {
+    rows.push(stat("cache hits", `${(100 * raw.cache_hit_rate).toFixed(0)}%`, "streamed units found in the RAM cache"));
+  }
+  if (typeof raw.disk_wait_s === "number") {
+    rows.push(stat("waited for disk", `${raw.disk_wait_s.toFixed(2)} s`, "time compute waited for a disk read"));
+  }
+  if (num(raw.disk_read_errors) > 0) rows.push(stat("read errors", String(raw.disk_read_errors), "failed disk reads", "to-warn"));
   return `<div class="to-stats">${rows.join("")}</div>`;
 }
 
@@ -201,10 +222,15 @@ function layerwiseHtml(lw, showStrip) {
   if (!lw) return "";
   const resident = lw.resident_indices?.length ?? 0;
   const streamed = lw.streamed_indices?.length ?? 0;
+  // Resident and streamed counts are in units: blocks, or phases of blocks.
+  const unitName = lw.granularity === "phase" ? "phases" : "";
+  const disk = lw.disk?.active
+    ? ` · from disk through ${esc(fmtBytes(num(lw.disk.cache_bytes)))} RAM cache` : "";
   return `<div class="to-lw" data-role="layerwise">
     <div class="to-lw-head"><b>Streamed by Apply Layerwise Offload</b>
-      <span class="to-muted">${num(lw.blocks)} blocks · ${resident} resident · ${streamed} streamed
-      ${typeof lw.bound_bytes === "number" ? ` · at most ${esc(fmtBytes(lw.bound_bytes))} on the device` : ""}</span></div>
+      <span class="to-muted" data-role="lw-summary">${num(lw.blocks)} blocks${unitName ? ` as ${num(lw.units?.length)} ${unitName}` : ""}
+      · ${resident} resident · ${streamed} streamed
+      ${typeof lw.bound_bytes === "number" ? ` · at most ${esc(fmtBytes(lw.bound_bytes))} on the device` : ""}${disk}</span></div>
     ${lw.dynamic_vram?.cost ? `<div class="to-muted" data-role="lw-cost">Cost: ${esc(lw.dynamic_vram.cost)}</div>` : ""}
     ${showStrip ? stripHtml(lw) : ""}
     ${telemetryHtml(lw.telemetry)}

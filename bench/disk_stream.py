@@ -1,0 +1,242 @@
+"""Disk streaming benchmark: how close the disk tier comes to the disk, and what it costs a step.
+
+Wan-shaped blocks (bench/layerwise.py's) in random weights are written to a safetensors file,
+64-byte aligned (so a CPU device reads them in place too), and run from it. Per granularity
+(block, phase) one run measures:
+  * raw: one thread reading the whole file sequentially in 16 MiB buffered reads, GiB/s;
+  * ram: the all-in-RAM engine (host_cache 0: every block packed in RAM), step time;
+  * disk: the disk tier with a host cache of --cache-share of the blocks' bytes (at least what
+    streaming needs at once), reading the model's own file with --workers threads:
+      - step time, and its ratio to the all-in-RAM step;
+      - disk read GiB/s: the bytes the tier read over the wall time with a read in flight;
+      - that rate over the raw read of the same file (the goal is >= 0.85);
+      - cache hit rate, and the time compute waited for the disk;
+      - whether the output equals the resident reference bit for bit.
+Each "disk" figure is taken warm and cold. Cold drops the file from the page cache before every
+measured pass: posix_fadvise(DONTNEED) on the file, and with --drop-caches (root only) a write
+to /proc/sys/vm/drop_caches. The raw read is taken in the same state. Prints a table, writes
+JSON (device, torch, settings) to bench/results/. ``--smoke`` runs tiny shapes on the CPU in a few
+seconds so the script never rots; no timing is asserted anywhere.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as dt
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "bench"), str(REPO / "tests" / "fixtures")]
+from aligned_safetensors import save_aligned  # noqa: E402
+from layerwise import Spec, Stack, build_blocks, timed  # noqa: E402
+
+from offload_core.disk import PAGE, ModelFile, align_up  # noqa: E402
+from offload_core.disk_tier import DiskOptions  # noqa: E402
+from offload_core.streamer import LayerwiseStreamer  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+GIB = 1 << 30
+READ_PIECE = 16 << 20
+
+
+def drop_file_cache(path: Path, drop_all: bool) -> str:
+    """Make the next reads of ``path`` come from the disk; returns how."""
+    how = []
+    if hasattr(os, "posix_fadvise"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            how.append("fadvise")
+        finally:
+            os.close(fd)
+    if drop_all:
+        try:
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("3")
+            how.append("drop_caches")
+        except OSError:
+            pass
+    return "+".join(how) or "none"
+
+
+def raw_read_gibps(path: Path, cold: bool, drop_all: bool) -> float:
+    """One thread, sequential 16 MiB buffered reads of the whole file (cold: the page cache dropped first)."""
+    if cold:
+        drop_file_cache(path, drop_all)
+    buf = bytearray(READ_PIECE)
+    view = memoryview(buf)
+    total = 0
+    start = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(view):
+            total += n
+    return total / (time.perf_counter() - start) / GIB
+
+
+def write_model(blocks: list[torch.nn.Module], path: Path) -> int:
+    sd = {f"blocks.{i}.{name}": t for i, b in enumerate(blocks) for name, t in b.state_dict().items()}
+    save_aligned(sd, path, {"bench": "disk_stream"})
+    return path.stat().st_size
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).contiguous().view(torch.uint8).cpu()
+
+
+def run_ram(stack: Stack, device: torch.device, granularity: str, args) -> dict:
+    st = LayerwiseStreamer(list(stack.blocks), device, resident=0, prefetch=args.prefetch, granularity=granularity)
+    st.attach()
+    try:
+        stack()  # warm-up, and the prefetch wraps around
+        steps = timed(device, stack, args.steps)
+        return {"step_s": statistics.median(steps), "units": len(st.units), "bound_bytes": st.bound_bytes()}
+    finally:
+        st.close()
+
+
+def run_disk(stack: Stack, device: torch.device, granularity: str, path: Path, raw: dict, ref: torch.Tensor,
+             args) -> dict:
+    probe = LayerwiseStreamer(list(stack.blocks), device, resident=0, prefetch=args.prefetch,
+                              granularity=granularity)
+    unit = align_up(max(p.nbytes for p in probe._packs), PAGE)
+    least = (probe._nslots + 1) * unit
+    cap = max(least, int(args.cache_share * sum(p.nbytes for p in probe._packs)))
+    del probe
+    options = DiskOptions(cap_bytes=cap, workers=args.workers, spill_dir=str(path.parent),
+                          model_file=ModelFile(str(path), lambda b, p: f"blocks.{b}.{p}"))
+    st = LayerwiseStreamer(list(stack.blocks), device, resident=0, prefetch=args.prefetch,
+                           granularity=granularity, disk=options)
+    start = time.perf_counter()
+    st.attach()
+    attach_s = time.perf_counter() - start
+    out = {"cache_bytes": st.disk_figures()["cache_bytes"], "attach_s": attach_s,
+           "file_bytes": st.disk_figures()["file_bytes"], "spill_bytes": st.disk_figures()["spill_bytes"]}
+    try:
+        with torch.no_grad():
+            out["matches_reference"] = torch.equal(_bits(stack()), ref)  # also the warm-up pass
+        for state in ("warm", "cold"):
+            passes = []
+            for _ in range(args.steps):
+                dropped = drop_file_cache(path, args.drop_caches) if state == "cold" else None
+                st.reset_figures()
+                step = timed(device, stack, 1)[0]
+                figures = st.figures(wait=True)
+                passes.append((step, figures, dropped))
+            read = sum(f["disk_bytes_read"] for _, f, _ in passes)
+            busy = sum(f["disk_read_busy_s"] for _, f, _ in passes)
+            requests = sum(f["cache_requests"] for _, f, _ in passes)
+            gibps = read / busy / GIB if busy > 0 else None
+            out[state] = {
+                "step_s": statistics.median(s for s, _, _ in passes),
+                "disk_read_gibps": gibps,
+                "raw_gibps": raw[state],
+                "vs_raw": gibps / raw[state] if gibps else None,
+                "cache_hit_rate": sum(f["cache_hits"] for _, f, _ in passes) / requests if requests else None,
+                "disk_bytes_read_per_step": read / len(passes),
+                "disk_wait_s_per_step": sum(f["disk_wait_s"] for _, f, _ in passes) / len(passes),
+                "compute_wait_s_per_step": sum(f["compute_wait_s"] for _, f, _ in passes) / len(passes),
+                "page_cache_dropped_by": passes[0][2],
+                "order_misses": sum(f["order_misses"] for _, f, _ in passes),
+                "sync_fallbacks": sum(f["sync_fallbacks"] for _, f, _ in passes),
+            }
+    finally:
+        st.close()
+    return out
+
+
+def specs(args) -> Spec:
+    if args.smoke:
+        return Spec("wan-smoke", "wan", dim=64, heads=4, tokens=16, ctx=8, blocks=6, ffn=128)
+    return Spec("wan-disk", "wan", dim=args.dim, heads=args.dim // 128, tokens=args.tokens, ctx=64,
+                blocks=args.blocks, ffn=args.ffn)
+
+
+def print_table(result: dict) -> None:
+    raw = result["raw"]
+    print(f"device: {result['device']}  torch {result['torch']}  file {result['file_bytes'] / (1 << 20):.1f} MiB  "
+          f"raw read {raw['warm']:.2f} GiB/s warm, {raw['cold']:.2f} GiB/s cold ({raw['cold_dropped_by']})")
+    head = (f"{'unit':<6} {'state':<5} {'ram step s':>10} {'disk step s':>11} {'x ram':>6} {'read GiB/s':>10} "
+            f"{'/ raw':>6} {'hit rate':>8} {'disk wait s':>11} {'cache MiB':>9} {'bits':>5}")
+    print(head)
+    print("-" * len(head))
+    for g, row in result["granularity"].items():
+        for state in ("warm", "cold"):
+            d = row["disk"][state]
+            rate = f"{d['disk_read_gibps']:.2f}" if d["disk_read_gibps"] else "-"
+            ratio = f"{d['vs_raw']:.2f}" if d["vs_raw"] else "-"
+            hit = f"{100 * d['cache_hit_rate']:.0f}%" if d["cache_hit_rate"] is not None else "-"
+            print(f"{g:<6} {state:<5} {row['ram']['step_s']:>10.4f} {d['step_s']:>11.4f} "
+                  f"{d['step_s'] / row['ram']['step_s']:>6.2f} {rate:>10} {ratio:>6} {hit:>8} "
+                  f"{d['disk_wait_s_per_step']:>11.4f} {row['disk']['cache_bytes'] / (1 << 20):>9.1f} "
+                  f"{'same' if row['disk']['matches_reference'] else 'DIFF':>5}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, a few seconds")
+    ap.add_argument("--dim", type=int, default=2048)
+    ap.add_argument("--ffn", type=int, default=8192)
+    ap.add_argument("--blocks", type=int, default=12)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--granularity", default="block,phase")
+    ap.add_argument("--cache-share", type=float, default=0.25, help="host cache as a share of the blocks' bytes")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--prefetch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=3, help="measured passes per state")
+    ap.add_argument("--dir", type=Path, default=None, help="folder for the model file (default: a temp folder)")
+    ap.add_argument("--drop-caches", action="store_true", help="also drop the whole page cache when cold (root)")
+    ap.add_argument("--out", type=Path, help="JSON path (default: bench/results/disk_stream-<device>-<time>.json)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    if args.smoke:
+        args.steps = min(args.steps, 2)
+        torch.set_num_threads(1)
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    spec = specs(args)
+    torch.manual_seed(0)
+    blocks = build_blocks(spec, device=torch.device("cpu"), dtype=torch.bfloat16)  # the host copy
+    stack = Stack(spec, device, blocks=blocks)
+    resident = Stack(spec, device, blocks=[copy.deepcopy(b).to(device) for b in blocks])
+    ref = _bits(resident())  # every block on the device: the reference
+    del resident
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        path = Path(tmp) / "disk_stream_model.safetensors"
+        file_bytes = write_model(blocks, path)
+        raw = {"cold": raw_read_gibps(path, True, args.drop_caches),
+               "warm": raw_read_gibps(path, False, args.drop_caches),
+               "cold_dropped_by": drop_file_cache(path, args.drop_caches)}
+        result = {
+            "device": name, "device_type": device.type, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "time": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "smoke": args.smoke,
+            "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "spec": vars(spec), "file_bytes": file_bytes,
+            "block_bytes": sum(t.numel() * t.element_size() for b in blocks for t in b.state_dict().values()),
+            "raw": raw, "granularity": {},
+        }
+        for g in args.granularity.split(","):
+            result["granularity"][g] = {"ram": run_ram(stack, device, g, args),
+                                        "disk": run_disk(stack, device, g, path, raw, ref, args)}
+    print_table(result)
+    out = args.out
+    if out is None:
+        slug = "smoke" if args.smoke else name.lower().replace(" ", "-")
+        out = RESULTS / f"disk_stream-{slug}-{dt.datetime.now():%Y%m%d-%H%M%S}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

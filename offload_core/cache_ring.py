@@ -1,0 +1,104 @@
+"""Device slots fed from the host cache by a copy worker: the disk tier's side of the slot ring.
+
+Why a worker: a unit requested for a slot may still be on its way from disk. Issuing its copy
+from the sampling thread would make that thread wait for the disk while the device still has
+work queued; here the sampling thread only queues the job, and the worker waits for the read,
+issues the copy on the copy stream (after the slot's last reader), runs ``prepare`` (a LoRA
+merge into the fresh copy) and records the slot's ready event. The sampling thread waits only
+when it enters a unit whose copy has not been issued yet; that wait is the time compute waited
+for the disk, and is counted. Copies are issued in request order, like the ring's own.
+"""
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from .host_cache import DiskTelemetry, HostCache
+from .slots import SlotRing
+from .staging import Ticket
+from .telemetry import Telemetry
+
+
+class CacheRing(SlotRing):
+    """A SlotRing whose copies come from ``cache`` leases, issued by one worker thread."""
+
+    def __init__(self, device: torch.device, count: int, nbytes: int, telemetry: Telemetry,
+                 cache: HostCache, disk_telemetry: DiskTelemetry) -> None:
+        super().__init__(device, count, nbytes, telemetry)
+        self._cache = cache
+        self._disk_tel = disk_telemetry
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="offload-disk-copy", daemon=True)
+        self._thread.start()
+
+    def copy_unit(self, slot: int, unit: int, nbytes: int,
+                  prepare: Callable[[torch.Tensor], None] | None = None) -> None:
+        """Queue the copy of ``unit`` (``nbytes`` of packed layout) from the cache into ``slot``."""
+        if self._state[slot] == "being read":
+            raise RuntimeError(f"slot {slot} would be overwritten while a block reads it")
+        self.holds[slot], self._state[slot] = None, "empty"
+        lease = self._cache.acquire(unit)
+        ticket = Ticket()
+        self._tickets[slot] = ticket
+        self._jobs.put((ticket, slot, lease, nbytes, prepare))
+        self.holds[slot], self._state[slot] = unit, "loaded"
+        self._tel.record_copy(nbytes)
+
+    def wait_ready(self, slot: int) -> None:
+        ticket = self._tickets.get(slot)
+        if ticket is not None and not ticket.done:
+            start = time.perf_counter()
+            try:
+                super().wait_ready(slot)
+            finally:
+                self._disk_tel.add_wait(time.perf_counter() - start)
+            return
+        super().wait_ready(slot)
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            ticket, slot, lease, nbytes, prepare = job
+            try:
+                self._copy(slot, lease, nbytes, prepare)
+            except BaseException as e:  # reported to the thread that waits for this slot
+                ticket._finish(e)
+            else:
+                ticket._finish()
+            finally:
+                lease.release()  # no-op when _copy released it with its fence
+
+    def _copy(self, slot: int, lease, nbytes: int, prepare) -> None:
+        src = lease.wait()[:nbytes]
+        dst = self.buffers[slot][:nbytes]
+        stream = self.stream
+        on_stream = contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
+        device = contextlib.nullcontext() if stream is None else torch.cuda.device(self.device)
+        with torch.no_grad(), torch.inference_mode(False), device, on_stream:
+            if stream is not None:
+                stream.wait_event(self._free[slot])  # the slot's last reader is done
+            dst.copy_(src, non_blocking=stream is not None)
+            fence = None
+            if stream is not None:
+                fence = torch.cuda.Event()
+                fence.record(stream)
+            lease.release(fence)  # the entry may be read into again once the copy has run
+            if prepare is not None:
+                prepare(dst)
+            if stream is not None:
+                self._ready[slot].record(stream)
+
+    def close(self) -> None:
+        """Wait for queued copies, stop the worker, give the device memory back."""
+        self.synchronize()
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join()
+        super().close()

@@ -1,0 +1,354 @@
+"""A bounded RAM cache of packed units read from disk ahead of need, by a few worker threads.
+
+Why a cache with known-order eviction: the units run in the same cyclic order every pass, so the
+unit needed furthest in the future is known exactly. Evicting it (Belady's rule) is optimal; on a
+cyclic order least-recently-used would evict every unit just before it is needed again and never
+hit. Reads run ahead of the copies: when a unit is requested, workers start reading the next
+``depth`` units it lacks, each into the entry whose unit is needed last, but only if that one is
+needed later than the unit read; so read-ahead never throws out a unit that will be used sooner.
+Units that stay cached across passes are hits; the rest cost one disk read each per pass.
+
+Entries are equal-sized buffers (the largest streamed unit, rounded to 4 KiB) in one host
+storage, page-locked when the pinned budget allows, so reads can be direct and copies to the
+device asynchronous. An entry is never overwritten while a copy out of it may still run: a lease
+pins it from the request until the copy has been issued, and the copy's fence (a CUDA event) is
+waited for by the worker before it reads into the entry again.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from .disk import PAGE, DiskStore, align_up, size_text
+from .pinned import HostStorage
+
+log = logging.getLogger(__name__)
+
+_NEVER = float("inf")
+
+
+class Fence(Protocol):
+    def synchronize(self) -> None: ...
+
+
+class CacheTooSmallError(ValueError):
+    """The RAM cap holds fewer units than disk streaming needs at once."""
+
+    def __init__(self, cap: int, unit_bytes: int, need: int) -> None:
+        self.cap, self.unit_bytes, self.need = cap, unit_bytes, need
+        super().__init__(
+            f"a host cache of {size_text(cap)} holds {cap // unit_bytes} streamed unit(s) of "
+            f"{size_text(unit_bytes)}, and disk streaming needs {need} at once ({size_text(need * unit_bytes)})")
+
+
+class DiskTelemetry:
+    """What the disk tier cost in a run: reads, hit rate, read rate and time compute waited."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self.requests = 0  # streamed units asked of the cache
+            self.hits = 0  # of those, served by bytes read in an earlier pass
+            self.reads = 0
+            self.bytes_read = 0
+            self.read_busy_s = 0.0  # wall time with at least one read in flight
+            self.wait_s = 0.0  # time the sampling thread waited for a read
+            self.read_errors = 0
+            self._active = 0
+            self._since = 0.0
+
+    def read_started(self) -> None:
+        with self._lock:
+            if self._active == 0:
+                self._since = time.perf_counter()
+            self._active += 1
+
+    def read_ended(self, nbytes: int, ok: bool) -> None:
+        with self._lock:
+            self._active -= 1
+            if self._active == 0:
+                self.read_busy_s += time.perf_counter() - self._since
+            if ok:
+                self.reads += 1
+                self.bytes_read += nbytes
+            else:
+                self.read_errors += 1
+
+    def add_wait(self, seconds: float) -> None:
+        with self._lock:
+            self.wait_s += seconds
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            busy = self.read_busy_s
+            return {
+                "cache_requests": self.requests,
+                "cache_hits": self.hits,
+                "cache_hit_rate": self.hits / self.requests if self.requests else None,
+                "disk_reads": self.reads,
+                "disk_bytes_read": self.bytes_read,
+                "disk_read_busy_s": busy,
+                "disk_read_gibps": self.bytes_read / busy / (1 << 30) if busy > 0 else None,
+                "disk_wait_s": self.wait_s,
+                "disk_read_errors": self.read_errors,
+            }
+
+
+@dataclass(eq=False)
+class _Entry:
+    unit: int | None = None
+    reading: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    leases: int = 0
+    served: int = 0  # requests served since the current bytes were read
+    fence: Fence | None = None  # the last copy out of this entry
+
+
+class Lease:
+    """One request's hold on a cached unit: wait() for its bytes, release() once copied out."""
+
+    def __init__(self, cache: HostCache, entry: int, unit: int) -> None:
+        self._cache, self.entry, self.unit = cache, entry, unit
+        self._released = False
+
+    def wait(self) -> torch.Tensor:
+        """The unit's packed bytes (a host buffer of the entry's size), once read; raises the read's error."""
+        e = self._cache._entries[self.entry]
+        e.done.wait()
+        if e.error is not None:
+            raise e.error
+        return self._cache.buffer(self.entry)
+
+    def release(self, fence: Fence | None = None) -> None:
+        """The copy out of the entry is issued; ``fence`` completes when it has run."""
+        if not self._released:
+            self._released = True
+            self._cache._release(self.entry, fence)
+
+
+class HostCache:
+    """``count`` entries of ``entry_bytes`` holding the units of ``order`` read from ``store``,
+    ``depth`` units read ahead by ``workers`` threads."""
+
+    def __init__(self, store: DiskStore, unit_bytes: dict[int, int], order: Sequence[int], *,
+                 entry_bytes: int, count: int, workers: int, depth: int, pin: bool,
+                 ram_budget_bytes: int | None, device: torch.device, telemetry: DiskTelemetry) -> None:
+        if workers < 1 or depth < 1 or count < 1 or entry_bytes % PAGE:
+            raise ValueError(f"bad cache shape: {count} x {entry_bytes} bytes, {workers} workers, depth {depth}")
+        self.entry_bytes = entry_bytes
+        self._store = store
+        self._unit_bytes = dict(unit_bytes)
+        self._tel = telemetry
+        self._depth = depth
+        self._storage = HostStorage([self.entry_bytes] * count, pin=pin, ram_budget_bytes=ram_budget_bytes)
+        self._storage.note_reader(device)
+        self._buffers = [self._storage.buffer(i) for i in range(count)]  # allocates (and pins) now
+        self._entries = [_Entry() for _ in range(count)]
+        for e in self._entries:
+            e.done.set()
+        self._where: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._queue: list[tuple[int, int, int, int]] = []  # (priority, seq, entry, unit)
+        self._seq = itertools.count()
+        self._closing = False
+        self.set_order(order)
+        self._threads = [threading.Thread(target=self._worker, name=f"offload-disk-{k}", daemon=True)
+                         for k in range(workers)]
+        for t in self._threads:
+            t.start()
+        log.info("disk stream: host cache of %d x %s (%s), %d read worker(s), read-ahead %d",
+                 count, size_text(self.entry_bytes), "pinned" if self.pinned else "pageable", workers, depth)
+
+    # ---------------------------------------------------------------- figures
+    @property
+    def count(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * self.entry_bytes
+
+    @property
+    def pinned(self) -> bool:
+        return self._storage.pinned_bytes > 0
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self._storage.pinned_bytes
+
+    def cached_units(self) -> set[int]:
+        """Units whose bytes are in RAM now (read complete)."""
+        with self._lock:
+            return {e.unit for e in self._entries if e.unit is not None and not e.reading and e.error is None}
+
+    def buffer(self, entry: int) -> torch.Tensor:
+        return self._buffers[entry]
+
+    # ---------------------------------------------------------------- order
+    def set_order(self, order: Sequence[int], depth: int | None = None) -> None:
+        """The streamed units in run order (a new run may stream another set) and the read-ahead."""
+        if any(self._unit_bytes.get(u, self.entry_bytes + 1) > self.entry_bytes for u in order):
+            raise ValueError("a streamed unit is larger than the cache's entries")
+        with self._lock:
+            self._order = list(order)
+            self._pos = {u: k for k, u in enumerate(self._order)}
+            self._cursor = 0
+            if depth is not None:
+                self._depth = depth
+
+    def _distance(self, unit: int | None) -> float:
+        """How far ahead of the cursor ``unit`` is needed next; never (inf) for units not streamed."""
+        pos = self._pos.get(unit) if unit is not None else None
+        if pos is None:
+            return _NEVER
+        return (pos - self._cursor) % len(self._order)
+
+    # ---------------------------------------------------------------- requests
+    def acquire(self, unit: int) -> Lease:
+        """Hold ``unit`` in the cache (reading it now if it is not there) and read ahead of it."""
+        with self._lock:
+            self._cursor = self._pos[unit]
+            self._tel.requests += 1
+            entry = self._where.get(unit)
+            if entry is None:
+                entry = self._wait_for_victim(0)
+                self._start_read(entry, unit, 0)
+            elif self._entries[entry].served:
+                self._tel.hits += 1
+            e = self._entries[entry]
+            e.leases += 1
+            e.served += 1
+            self._read_ahead()
+            return Lease(self, entry, unit)
+
+    def borrow(self) -> tuple[int, torch.Tensor]:
+        """A whole entry for a transient use (uploading a resident unit at attach); give_back() it."""
+        with self._lock:
+            entry = self._wait_for_victim(-1)
+            e = self._entries[entry]
+            if e.unit is not None:
+                del self._where[e.unit]
+            e.unit, e.served, e.leases, e.error = None, 0, 1, None
+            fence, e.fence = e.fence, None
+        if fence is not None:
+            fence.synchronize()
+        return entry, self._buffers[entry]
+
+    def give_back(self, entry: int, fence: Fence | None = None) -> None:
+        self._release(entry, fence)
+
+    def _release(self, entry: int, fence: Fence | None) -> None:
+        with self._lock:
+            e = self._entries[entry]
+            e.leases -= 1
+            if fence is not None:
+                e.fence = fence
+            self._read_ahead()
+            self._work.notify_all()
+
+    def _wait_for_victim(self, need: float) -> int:
+        """An entry for a unit needed ``need`` units ahead, waiting while every entry is leased or
+        being read (the copies and reads under way end on their own). Called under the lock."""
+        while True:
+            entry = self._victim(need)
+            if entry is not None:
+                return entry
+            if self._closing:
+                raise RuntimeError("the host cache is closed")
+            self._work.wait()
+
+    def _victim(self, need: float) -> int | None:
+        """The entry to reuse for a unit needed ``need`` units ahead: a free one first, else the one
+        whose unit is needed last, if that is later than ``need``; never one leased or being read."""
+        best, best_d = None, need
+        for k, e in enumerate(self._entries):
+            if e.leases or e.reading:
+                continue
+            d = _NEVER if e.unit is None or e.error is not None else self._distance(e.unit)
+            if d > best_d:
+                best, best_d = k, d
+        return best
+
+    def _read_ahead(self) -> None:
+        n = len(self._order)
+        for k in range(1, min(self._depth, n - 1) + 1):
+            unit = self._order[(self._cursor + k) % n]
+            if unit in self._where:
+                continue
+            entry = self._victim(k)
+            if entry is None:
+                return
+            self._start_read(entry, unit, k)
+
+    def _start_read(self, entry: int, unit: int, priority: int) -> None:
+        e = self._entries[entry]
+        if e.unit is not None:
+            del self._where[e.unit]
+        e.unit, e.reading, e.error, e.served = unit, True, None, 0
+        e.done = threading.Event()
+        self._where[unit] = entry
+        heapq.heappush(self._queue, (priority, next(self._seq), entry, unit))
+        self._work.notify()
+
+    # ---------------------------------------------------------------- workers
+    def _worker(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not self._closing:
+                    self._work.wait()
+                if self._closing and not self._queue:
+                    return
+                _, _, entry, unit = heapq.heappop(self._queue)
+                e = self._entries[entry]
+                fence, e.fence = e.fence, None
+            error = None
+            nbytes = self._unit_bytes[unit]
+            self._tel.read_started()
+            try:
+                if fence is not None:
+                    fence.synchronize()  # the last copy out of this entry has run
+                self._store.read(unit, self._buffers[entry], 0, nbytes)
+            except BaseException as exc:  # handed to whoever waits for this unit
+                error = exc
+                log.error("disk stream: %s", exc)
+            finally:
+                self._tel.read_ended(nbytes, error is None)
+            with self._lock:
+                e.reading, e.error = False, error
+                if error is not None:
+                    del self._where[unit]
+                    e.unit = None
+                e.done.set()
+                self._work.notify_all()
+
+    def close(self) -> None:
+        """Drop the reads not started, finish those under way, stop the workers, free the entries."""
+        with self._lock:
+            for _, _, entry, unit in self._queue:
+                e = self._entries[entry]
+                del self._where[unit]
+                e.unit, e.reading, e.error = None, False, RuntimeError("the host cache was closed")
+                e.done.set()
+            self._queue.clear()
+            self._closing = True
+            self._work.notify_all()
+        for t in self._threads:
+            t.join()
+        for e in self._entries:
+            if e.fence is not None:
+                e.fence.synchronize()
+        self._buffers = []
+        self._storage.release()

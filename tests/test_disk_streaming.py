@@ -1,0 +1,202 @@
+"""Disk streaming and phase granularity through a real ComfyUI server: results never change.
+
+Each test compares the latent sha256 of a workflow with Apply Layerwise Offload against the same
+workflow without it (core's full load), LoRA included, and reads what the engine did from
+`GET /offload/layerwise`. A host cache is made to hold fewer units than the model has, so the
+blocks really come from disk: the model's own file where its bytes are the loaded tensors (a
+64-byte aligned file: on a CPU device only aligned tensors are read in place), a spill file where
+they are not (a bf16 file that the CPU loads as fp32).
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import tiny_models
+from aligned_safetensors import save_aligned
+from workflows import latent_sha, sample_workflow, with_inputs
+
+PAGE = 4096
+GIB = 1 << 30
+ALIGNED_WAN = "disk_wan6_aligned.safetensors"
+BF16_WAN = "disk_wan6_bf16.safetensors"
+WAN6_LORA = "disk_wan6_lora.safetensors"
+PHASE = {"resident_blocks": 0, "prefetch": 1, "granularity": "phase"}
+BLOCK = {"resident_blocks": 0, "prefetch": 1, "granularity": "block"}
+
+
+@pytest.fixture(scope="module")
+def wan6(comfy_base):
+    """Six-block tiny Wans (so a cache can hold fewer blocks than the model): one saved 64-byte
+    aligned in fp32 (its bytes are what ComfyUI loads), one in bf16 (loaded as fp32 on a CPU, so
+    the engine spills), and a LoRA on all six blocks."""
+    models = comfy_base / "models" / "diffusion_models"
+    if not (models / ALIGNED_WAN).exists():
+        save_aligned(tiny_models.build_tiny_wan21(layers=6, seed=61), models / ALIGNED_WAN,
+                     {"fixture": "disk_wan6_aligned"})
+    if not (models / BF16_WAN).exists():
+        tiny_models.write_tiny_wan21(models / BF16_WAN, layers=6, seed=62, dtype=torch.bfloat16)
+    lora = comfy_base / "models" / "loras" / WAN6_LORA
+    if not lora.exists():
+        tiny_models.write_tiny_wan_lora(lora, model_layers=6, seed=63)
+    return models
+
+
+def engine(comfy, model_class, blocks=None):
+    """The engine of the run that is on, else of the run that ended last."""
+    models = [m for m in comfy.get("/offload/layerwise")["models"] if m["model_class"] == model_class
+              and (blocks is None or m["blocks"] == blocks)]
+    assert models, comfy.get("/offload/layerwise")
+    return max(models, key=lambda m: (m["active"], m["finished_at"] or 0))
+
+
+def cache_gb(state, entries):
+    """A host cache of ``entries`` of the largest streamed unit, in GiB (what the node takes)."""
+    unit = max(state["units"][i]["bytes"] for i in state["streamed_indices"])
+    return entries * (-(-unit // PAGE) * PAGE) / GIB
+
+
+def wan6_workflow(unet, lora=None, layerwise=None, **kw):
+    wf = sample_workflow("wan21", lora_strength=lora, layerwise=layerwise, **kw)
+    wf["load"]["inputs"]["unet_name"] = unet
+    if lora is not None:
+        wf["lora"]["inputs"]["lora_name"] = WAN6_LORA
+    return wf
+
+
+def assert_streamed_from_disk(state, source):
+    disk, tel = state["disk"], state["telemetry"]
+    assert disk["active"], disk
+    assert {u["source"] for u in state["units"]} == {source}, state["units"]
+    assert 0 < disk["cache_bytes"] < state["block_bytes"], "the cache held every block"
+    assert tel["disk_reads"] > 0 and tel["disk_bytes_read"] > 0 and tel["disk_read_errors"] == 0, tel
+    assert tel["cache_requests"] == tel["copies"] and 0 <= tel["cache_hits"] <= tel["cache_requests"], tel
+    assert tel["order_misses"] == 0 and tel["sync_fallbacks"] == 0, tel
+    assert 0 < tel["peak_materialized_bytes"] <= state["bound_bytes"], tel
+    assert {"disk_read_gibps", "disk_wait_s", "cache_hit_rate"} <= set(tel)
+
+
+@pytest.mark.parametrize("kind,model_class", [("wan21", "WanModel"),
+                                              ("sd3", "OpenAISignatureMMDITWrapper"),
+                                              ("hunyuan_video", "HunyuanVideo")])
+def test_tiny_models_as_phases_and_from_disk_are_bit_identical(comfy, kind, model_class):
+    baseline = latent_sha(comfy.run(sample_workflow(kind)))
+    assert latent_sha(comfy.run(sample_workflow(kind, layerwise=PHASE))) == baseline
+    phases = engine(comfy, model_class)
+    assert phases["granularity"] == "phase" and len(phases["units"]) > phases["blocks"], phases["units"]
+    assert phases["telemetry"]["order_misses"] == 0 and phases["telemetry"]["sync_fallbacks"] == 0
+    # Phases need smaller slots than blocks: the bound follows the largest phase.
+    assert latent_sha(comfy.run(sample_workflow(kind, layerwise=BLOCK))) == baseline
+    blocks = engine(comfy, model_class)
+    assert phases["bound_bytes"] < blocks["bound_bytes"]
+    # From disk, as phases, through a cache of three of them (the model has six or more).
+    disk = dict(PHASE, host_cache_gb=cache_gb(phases, 3))
+    assert latent_sha(comfy.run(sample_workflow(kind, layerwise=disk))) == baseline
+    state = engine(comfy, model_class)
+    assert_streamed_from_disk(state, "spill")  # the fixture files are not 64-byte aligned
+    assert set(state["unit_states"]) <= {"in_flight", "cached", "disk"}
+    # From disk as blocks, all but one kept on the device: one cached block serves every pass.
+    one = dict(BLOCK, resident_blocks=blocks["blocks"] - 1, host_cache_gb=cache_gb(blocks, 1))
+    assert latent_sha(comfy.run(sample_workflow(kind, layerwise=one))) == baseline
+    assert engine(comfy, model_class)["disk"]["active"]
+    # A later prompt without the node runs the model exactly as core would.
+    assert latent_sha(comfy.run(sample_workflow(kind))) == baseline
+
+
+@pytest.mark.parametrize("layerwise,entries", [(PHASE, 6), (BLOCK, 4)])
+def test_lora_from_the_models_own_file_is_bit_identical(comfy, wan6, layerwise, entries):
+    plain = latent_sha(comfy.run(wan6_workflow(ALIGNED_WAN)))
+    full = latent_sha(comfy.run(wan6_workflow(ALIGNED_WAN, lora=1.0)))
+    half = latent_sha(comfy.run(wan6_workflow(ALIGNED_WAN, lora=0.5)))
+    assert len({plain, full, half}) == 3, "the LoRA must change the result"
+    assert latent_sha(comfy.run(wan6_workflow(ALIGNED_WAN, layerwise=layerwise))) == plain
+    sizes = engine(comfy, "WanModel", blocks=6)
+    disk = dict(layerwise, host_cache_gb=cache_gb(sizes, entries))
+    assert latent_sha(comfy.run(wan6_workflow(ALIGNED_WAN, lora=1.0, layerwise=disk))) == full
+    state = engine(comfy, "WanModel", blocks=6)
+    assert_streamed_from_disk(state, "file")
+    assert state["disk"]["model_file"].endswith(ALIGNED_WAN) and state["disk"]["spill_bytes"] == 0
+    assert state["disk"]["file_bytes"] == state["host"]["packed"]
+    assert state["telemetry"]["transforms"] > 0, "the LoRA was not merged into the device copies"
+    assert state["telemetry"]["cache_hits"] > 0, "a cache of several units never hit"
+    # Base bytes on disk, LoRA merged on the device: a strength change places nothing again.
+    assert latent_sha(comfy.run(wan6_workflow(ALIGNED_WAN, lora=0.5, layerwise=disk))) == half
+    assert engine(comfy, "WanModel", blocks=6)["telemetry"]["blocks_packed"] == 0
+    assert latent_sha(comfy.run(wan6_workflow(ALIGNED_WAN, lora=1.0))) == full
+    assert latent_sha(comfy.run(wan6_workflow(ALIGNED_WAN))) == plain
+
+
+def test_cast_weights_are_spilled_and_stay_bit_identical(comfy, wan6):
+    """A bf16 file that the CPU loads as fp32: the loaded tensors are not the file's bytes, so the
+    blocks are written once to a spill file and streamed from there."""
+    plain = latent_sha(comfy.run(wan6_workflow(BF16_WAN)))
+    full = latent_sha(comfy.run(wan6_workflow(BF16_WAN, lora=1.0)))
+    assert latent_sha(comfy.run(wan6_workflow(BF16_WAN, layerwise=PHASE))) == plain
+    disk = dict(PHASE, host_cache_gb=cache_gb(engine(comfy, "WanModel", blocks=6), 4))
+    assert latent_sha(comfy.run(wan6_workflow(BF16_WAN, lora=1.0, layerwise=disk))) == full
+    state = engine(comfy, "WanModel", blocks=6)
+    assert_streamed_from_disk(state, "spill")
+    assert state["disk"]["model_file"] is None and state["disk"]["file_bytes"] == 0
+    assert state["disk"]["spill_bytes"] >= state["host"]["packed"]
+    assert latent_sha(comfy.run(wan6_workflow(BF16_WAN, layerwise=disk))) == plain
+    assert latent_sha(comfy.run(wan6_workflow(BF16_WAN))) == plain
+
+
+def test_tier_manager_counts_disk_streamed_blocks(comfy, wan6):
+    """A Tiered loader's model streamed from disk: the manager's bytes per tier say which bytes
+    only the disk holds, and RAM counts the rest (the model outside its blocks, and the cache)."""
+    wf = wan6_workflow(ALIGNED_WAN, layerwise=PHASE)
+    wf["load"]["class_type"] = "TieredUNETLoader"
+    plain = wan6_workflow(ALIGNED_WAN)
+    plain["load"]["class_type"] = "TieredUNETLoader"
+    reference = latent_sha(comfy.run(plain))
+    assert latent_sha(comfy.run(wf)) == reference
+    disk = with_inputs(wf, "offload", host_cache_gb=cache_gb(engine(comfy, "WanModel", blocks=6), 3))
+    assert latent_sha(comfy.run(disk)) == reference
+    state = engine(comfy, "WanModel", blocks=6)
+    assert_streamed_from_disk(state, "file")
+    model = next(m for m in comfy.get("/offload/tiers")["models"] if m["name"] == ALIGNED_WAN)
+    on_disk = model["bytes"]["disk"]
+    assert on_disk == state["host"]["disk"] > 0
+    assert model["bytes"]["vram"] + model["bytes"]["ram"] + on_disk == model["total_bytes"]
+    assert model["layerwise"]["disk"]["active"]
+    assert latent_sha(comfy.run(plain)) == reference
+
+
+def test_bad_disk_settings_fail_clearly_and_the_server_keeps_serving(comfy, wan6, tmp_path):
+    wf = wan6_workflow(ALIGNED_WAN, layerwise=dict(PHASE, host_cache_gb=0.001, spill_dir=str(tmp_path / "nope")))
+    error = comfy.run_expect_error(wf)
+    assert error["node_type"] == "ApplyLayerwiseOffload"
+    assert "spill_dir" in error["exception_message"] and "not an existing folder" in error["exception_message"]
+    tiny = wan6_workflow(ALIGNED_WAN, layerwise=dict(BLOCK, host_cache_gb=0.0001))
+    error = comfy.run_expect_error(tiny)
+    assert "host_cache_gb=0.0001 GiB is too small" in error["exception_message"], error
+    assert "disk streaming needs 3 at once" in error["exception_message"]
+    plain = latent_sha(comfy.run(wan6_workflow(ALIGNED_WAN)))
+    assert latent_sha(comfy.run(wan6_workflow(ALIGNED_WAN, layerwise=PHASE))) == plain
+
+
+def test_interrupt_while_streaming_from_disk_then_rerun_is_identical(comfy, wan6):
+    slow_plain = wan6_workflow(ALIGNED_WAN, lora=1.0, steps=200)
+    reference = latent_sha(comfy.run(slow_plain))
+    assert latent_sha(comfy.run(wan6_workflow(ALIGNED_WAN, layerwise=PHASE))) == \
+        latent_sha(comfy.run(wan6_workflow(ALIGNED_WAN)))
+    disk = dict(PHASE, host_cache_gb=cache_gb(engine(comfy, "WanModel", blocks=6), 3))
+    slow = wan6_workflow(ALIGNED_WAN, lora=1.0, steps=200, layerwise=disk)
+    prompt_id = comfy.queue(slow)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        state = engine(comfy, "WanModel", blocks=6)
+        if state["active"] and (state["telemetry"] or {}).get("disk_reads"):
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the disk-streamed prompt never started sampling")
+    comfy.interrupt()
+    entry = comfy.wait(prompt_id)
+    assert "execution_interrupted" in [kind for kind, _ in entry["status"]["messages"]], entry["status"]
+    assert not engine(comfy, "WanModel", blocks=6)["active"]
+    assert latent_sha(comfy.run(slow)) == reference
+    assert latent_sha(comfy.run(slow_plain)) == reference

@@ -1,0 +1,369 @@
+"""The disk tier on the CPU: the store (model file or spill), the host cache, and the streamer
+running real torch modules from disk."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from toy_models import ToyDiT, assert_restored, bits, inputs, snapshot
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
+from aligned_safetensors import save_aligned  # noqa: E402
+
+from offload_core.disk import DiskStore, ModelFile, read_safetensors_index  # noqa: E402
+from offload_core.disk_tier import DiskOptions  # noqa: E402
+from offload_core.host_cache import CacheTooSmallError, DiskTelemetry, HostCache  # noqa: E402
+from offload_core.packing import PackedBlock, tensor_refs  # noqa: E402
+from offload_core.pinned import HostStorage  # noqa: E402
+from offload_core.streamer import LayerwiseStreamer  # noqa: E402
+
+PAGE = 4096
+
+
+def _scratch(nbytes: int) -> tuple[HostStorage, torch.Tensor, torch.Tensor]:
+    size = -(-nbytes // PAGE) * PAGE
+    storage = HostStorage([size, size], pin=False)
+    return storage, storage.buffer(0), storage.buffer(1)
+
+
+def _linear_file(tmp_path: Path, modules: list[nn.Module], name: str, aligned: bool = True) -> Path:
+    sd = {f"m.{i}.{k}": t for i, m in enumerate(modules) for k, t in m.state_dict().items()}
+    path = tmp_path / name
+    if aligned:
+        save_aligned(sd, path)
+    else:
+        save_file({k: v.contiguous() for k, v in sd.items()}, str(path))
+    return path
+
+
+def _place(store: DiskStore, modules: list[nn.Module]) -> list[tuple[PackedBlock, str]]:
+    packs = [PackedBlock(tensor_refs(m, i), index=i) for i, m in enumerate(modules)]
+    storage, a, b = _scratch(max(p.nbytes for p in packs))
+    try:
+        return [(p, store.place(i, p, a, b)) for i, p in enumerate(packs)]
+    finally:
+        storage.release()
+
+
+def test_safetensors_index_gives_each_tensors_bytes(tmp_path):
+    torch.manual_seed(0)
+    sd = {"a": torch.randn(3, 5), "b": torch.randn(7).to(torch.bfloat16), "c": torch.arange(4)}
+    path = tmp_path / "x.safetensors"
+    save_file(sd, str(path))
+    index = read_safetensors_index(str(path))
+    raw = path.read_bytes()
+    for key, t in sd.items():
+        found = index[key]
+        assert found.dtype == t.dtype and found.shape == tuple(t.shape)
+        assert raw[found.offset : found.offset + found.nbytes] == t.reshape(-1).view(torch.uint8).numpy().tobytes()
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        (tmp_path / "bad.safetensors").write_bytes(b"\xff" * 16)
+        read_safetensors_index(str(tmp_path / "bad.safetensors"))
+
+
+def test_store_reads_the_models_own_file_only_where_its_bytes_match(tmp_path):
+    torch.manual_seed(0)
+    modules = [nn.Linear(32, 48) for _ in range(3)]
+    path = _linear_file(tmp_path, modules, "model.safetensors")
+    with torch.no_grad():
+        modules[1].weight[0, 0] += 1  # loaded bytes that are not the file's: that pack is spilled
+    want = [snapshot(m) for m in modules]
+    store = DiskStore(str(tmp_path / "spill"), ModelFile(str(path), lambda b, p: f"m.{b}.{p}"), align=64)
+    placed = _place(store, modules)
+    assert [kind for _, kind in placed] == ["file", "spill", "file"]
+    assert store.file_bytes == placed[0][0].nbytes + placed[2][0].nbytes and store.spill_bytes >= placed[1][0].nbytes
+    for m, before in zip(modules, want):  # the same objects, values, dtypes and strides, now maps
+        assert_restored(m, before, list(before))
+    # A write into the map stays in memory: the file keeps the bytes it had.
+    before = path.read_bytes()
+    with torch.no_grad():
+        modules[0].weight.mul_(2)
+    assert path.read_bytes() == before
+    # Each pack reads back in its packed layout, whole or by page-aligned ranges.
+    for i, (pack, _) in enumerate(placed):
+        storage, dst, _ = _scratch(pack.nbytes)
+        assert store.read(i, dst) == pack.nbytes
+        for e, view in zip(pack.entries, pack.views(dst)):
+            assert torch.equal(bits(view), want[i][e.owner[1]][1]), (i, e.label)  # the values placed
+        half = store.read(i, dst, PAGE, 2 * PAGE)
+        assert half == min(2 * PAGE, pack.nbytes - PAGE)
+        storage.release()
+    store.close()
+
+
+def test_read_back_bytes_equal_the_tensors(tmp_path):
+    torch.manual_seed(1)
+    modules = [nn.Linear(40, 40), nn.Linear(40, 8)]
+    values = [{k: v.clone() for k, v in m.state_dict().items()} for m in modules]
+    path = _linear_file(tmp_path, modules, "model.safetensors")
+    for source in (ModelFile(str(path), lambda b, p: f"m.{b}.{p}"), None):
+        mods = copy.deepcopy(modules)
+        store = DiskStore(str(tmp_path / "spill"), source, align=64)
+        placed = _place(store, mods)
+        assert {kind for _, kind in placed} == {"file" if source else "spill"}
+        for i, (pack, _) in enumerate(placed):
+            storage, dst, _ = _scratch(pack.nbytes)
+            store.read(i, dst)
+            got = dict(zip([e.owner[1] for e in pack.entries], pack.views(dst)))
+            for name, v in values[i].items():
+                assert torch.equal(bits(got[name]), bits(v)), (source, i, name)
+            storage.release()
+        store.close()
+
+
+def test_a_cpu_device_reads_only_aligned_tensors_from_the_file(tmp_path):
+    torch.manual_seed(2)
+    modules = [nn.Linear(24, 24) for _ in range(2)]
+    path = _linear_file(tmp_path, modules, "plain.safetensors", aligned=False)  # 8-byte aligned data
+    index = read_safetensors_index(str(path))
+    assert any(t.offset % 64 for t in index.values()), "the file happens to be aligned: this shows nothing"
+    cpu = DiskStore(str(tmp_path / "s1"), ModelFile(str(path), lambda b, p: f"m.{b}.{p}"), align=64)
+    assert {kind for _, kind in _place(cpu, copy.deepcopy(modules))} == {"spill"}
+    gpu = DiskStore(str(tmp_path / "s2"), ModelFile(str(path), lambda b, p: f"m.{b}.{p}"), align=1)
+    assert {kind for _, kind in _place(gpu, copy.deepcopy(modules))} == {"file"}
+    cpu.close()
+    gpu.close()
+
+
+@pytest.mark.skipif(os.name == "nt", reason="Windows keeps an open file's name")
+def test_the_spill_file_has_no_name_once_open(tmp_path):
+    spill = tmp_path / "spill"
+    store = DiskStore(str(spill))
+    modules = [nn.Linear(16, 16) for _ in range(2)]
+    placed = _place(store, modules)
+    assert {kind for _, kind in placed} == {"spill"} and store.spill_bytes > 0
+    assert list(spill.iterdir()) == []
+    store.close()
+    x = torch.randn(2, 16)
+    assert torch.equal(modules[0](x), modules[0](x))  # the maps outlive the store's descriptors
+
+
+def _cache(n: int, entries: int, depth: int, tmp_path: Path):
+    modules = [nn.Linear(64, 64) for _ in range(n)]
+    store = DiskStore(str(tmp_path / "spill"))
+    placed = _place(store, modules)
+    sizes = {i: p.nbytes for i, (p, _) in enumerate(placed)}
+    tel = DiskTelemetry()
+    entry = -(-max(sizes.values()) // PAGE) * PAGE
+    cache = HostCache(store, sizes, list(range(n)), entry_bytes=entry, count=entries, workers=2, depth=depth,
+                      pin=False, ram_budget_bytes=None, device=torch.device("cpu"), telemetry=tel)
+    return cache, tel, store, placed
+
+
+@pytest.mark.parametrize("n,entries,depth", [(6, 4, 1), (6, 4, 2), (10, 5, 1), (12, 6, 2), (6, 6, 1)])
+def test_cache_keeps_units_needed_soon_and_hits_on_a_cyclic_order(tmp_path, n, entries, depth):
+    """Least-recently-used would never hit on a cyclic order with fewer entries than units; evicting
+    the unit needed last keeps entries - depth - 1 units across passes (the rest of the entries
+    hold the unit being copied and the read-ahead)."""
+    cache, tel, store, placed = _cache(n, entries, depth, tmp_path)
+    try:
+        for p in range(4):
+            tel.reset()
+            for u in range(n):
+                lease = cache.acquire(u)
+                buf = lease.wait()
+                pack = placed[u][0]
+                for e, view in zip(pack.entries, pack.views(buf)):
+                    assert torch.equal(bits(view), bits(e.original)), (p, u, e.label)
+                lease.release()
+            hits = tel.snapshot()["cache_hits"]
+            if p == 0:
+                assert hits == 0  # nothing was read before the first pass
+            elif entries >= n:
+                assert hits == n
+            else:
+                assert entries - depth - 1 <= hits < n, (p, hits)
+        assert tel.snapshot()["disk_read_errors"] == 0
+    finally:
+        cache.close()
+        store.close()
+
+
+def test_a_request_waits_while_every_entry_is_held(tmp_path):
+    cache, tel, store, _ = _cache(4, 2, 1, tmp_path)
+    try:
+        first, second = cache.acquire(0), cache.acquire(1)
+        first.wait(), second.wait()
+        got = []
+        waiter = threading.Thread(target=lambda: got.append(cache.acquire(2).wait() is not None))
+        waiter.start()
+        waiter.join(0.2)
+        assert waiter.is_alive() and not got  # both entries are leased: the third unit waits
+        first.release()
+        waiter.join(60)
+        assert got == [True]
+        second.release()
+    finally:
+        cache.close()
+        store.close()
+
+
+GRID = [  # granularity, resident blocks, prefetch, cache entries
+    ("block", 0, 1, 3),
+    ("block", 0, 2, 5),
+    ("block", 2, 1, 3),
+    ("phase", 0, 1, 3),
+    ("phase", 0, 3, 6),
+    ("phase", 1, 2, 8),
+]
+
+
+def _disk_streamer(model, tmp_path, granularity, resident, prefetch, entries, model_file=None):
+    probe = LayerwiseStreamer(model.blocks, "cpu", resident=resident, prefetch=prefetch, granularity=granularity)
+    unit = -(-max(probe._packs[i].nbytes for i in probe.streamed_indices) // PAGE) * PAGE
+    disk = DiskOptions(cap_bytes=entries * unit, workers=2, spill_dir=str(tmp_path), model_file=model_file)
+    return LayerwiseStreamer(model.blocks, "cpu", resident=resident, prefetch=prefetch, granularity=granularity,
+                             disk=disk)
+
+
+@pytest.mark.parametrize("granularity,resident,prefetch,entries", GRID)
+def test_streamed_from_disk_bit_identical_and_handed_back(tmp_path, granularity, resident, prefetch, entries):
+    model = ToyDiT(depth=6)
+    x, t = inputs()
+    with torch.no_grad():
+        ref = model(x, t)
+    before, keys = snapshot(model), list(model.state_dict())
+    st = _disk_streamer(model, tmp_path, granularity, resident, prefetch, entries)
+    for run in range(2):
+        st.reset_figures()
+        st.attach()
+        with torch.no_grad():
+            for _ in range(3):
+                assert torch.equal(model(x, t), ref)
+        figures = st.figures()
+        assert figures["disk_reads"] > 0 and figures["order_misses"] == 0 and figures["sync_fallbacks"] == 0
+        assert figures["peak_materialized_bytes"] <= st.bound_bytes()
+        assert figures["blocks_packed"] == (0 if run else len([p for p in st._packs + [st._shared] if p.entries]))
+        assert set(st.unit_states()) <= {"resident", "in_flight", "cached", "disk"}
+        st.detach(keep_pack=True)
+        assert_restored(model, before, keys)  # the maps hold the same values in the same objects
+    with torch.no_grad():
+        assert torch.equal(model(x, t), ref)
+    st.close()
+    assert_restored(model, before, keys)
+
+
+def _lora_like(model: ToyDiT):
+    def transform(block: int, name: str, w: torch.Tensor) -> torch.Tensor:
+        if name not in ("qkv.weight", "proj.weight"):
+            return w
+        g = torch.Generator().manual_seed(block * 7 + len(name))
+        return (w.float() + torch.randn(w.shape, generator=g) * 0.05).to(w.dtype)
+
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for i, b in enumerate(ref.blocks):
+            for name, p in b.named_parameters():
+                p.copy_(transform(i, name, p))
+    return transform, ref
+
+
+@pytest.mark.parametrize("granularity", ["block", "phase"])
+def test_transform_on_device_copies_from_disk(tmp_path, granularity):
+    model = ToyDiT(depth=6)
+    x, t = inputs()
+    transform, merged = _lora_like(model)
+    with torch.no_grad():
+        want, plain = merged(x, t), model(x, t)
+    assert not torch.equal(want, plain)
+    st = _disk_streamer(model, tmp_path, granularity, 1, 1, 3)
+    st.attach(transform=transform)
+    with torch.no_grad():
+        assert torch.equal(model(x, t), want) and torch.equal(model(x, t), want)
+    assert st.figures()["transforms"] > 0
+    st.detach(keep_pack=True)
+    st.attach()  # the disk holds base weights: no transform, plain results
+    with torch.no_grad():
+        assert torch.equal(model(x, t), plain)
+    st.close()
+
+
+def test_from_the_models_own_file(tmp_path):
+    model = ToyDiT(depth=6, shared=False)
+    x, t = inputs()
+    with torch.no_grad():
+        ref = model(x, t)
+    sd = {f"blocks.{i}.{k}": v for i, b in enumerate(model.blocks) for k, v in b.state_dict(keep_vars=True).items()}
+    path = tmp_path / "toy.safetensors"
+    save_aligned({k: v.detach() for k, v in sd.items()}, path)
+    source = ModelFile(str(path), lambda b, p: f"blocks.{b}.{p}")
+    st = _disk_streamer(model, tmp_path / "spill", "phase", 0, 1, 4, model_file=source)
+    st.attach()
+    with torch.no_grad():
+        assert torch.equal(model(x, t), ref) and torch.equal(model(x, t), ref)
+    # Phases hold the plain layers, read in place; the tensors a ToyBlock uses itself (a transposed
+    # weight, an expanded buffer) cannot be, and are spilled with the other resident ones.
+    assert {u["source"] for u in st.describe_units()} == {"file"}
+    figures = st.disk_figures()
+    assert figures["model_file"] == str(path) and figures["file_bytes"] > 0 and figures["spill_bytes"] > 0
+    st.close()
+    # As whole blocks, every block holds such a tensor: every block is spilled.
+    st = _disk_streamer(model, tmp_path / "spill", "block", 0, 1, 4, model_file=source)
+    st.attach()
+    with torch.no_grad():
+        assert torch.equal(model(x, t), ref)
+    assert {u["source"] for u in st.describe_units()} == {"spill"}
+    st.close()
+
+
+def test_a_read_error_fails_the_pass_clearly_and_the_model_stays_whole(tmp_path):
+    model = ToyDiT(depth=6)
+    x, t = inputs()
+    with torch.no_grad():
+        ref = model(x, t)
+    st = _disk_streamer(model, tmp_path, "block", 0, 1, 3)
+    st.attach()
+    with torch.no_grad():
+        assert torch.equal(model(x, t), ref)
+    spill = st._disk.store._spill
+    os.close(spill.fd)  # every later read of the spill file fails with a real OS error
+    spill.fd = os.open(os.devnull, os.O_RDONLY)
+    if spill.direct_fd is not None:
+        os.close(spill.direct_fd)
+        spill.direct_fd = None
+    with torch.no_grad(), pytest.raises(RuntimeError, match="back from .*spill"):
+        for _ in range(3):
+            model(x, t)
+    assert st.figures()["disk_read_errors"] > 0
+    st.detach()
+    with torch.no_grad():
+        assert torch.equal(model(x, t), ref)  # the maps were never the problem
+    st.close()
+
+
+def test_a_cache_too_small_is_refused_before_anything_moves(tmp_path):
+    model = ToyDiT(depth=6)
+    before, keys = snapshot(model), list(model.state_dict())
+    st = LayerwiseStreamer(model.blocks, "cpu", resident=0, prefetch=2,
+                           disk=DiskOptions(cap_bytes=PAGE, spill_dir=str(tmp_path)))
+    with pytest.raises(CacheTooSmallError, match="disk streaming needs 4 at once"):  # 3 slots + 1 read ahead
+        st.attach()
+    assert not st.attached and list(tmp_path.iterdir()) == []
+    assert_restored(model, before, keys)
+
+
+def test_a_model_that_fits_the_cap_stays_in_ram(tmp_path):
+    model = ToyDiT(depth=4)
+    st = LayerwiseStreamer(model.blocks, "cpu", resident=0, prefetch=1,
+                           disk=DiskOptions(cap_bytes=1 << 30, spill_dir=str(tmp_path)))
+    st.attach()
+    assert not st.disk_figures()["active"] and set(st.unit_states()) <= {"streamed", "in_flight"}
+    st.close()
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"cap_bytes": 0}, "cap_bytes must be an int >= 1"),
+    ({"cap_bytes": 1 << 20, "workers": 0}, "workers must be an int >= 1"),
+    ({"cap_bytes": 1 << 20, "spill_dir": ""}, "spill_dir must be a folder path"),
+])
+def test_disk_options_are_checked(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        DiskOptions(**kwargs)
