@@ -69,7 +69,8 @@ def demo() -> dict[str, dict]:
     wf = _base()
     wf["8"] = {"class_type": "ApplyLayerwiseOffload", "inputs": {
         "model": ["1", 0], "resident_blocks": 2, "vram_budget_gb": 12.0, "prefetch": 2, "pin": True,
-        "mode": "auto"}}
+        "mode": "auto", "host_cache_gb": 0.0, "disk_workers": 2,
+        "granularity": "block", "spill_dir": ""}}
     wf["6"]["inputs"]["model"] = ["8", 0]
     wf["7"]["inputs"]["filename_prefix"] = "latents/tiered_offload_demo"
     return wf
@@ -80,7 +81,8 @@ def layerwise() -> dict[str, dict]:
     wf = _base()
     wf["8"] = {"class_type": "ApplyLayerwiseOffload", "inputs": {
         "model": ["1", 0], "resident_blocks": -1, "vram_budget_gb": 12.0, "prefetch": 2, "pin": True,
-        "mode": "auto"}}
+        "mode": "auto", "host_cache_gb": 0.0, "disk_workers": 2,
+        "granularity": "block", "spill_dir": ""}}
     wf["6"]["inputs"]["model"] = ["8", 0]
     return wf
 
