@@ -234,27 +234,30 @@ def test_comfy_quant_under_model_level_swap(qserver, fmt):
 
 
 
-DISK_PHASES = {"resident_blocks": 0, "vram_budget_gb": 0.0, "host_cache_gb": 320 / (1 << 20),  # 320 KiB: room for 4 phase units
-               "granularity": "phase"}
+KIB = 1 << 10
 
 
 def disk_cases() -> list:
-    cases = [pytest.param(FP8_BLOCKS, "UNETLoader", id="fp8_blocks")]
+    """(model, loader, host cache): each cache holds the 4 phase units streaming needs at once,
+    and less than the model's blocks, so they are read from disk."""
+    cases = [pytest.param(FP8_BLOCKS, "UNETLoader", 320 * KIB, id="fp8_blocks")]
     if HAS_GGUF:
-        cases.append(pytest.param(gguf_name("Q8_0"), "UnetLoaderGGUF", id="gguf_q8_0"))
+        cases.append(pytest.param(gguf_name("Q8_0"), "UnetLoaderGGUF", 320 * KIB, id="gguf_q8_0"))
     if ON_033:
-        cases.append(pytest.param(comfy_quant_name("nvfp4"), "UNETLoader", id="comfy_quant_nvfp4"))
+        cases.append(pytest.param(comfy_quant_name("nvfp4"), "UNETLoader", 192 * KIB, id="comfy_quant_nvfp4"))
     return cases
 
 
-@pytest.mark.parametrize("unet,loader", disk_cases())
-def test_quantized_blocks_streamed_from_disk_as_phases(qserver, unet, loader):
+@pytest.mark.parametrize("unet,loader,cache", disk_cases())
+def test_quantized_blocks_streamed_from_disk_as_phases(qserver, unet, loader, cache):
     """Disk streaming and phase units carry quantized weights too (their inner tensors are read
     from the file or a spill), with and without a LoRA."""
+    disk = {"resident_blocks": 0, "vram_budget_gb": 0.0, "host_cache_gb": cache / (1 << 30),
+            "granularity": "phase"}
     ref_plain = latent_sha(qserver.run(workflow(unet, loader=loader)))
     ref_lora = latent_sha(qserver.run(workflow(unet, lora=True, loader=loader)))
     for lora, ref in ((False, ref_plain), (True, ref_lora), (False, ref_plain)):
-        assert latent_sha(qserver.run(workflow(unet, lora=lora, layerwise=DISK_PHASES, loader=loader))) == ref
+        assert latent_sha(qserver.run(workflow(unet, lora=lora, layerwise=disk, loader=loader))) == ref
     state = wan_state(qserver)
     assert state["disk"]["active"] and state["granularity"] == "phase", state["disk"]
     assert state["telemetry"]["disk_reads"] > 0, state["telemetry"]
