@@ -18,12 +18,12 @@ sys.path.insert(0, str(TESTS))
 sys.path.insert(0, str(TESTS / "fixtures"))
 
 import tiny_models  # noqa: E402
-from comfy_server import COMFY_ROOT, DEFAULT_TREE, ComfyServer, comfy_version  # noqa: E402
+from comfy_server import COMFY_ROOT, DEFAULT_TREE, ComfyServer, comfy_version, run_tree_script  # noqa: E402
 
 # Each lane keeps its own screenshots and figures: the second must not overwrite the first's.
 ARTIFACTS = TESTS / "artifacts" if DEFAULT_TREE else TESTS / "artifacts" / f"comfyui-{comfy_version()}"
 TREE_MARKER = "comfy_tree"
-_HARNESS = (ComfyServer, COMFY_ROOT)
+_HARNESS = (ComfyServer, COMFY_ROOT, run_tree_script)
 SECOND_WAN = "tiny_wan21_low.safetensors"
 BLOCK0_LORA = "tiny_wan21_lora_block0.safetensors"
 WAN_CLIP_LORA = "tiny_wan21_and_clip_l_lora.safetensors"

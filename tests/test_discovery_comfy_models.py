@@ -13,17 +13,13 @@ returned block *is* the submodule at its path, and that a real forward calls the
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch.nn as nn
 
-from comfy_server import COMFY_PYTHON
-from comfy_server import COMFY_ROOT as COMFYUI
+from comfy_server import run_tree_script
 from offload_core.discovery import LAYOUTS, UnsupportedModelError, find_blocks
 
 REPO = Path(__file__).resolve().parents[1]
@@ -152,15 +148,7 @@ def _unet_groups(paths: list[str]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def comfy_models(tmp_path_factory) -> dict:
-    if not (COMFYUI / "comfy" / "model_detection.py").is_file():
-        pytest.skip(f"no ComfyUI tree at {COMFYUI}")
-    out = tmp_path_factory.mktemp("discovery") / "results.json"
-    env = dict(os.environ, OMP_NUM_THREADS="2")
-    # The tree's own Python: a newer ComfyUI imports packages (comfy-aimdo) the 0.3.75 venv lacks.
-    proc = subprocess.run([COMFY_PYTHON, str(SCRIPT), str(out), "--comfyui", str(COMFYUI)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"{SCRIPT.name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return json.loads(out.read_text())
+    return run_tree_script(SCRIPT, tmp_path_factory.mktemp("discovery") / "results.json", threads=2, timeout=300)
 
 
 def _case(results: dict, name: str) -> dict:

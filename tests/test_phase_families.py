@@ -15,15 +15,11 @@ whose largest is smaller than the block.
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from comfy_server import COMFY_PYTHON
-from comfy_server import COMFY_ROOT as COMFYUI
+from comfy_server import run_tree_script
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "fixtures" / "phase_families.py"
@@ -38,14 +34,7 @@ MODES = ("phase_ram", "phase_disk", "block_disk")
 
 @pytest.fixture(scope="module")
 def families(tmp_path_factory) -> dict:
-    if not (COMFYUI / "comfy" / "model_detection.py").is_file():
-        pytest.skip(f"no ComfyUI tree at {COMFYUI}")
-    out = tmp_path_factory.mktemp("phases") / "results.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([COMFY_PYTHON, str(SCRIPT), str(out), "--comfyui", str(COMFYUI)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"{SCRIPT.name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return json.loads(out.read_text())
+    return run_tree_script(SCRIPT, tmp_path_factory.mktemp("phases") / "results.json", threads=1, timeout=900)
 
 
 def _case(results: dict, name: str) -> dict:
