@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime as dt
-import json
 import logging
 import os
 import statistics
@@ -37,13 +36,12 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench"), str(REPO / "tests" / "fixtures")]
 from aligned_safetensors import save_aligned  # noqa: E402
-from layerwise import Spec, Stack, build_blocks, timed  # noqa: E402
+from layerwise import Spec, Stack, build_blocks, timed, write_result  # noqa: E402
 
 from offload_core.disk import PAGE, ModelFile, align_up  # noqa: E402
 from offload_core.disk_tier import DiskOptions  # noqa: E402
 from offload_core.streamer import LayerwiseStreamer  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 GIB = 1 << 30
 READ_PIECE = 16 << 20
 
@@ -228,13 +226,7 @@ def main(argv: list[str] | None = None) -> dict:
             result["granularity"][g] = {"ram": run_ram(stack, device, g, args),
                                         "disk": run_disk(stack, device, g, path, raw, ref, args)}
     print_table(result)
-    out = args.out
-    if out is None:
-        slug = "smoke" if args.smoke else name.lower().replace(" ", "-")
-        out = RESULTS / f"disk_stream-{slug}-{dt.datetime.now():%Y%m%d-%H%M%S}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    write_result(result, "disk_stream", name, args)
     return result
 
 

@@ -430,15 +430,20 @@ def main(argv: list[str] | None = None) -> dict:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     print_table(result)
+    write_result(result, "layerwise", name, args)
+    return result
+
+
+def write_result(result: dict, bench: str, device_name: str, args) -> Path:
+    """Write a run's JSON to --out, else to bench/results/<bench>-<device>-<time>.json."""
     out = args.out
     if out is None:
-        slug = "smoke" if args.smoke else name.lower().replace(" ", "-")
-        out = RESULTS / f"layerwise-{slug}-{dt.datetime.now():%Y%m%d-%H%M%S}.json"
+        slug = "smoke" if args.smoke else device_name.lower().replace(" ", "-")
+        out = RESULTS / f"{bench}-{slug}-{dt.datetime.now():%Y%m%d-%H%M%S}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
-    return result
-
+    return out
 
 if __name__ == "__main__":
     main()
