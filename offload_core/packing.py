@@ -16,6 +16,14 @@ bytes cannot describe.  A transform (e.g. a LoRA merge) is applied to a device
 copy of the pack, never to the pack: host RAM does not grow with it, and
 ``restore`` always puts the untransformed weights back.
 
+Where a tensor starts matters on the CPU too: a CPU kernel's summation order can depend on its
+operand's address (the one-row GEMV of a time embedding peels to a 16-byte boundary), and a
+checkpoint read from a memory map leaves weights at whatever address modulo 16 the file's
+header length gives them.  So a fresh copy of a tensor (``restore``) keeps the original's address
+modulo ``PHASE``, and a pack whose module computes straight from the host master
+(``keep_address_phase``: the whole-module master on a CPU-only machine) lays its tensors out the
+same way; packs for device slots stay aligned, as the device copies core makes are.
+
 Tensors created under ``torch.inference_mode`` (as ComfyUI loads models) are
 inference tensors; every tensor bound to such an object is made an inference
 tensor too, and every other one a normal tensor, so either kind keeps working
@@ -47,6 +55,7 @@ from .subclass import (
 log = logging.getLogger(__name__)
 
 ALIGN = 256
+PHASE = 64  # a tensor's address modulo this is kept where the pack keeps address phases (>= any SIMD width)
 Transform = Callable[[int, str, torch.Tensor], torch.Tensor]
 _placeholders: dict[tuple[torch.dtype, bool], torch.Tensor] = {}
 
@@ -195,6 +204,7 @@ class PackedTensor:
     device: torch.device  # original device
     dense: bool
     inference: bool  # the original is an inference tensor; everything bound in its place must be too
+    phase: int  # the original's address modulo PHASE; fresh copies start there too
     original: torch.Tensor | None  # original kept outside the pack (non-dense only); None: the pack holds it
 
 
@@ -236,10 +246,14 @@ class BlockViews:
 class PackedBlock:
     """Layout, packing and (re)binding of one block's tensors."""
 
-    def __init__(self, items: Iterable[tuple[TensorRef, torch.Tensor]], index: int = 0) -> None:
+    def __init__(self, items: Iterable[tuple[TensorRef, torch.Tensor]], index: int = 0, *,
+                 keep_address_phase: bool = False) -> None:
+        """``keep_address_phase``: place each tensor at its original address modulo ``PHASE`` in a
+        buffer that starts on an ``ALIGN`` boundary (at most ``PHASE`` - 1 bytes of padding each)."""
         described = [(ref, t, _describe(t, ref.label)) for ref, t in items]
         self.index = index
         self.host: torch.Tensor | None = None
+        self._keep_phase = keep_address_phase
 
         firsts: list[tuple[str, tuple[int, str], torch.Tensor]] = []
         entry_of: dict[tuple, int] = {}
@@ -279,7 +293,8 @@ class PackedBlock:
         for old in order:
             label, owner, t = firsts[old]
             dense = _is_dense(t)
-            offset = _align_up(offset, ALIGN)
+            phase = t.data_ptr() % PHASE
+            offset = _align_up(offset, ALIGN) + (phase if keep_address_phase else 0)
             nbytes = t.numel() * t.element_size()
             self.entries.append(
                 PackedTensor(
@@ -293,6 +308,7 @@ class PackedBlock:
                     device=t.device,
                     dense=dense,
                     inference=t.is_inference(),
+                    phase=phase,
                     original=t.detach(),
                 )
             )
@@ -384,6 +400,9 @@ class PackedBlock:
         if host.device.type != "cpu":
             raise ValueError(f"block {self.index}: the host pack must live on the CPU, got {host.device}")
         self._check_buffer(host)
+        if self._keep_phase and host.data_ptr() % PHASE:
+            raise ValueError(f"block {self.index}: a host pack that keeps address phases must start on a "
+                             f"{PHASE}-byte boundary")
         with torch.no_grad(), torch.inference_mode(False):
             regions = [_typed(host, e) for e in self.entries]  # writable views
             for e, region in zip(self.entries, regions):
@@ -610,9 +629,12 @@ class PackedBlock:
 
 
 def _copy_as(src: torch.Tensor, e: PackedTensor) -> torch.Tensor:
-    """Fresh tensor with the entry's original device, strides and inference-ness holding ``src``'s values."""
+    """Fresh tensor holding ``src``'s values with the entry's original device, strides,
+    inference-ness and address modulo ``PHASE`` (so CPU kernels sum it in the original's order)."""
     with torch.inference_mode(e.inference):
-        out = torch.empty_strided(e.shape, e.stride, dtype=e.dtype, device=e.device)
+        raw = torch.empty(e.nbytes + PHASE, dtype=torch.uint8, device=e.device)
+        start = (e.phase - raw.data_ptr()) % PHASE
+        out = raw[start : start + e.nbytes].view(e.dtype).as_strided(e.shape, e.stride)
         out.copy_(src)
     return out
 

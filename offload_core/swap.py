@@ -45,7 +45,11 @@ class ModuleSwap:
         refs = tensor_refs(module)
         for ref, t in refs:
             check_packable(t, ref.label)
-        self._packs = [PackedBlock(items, index=i) for i, items in enumerate(_split(refs, part_bytes))]
+        # Where the model runs on the CPU, core computes from the master itself, so its tensors
+        # sit where the originals sat modulo a SIMD width (packing's notes on address phase);
+        # elsewhere core copies each tensor to the device and the phase costs only padding.
+        self._packs = [PackedBlock(items, index=i, keep_address_phase=True)
+                       for i, items in enumerate(_split(refs, part_bytes))]
         self._host: HostStorage | None = HostStorage(
             [p.nbytes for p in self._packs], pin=pin, ram_budget_bytes=ram_budget_bytes, chunk_bytes=part_bytes
         )

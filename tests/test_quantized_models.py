@@ -30,6 +30,7 @@ from workflows import latent_sha, sample_workflow
 
 GGUF_NODES = REPO.parent / "shared" / "third_party" / "ComfyUI-GGUF"
 FP8_BLOCKS = "tiny_wan21_fp8_blocks.safetensors"
+PARTLY_FP8 = "tiny_wan21_partly_fp8.safetensors"
 STREAMED = {"resident_blocks": 0, "prefetch": 1}
 SETTINGS = [STREAMED, {"resident_blocks": 1, "prefetch": 1}]
 
@@ -63,6 +64,8 @@ def qserver(comfy_base, tmp_path_factory):
     unets = comfy_base / "models" / "diffusion_models"
     if not (unets / FP8_BLOCKS).exists():
         qm.write_tiny_wan21_fp8_blocks(unets / FP8_BLOCKS)
+    if not (unets / PARTLY_FP8).exists():
+        qm.write_tiny_wan21_partly_fp8(unets / PARTLY_FP8)
     if HAS_GGUF:
         for qtype in qm.GGUF_TYPES:
             if not (unets / gguf_name(qtype)).exists():
@@ -176,6 +179,31 @@ def test_fp8_blocks_under_model_level_swap_and_tiered_loader(qserver):
         status, body = qserver.request("POST", f"/offload/models/{key}/{action}")
         assert status == 200, body
         assert latent_sha(qserver.run(tiered)) == latent_sha(reference), action
+
+
+def test_partly_quantized_model_under_model_level_swap(qserver):
+    """A few fp8 layers among full-precision ones (one outside the blocks, one in each block), as
+    converted checkpoints often are. The fp8 tensors and their 4-byte scales leave the file's
+    other weights 4 bytes off a 16-byte boundary, and on a CPU core computes the one-row time
+    embedding from the file's memory map, where that address decides the kernel's summation
+    order (cfg 1: one row). Swapped, the master keeps those addresses; after the master is
+    handed back (Apply Layerwise Offload retires it) the fresh copies keep them too."""
+    def flow(lora: bool, swap: bool, layerwise: dict | None = None) -> dict:
+        wf = with_text_encode(workflow(PARTLY_FP8, lora=lora, layerwise=layerwise), swap=swap,
+                              model_node="lora" if lora else "load")
+        wf["sample"]["inputs"]["cfg"] = 1.0
+        return wf
+
+    plain, lora = qserver.run(flow(False, False)), qserver.run(flow(True, False))  # core alone first
+    assert latent_sha(plain) != latent_sha(lora)
+    for _ in range(2):
+        for use_lora, reference in ((False, plain), (True, lora)):
+            got = qserver.run(flow(use_lora, True))
+            assert latent_sha(got) == latent_sha(reference), f"swapped, lora={use_lora}"
+            assert got["encode_stats"] == reference["encode_stats"]
+    assert latent_sha(qserver.run(flow(False, False))) == latent_sha(plain)
+    assert latent_sha(qserver.run(flow(False, False, layerwise=STREAMED))) == latent_sha(plain)
+    assert latent_sha(qserver.run(flow(False, False))) == latent_sha(plain), "after the master went"
 
 
 @needs_gguf

@@ -8,7 +8,7 @@ from toy_models import ToyBlock, assert_restored, bits, snapshot
 from torch import nn
 
 from offload_core import PackedBlock, check_packable, tensor_refs
-from offload_core.packing import ALIGN
+from offload_core.packing import ALIGN, PHASE
 
 
 def _block() -> ToyBlock:
@@ -21,6 +21,44 @@ def _packed(module: nn.Module) -> tuple[PackedBlock, torch.Tensor]:
     host = torch.empty(pb.nbytes, dtype=torch.uint8)
     pb.pack(host)
     return pb, host
+
+
+def _off_phase_linear(phase: int) -> nn.Linear:
+    """A Linear whose weight sits ``phase`` bytes past a PHASE boundary, as a weight read from a
+    safetensors memory map often does."""
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 16)
+    raw = torch.empty(lin.weight.numel() * 4 + 2 * PHASE, dtype=torch.uint8)
+    start = (phase - raw.data_ptr()) % PHASE
+    w = raw[start : start + lin.weight.numel() * 4].view(torch.float32).view(16, 64)
+    w.copy_(lin.weight.detach())
+    lin.weight = nn.Parameter(w, requires_grad=False)
+    return lin
+
+
+@pytest.mark.parametrize("phase", [4, 8, 60])
+def test_address_phase_is_kept_in_the_pack_where_asked_and_always_in_fresh_copies(phase):
+    """A CPU kernel's summation order can follow its operand's address modulo 16; a pack for a
+    module that computes from it keeps each tensor's address phase, and so does ``restore``."""
+    lin = _off_phase_linear(phase)
+    x = torch.randn(1, 64)
+    reference = lin(x)
+    assert lin.weight.data_ptr() % PHASE == phase
+    pb = PackedBlock(tensor_refs(lin, 0), index=0, keep_address_phase=True)
+    host = torch.empty(pb.nbytes + PHASE, dtype=torch.uint8)
+    host = host[(-host.data_ptr()) % PHASE :][: pb.nbytes]
+    pb.pack(host)
+    assert lin.weight.data_ptr() % PHASE == phase
+    assert torch.equal(lin(x), reference)
+    pb.restore(keep_host=False)
+    assert lin.weight.data_ptr() % PHASE == phase
+    assert torch.equal(lin(x), reference)
+
+    aligned = PackedBlock(tensor_refs(lin, 0), index=0)  # device-slot packs stay aligned
+    assert all(e.offset % ALIGN == 0 for e in aligned.entries)
+    with pytest.raises(ValueError, match="boundary"):
+        PackedBlock(tensor_refs(lin, 0), index=0, keep_address_phase=True).pack(
+            torch.empty(pb.nbytes + PHASE, dtype=torch.uint8)[4 : 4 + pb.nbytes])
 
 
 def test_layout_is_aligned_grouped_and_dedups_tied_weights():
