@@ -148,10 +148,12 @@ class LayerwiseSession:
             self.streamer.attach(transform=transform,
                                  progress=lambda done, total: progress.update_absolute(done, total))
         except CacheTooSmallError as e:
+            remedies = "raise host_cache_gb or lower prefetch"
+            if self.settings.granularity != "phase":
+                remedies += ", or use granularity 'phase' (smaller units)"
             raise ValueError(
                 f"Apply Layerwise Offload: host_cache_gb={self.settings.host_cache_gb:g} GiB is too "
-                f"small for {self.model_class}: {e}. Raise host_cache_gb, lower prefetch, or use "
-                "granularity 'phase' (smaller units).") from None
+                f"small for {self.model_class}: {e}. {remedies[0].upper()}{remedies[1:]}.") from None
         # Until account(), core's load() sees every block as empty: it neither counts nor moves
         # them, and it merges no LoRA into resident blocks that already carry the engine's merge.
         self.streamer.conceal_resident()
@@ -261,13 +263,13 @@ def run_figures(snapshot: dict[str, Any], seconds: float, attach_seconds: float,
     """The engine's counters plus what a person reads first: rate and overlap of the run.
 
     `seconds` is sampling time only (from the end of the attach to the end of the run), so
-    `gbps` (streamed bytes over that time) and `overlap_efficiency` (the share of it that compute
+    `gibps` (streamed GiB over that time) and `overlap_efficiency` (the share of it that compute
     did not spend waiting for copies) are not flattered by packing and pinning, which
     `attach_seconds` shows on its own. On CPU copies are synchronous and not timed, so overlap
     is left out there rather than shown as a flattering 100%.
     """
     figures = dict(snapshot, seconds=seconds, attach_seconds=attach_seconds)
-    figures["gbps"] = snapshot["bytes_copied"] / seconds / 1e9 if seconds > 0 else 0.0
+    figures["gibps"] = snapshot["bytes_copied"] / seconds / 2**30 if seconds > 0 else 0.0
     if device.type != "cpu" and seconds > 0:
         figures["overlap_efficiency"] = max(0.0, 1.0 - snapshot["compute_wait_s"] / seconds)
     return figures

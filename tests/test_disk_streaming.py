@@ -174,6 +174,10 @@ def test_bad_disk_settings_fail_clearly_and_the_server_keeps_serving(comfy, wan6
     error = comfy.run_expect_error(tiny)
     assert "host_cache_gb=0.0001 GiB is too small" in error["exception_message"], error
     assert "disk streaming needs 3 at once" in error["exception_message"]
+    assert "granularity 'phase'" in error["exception_message"]
+    error = comfy.run_expect_error(wan6_workflow(ALIGNED_WAN, layerwise=dict(PHASE, host_cache_gb=0.000001)))
+    assert "host_cache_gb=1e-06 GiB is too small" in error["exception_message"], error
+    assert "granularity" not in error["exception_message"], "phase units are already the smallest"
     plain = latent_sha(comfy.run(wan6_workflow(ALIGNED_WAN)))
     assert latent_sha(comfy.run(wan6_workflow(ALIGNED_WAN, layerwise=PHASE))) == plain
 

@@ -298,7 +298,7 @@ def test_layerwise_block_strip(comfy, ui):
     stats = row.locator(".to-stats")
     if "bytes_copied" in telemetry:
         sync_api.expect(stats).to_contain_text("copied", timeout=20_000)
-    if "gbps" in telemetry:
+    if "gibps" in telemetry:
         sync_api.expect(stats).to_contain_text("/s", timeout=20_000)
     if "wait_seconds" in telemetry or "compute_wait_s" in telemetry:
         sync_api.expect(stats).to_contain_text("compute waited", timeout=20_000)
