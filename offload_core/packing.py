@@ -294,6 +294,7 @@ class PackedBlock:
             label, owner, t = firsts[old]
             dense = _is_dense(t)
             phase = t.data_ptr() % PHASE
+            phase -= phase % t.element_size()  # a typed view must start on its element size
             offset = _align_up(offset, ALIGN) + (phase if keep_address_phase else 0)
             nbytes = t.numel() * t.element_size()
             self.entries.append(

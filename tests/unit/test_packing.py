@@ -61,6 +61,24 @@ def test_address_phase_is_kept_in_the_pack_where_asked_and_always_in_fresh_copie
             torch.empty(pb.nbytes + PHASE, dtype=torch.uint8)[4 : 4 + pb.nbytes])
 
 
+def test_a_tensor_off_its_own_element_size_packs_and_restores():
+    """A file may leave an int64 buffer 4 bytes off an 8-byte boundary; its phase is kept as far
+    as a typed view allows."""
+    raw = bytearray(256)
+    ids = torch.frombuffer(raw, dtype=torch.int64, count=8, offset=4)
+    ids.copy_(torch.arange(8))
+    m = nn.Module()
+    m.register_buffer("ids", ids)
+    assert m.ids.data_ptr() % 8 == 4
+    pb = PackedBlock(tensor_refs(m, 0), index=0, keep_address_phase=True)
+    host = torch.empty(pb.nbytes + PHASE, dtype=torch.uint8)
+    host = host[(-host.data_ptr()) % PHASE :][: pb.nbytes]
+    pb.pack(host)
+    assert m.ids.data_ptr() % 8 == 0 and torch.equal(m.ids, torch.arange(8))
+    pb.restore(keep_host=False)
+    assert torch.equal(m.ids, torch.arange(8))
+
+
 def test_layout_is_aligned_grouped_and_dedups_tied_weights():
     blk = _block()
     pb = PackedBlock(tensor_refs(blk, 0), index=0)
