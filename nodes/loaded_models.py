@@ -28,6 +28,7 @@ import comfy.model_management
 import comfy.sd1_clip
 
 from ..offload_core.tiers import TierError
+from . import prompt_lifecycle
 from .core_models import unload_from_core
 from .layerwise import REGISTRY as LAYERWISE
 from .swap import MEMBERS as SWAP_MEMBERS
@@ -134,26 +135,13 @@ def report() -> list[dict[str, Any]]:
     return cards
 
 
-def _prompt_queue():
-    from server import PromptServer
-
-    return getattr(PromptServer.instance, "prompt_queue", None)
-
-
 def unload(card_id: str) -> dict[str, Any]:
-    """Core's own unload of one loaded model, refused while a prompt runs.
+    """Core's own unload of one loaded model, between prompts only.
 
-    Holding the queue's lock keeps the prompt worker from taking a prompt between the check and
-    the unload. Raises LookupError (unknown id) or TierError (a prompt runs, or the tier manager
-    owns the model).
+    Raises LookupError (unknown id), PromptRunningError (a prompt runs) or TierError (the tier
+    manager owns the model).
     """
-    queue = _prompt_queue()
-    lock = getattr(queue, "mutex", None)
-    if lock is None or not isinstance(getattr(queue, "currently_running", None), dict):
-        raise TierError("this ComfyUI does not say whether a prompt runs; unload refused")
-    with lock:
-        if queue.currently_running:
-            raise TierError("a prompt is running; core's unload is offered between prompts only")
+    with prompt_lifecycle.between_prompts("core's unload"):
         for lm in _find(card_id):
             patcher = lm.model
             if patcher is None:

@@ -12,11 +12,19 @@ finished, its models are released.
 
 Where the queue lacks those methods, the fallback watches the server's outgoing messages, which
 sees only prompts queued with a `client_id`; a warning says so.
+
+The same two points keep the panel's moves out of a prompt's way (`between_prompts`): core's
+model management (`current_loaded_models`, its free-memory decisions) is written for the prompt
+worker's thread alone, and a load from a REST worker thread while a prompt samples could make
+core unload the very model that prompt runs on. A move is refused while a prompt runs, and a
+prompt waits at its start for a move already under way to finish.
 """
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Callable
 
 log = logging.getLogger(__name__)
@@ -25,6 +33,58 @@ _end_listeners: list[Callable[[str | None], None]] = []
 _start_listeners: list[Callable[[str, dict], None]] = []
 _lock = threading.Lock()
 _running: dict[str, Any] = {"prompt_id": None}
+
+
+class PromptRunningError(RuntimeError):
+    """A move that calls into core's model management was asked for while a prompt runs."""
+
+
+class _Gate:
+    """Moves from outside the prompt worker and prompts take turns (see the module's notes)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._moves = 0
+        self._prompt = False
+
+    @contextmanager
+    def between_prompts(self, what: str) -> Iterator[None]:
+        with self._cond:
+            if self._prompt or _queue_is_running():
+                raise PromptRunningError(f"a prompt is running; {what} is done between prompts only")
+            self._moves += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._moves -= 1
+                self._cond.notify_all()
+
+    def prompt_started(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._moves == 0)
+            self._prompt = True
+
+    def prompt_ended(self) -> None:
+        with self._cond:
+            self._prompt = False
+
+
+_GATE = _Gate()
+
+
+def between_prompts(what: str):
+    """Context for a move made outside the prompt worker (REST): PromptRunningError while a
+    prompt runs; a prompt that starts meanwhile waits until the move is done."""
+    return _GATE.between_prompts(what)
+
+
+def _queue_is_running() -> bool:
+    """Whether core's queue has handed out a prompt (it may not have reached our hook yet)."""
+    from server import PromptServer
+
+    running = getattr(getattr(PromptServer.instance, "prompt_queue", None), "currently_running", None)
+    return bool(running) if isinstance(running, dict) else False
 
 
 def on_prompt_start(fn: Callable[[str, dict], None]) -> None:
@@ -59,6 +119,7 @@ def _notify(listeners: list[Callable], *args) -> None:
 
 
 def _started(prompt_id: str | None, graph: Any) -> None:
+    _GATE.prompt_started()
     _running["prompt_id"] = prompt_id
     if prompt_id is not None and isinstance(graph, dict):
         _notify(_start_listeners, prompt_id, graph)
@@ -69,6 +130,7 @@ def _ended(prompt_id: str | None) -> None:
         _notify(_end_listeners, prompt_id)
     finally:
         _running["prompt_id"] = None
+        _GATE.prompt_ended()
 
 
 def _item_fields(item: Any) -> tuple[str | None, Any]:

@@ -5,7 +5,8 @@ and only the Tiered loaders (which resolve names inside ComfyUI's model folders)
 
 The aiohttp event loop serves every route of ComfyUI, `/interrupt` included, so nothing here may
 block it: status routes read the manager's published copy and never wait for its lock, and every
-action that may move bytes (load, park, evict, budgets that evict) runs in a worker thread. Bad
+action that may move bytes (load, park, evict, budgets that evict) runs in a worker thread, and
+only between prompts (`prompt_lifecycle.between_prompts`). Bad
 input of any kind gets a 4xx JSON answer with a short message that never echoes the input, and
 an event is handed to ComfyUI's websocket only once it is known to encode.
 """
@@ -44,7 +45,8 @@ MAX_BODY_BYTES = 64 * 1024  # a budgets body is a few dozen bytes
 REFUSALS: tuple[tuple[type[BaseException], int], ...] = (
     (SourceGoneError, 404), (ModelInUseError, 409), (ModelPinnedError, 409),
     (TierCapacityError, 409), (SourceChangedError, 409), (MemoryError, 409),
-    (torch.OutOfMemoryError, 409), (SourceUnreadableError, 422))
+    (torch.OutOfMemoryError, 409), (prompt_lifecycle.PromptRunningError, 409),
+    (SourceUnreadableError, 422))
 
 
 class BadRequest(Exception):
@@ -142,10 +144,23 @@ async def get_swap(request: web.Request) -> web.Response:
     return web.json_response({"members": [m.report() for m in SWAP_MEMBERS.values()]})
 
 
+MOVES = {"load", "park", "evict"}  # actions that move bytes through core's model management
+
+
 def _act(action: str, model: str) -> dict[str, Any]:
-    entry = ACTIONS[action](model)
+    if action in MOVES:
+        with prompt_lifecycle.between_prompts(f"'{action}' from the API"):
+            entry = ACTIONS[action](model)
+    else:
+        entry = ACTIONS[action](model)
     sync_tiers()
     return entry.to_dict()
+
+
+def _set_budgets(kwargs: dict[str, Any]) -> dict[str, Any]:
+    # Lower budgets evict at once, through core.
+    with prompt_lifecycle.between_prompts("a budget change from the API"):
+        return MANAGER.set_budgets(**kwargs)
 
 
 async def post_action(request: web.Request) -> web.Response:
@@ -178,9 +193,11 @@ async def post_budgets(request: web.Request) -> web.Response:
     except ValueError as e:
         return _error(400, str(e))
     try:
-        return web.json_response({"budgets": await _off_loop(lambda: MANAGER.set_budgets(**kwargs))})
+        return web.json_response({"budgets": await _off_loop(_set_budgets, kwargs)})
     except ValueError as e:  # a limit of this machine, e.g. a reserve above its RAM
         return _error(400, str(e))
+    except prompt_lifecycle.PromptRunningError as e:
+        return _error(409, str(e))
 
 
 async def post_unload(request: web.Request) -> web.Response:
@@ -193,7 +210,7 @@ async def post_unload(request: web.Request) -> web.Response:
         return web.json_response({"unloaded": done})
     except LookupError:
         return _error(404, f"no loaded model with id '{budgets.shorten(card)}'")
-    except TierError as e:
+    except (TierError, prompt_lifecycle.PromptRunningError) as e:
         return _error(409, str(e))
 
 

@@ -97,12 +97,41 @@ def test_rest_evict_of_a_model_in_use_is_refused_and_the_prompt_completes(tier_s
     prompt_id = s.queue(tiered("wan21", steps=400))
     wait_until(lambda: model(s, WAN)["in_use"] > 0, what="the model to be in use")
     status, body = s.request("POST", f"/offload/models/{key}/evict")
-    assert status == 409 and "in use" in body["error"], (status, body)
+    assert status == 409 and "prompt is running" in body["error"], (status, body)
     entry = s.wait(prompt_id)
     assert entry["status"]["status_str"] == "success"
     wait_until(lambda: model(s, WAN)["in_use"] == 0, what="the prompt to release the model")
     status, body = s.request("POST", f"/offload/models/{key}/evict")
     assert status == 200 and body["model"]["tier"] == "disk"
+
+
+def test_moves_from_the_api_are_refused_while_a_prompt_runs_and_work_after_it(tier_server):
+    """Core's model management belongs to the prompt worker: while a prompt runs, a move from the
+    API is refused for every model, not only the prompt's own, and a policy change is not a move.
+    The prompt and the next one are right."""
+    s = tier_server
+    reference = latent_sha(s.run(tiered("wan21", steps=2)))
+    s.run(tiered("sd3", steps=2))
+    wan, other = model(s, WAN)["id"], model(s, SD3)["id"]
+    slow = s.queue(tiered("wan21", steps=400))
+    try:
+        wait_until(lambda: model(s, WAN)["in_use"] > 0, what="the prompt to start")
+        for path, body in ((f"/offload/models/{other}/park", None), (f"/offload/models/{other}/load", None),
+                           (f"/offload/models/{other}/evict", None), (f"/offload/models/{wan}/park", None),
+                           ("/offload/budgets", {"ram_budget_gb": 4.0})):
+            status, reply = s.request("POST", path, body)
+            assert status == 409 and "a prompt is running" in reply["error"], (path, status, reply)
+        status, reply = s.request("POST", f"/offload/policy/{other}", {"priority": 3})
+        assert status == 200 and reply["model"]["policy"]["priority"] == 3, reply
+        assert model(s, WAN)["in_use"] > 0, "the prompt ended before the requests: not a refusal test"
+    finally:
+        s.interrupt()
+        s.wait(slow, timeout=120)
+    wait_until(lambda: model(s, WAN)["in_use"] == 0, what="the prompt to release the model")
+    for action, tier in (("evict", "disk"), ("park", "ram")):
+        status, reply = s.request("POST", f"/offload/models/{other}/{action}")
+        assert status == 200 and reply["model"]["tier"] == tier, (action, status, reply)
+    assert latent_sha(s.run(tiered("wan21", steps=2))) == reference
 
 
 def test_rest_actions_move_models_and_bad_requests_get_clear_4xx(tier_server):
