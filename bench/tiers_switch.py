@@ -10,9 +10,11 @@ the tier manager keeps it in RAM (within its budget) and hands it back.
 Per visit:
   load_s    from the prompt's start until its loader finished: the loader node's own time, plus
             the time before the first node (where the tier manager brings the prompt's models
-            up). Measured from the prompt's execution_start timestamp and the websocket
-            `executing` messages, which this script receives as they are sent.
-  prompt_s  the prompt's wall time, from its execution_start to its execution_success.
+            up).
+  prompt_s  the prompt's wall time, from its start to its end.
+            Both are taken on one clock, this script's, when the websocket messages arrive
+            (`execution_start`, then `executing` per node, then `executing` with no node at the
+            end); the server sends them in order, so load_s never exceeds prompt_s.
   source    for the Tiered loader: where the manager served the model from (disk or ram).
 
 Cold or warm: before every visit the OS page cache is dropped (`/proc/sys/vm/drop_caches`,
@@ -108,8 +110,9 @@ def drop_page_cache() -> bool:
 
 
 async def _run_watched(server: ComfyServer, wf: dict, timeout: float) -> tuple[str, list]:
-    """Queue `wf` with a websocket open; return its id and the (receipt time, node) of each
-    `executing` message it sent, up to its end."""
+    """Queue `wf` with a websocket open; return its id and the (receipt time, node) of its
+    `execution_start` (node "start") and of each `executing` message it sent, up to its end
+    (node None)."""
     import aiohttp
 
     client_id = str(uuid.uuid4())
@@ -128,10 +131,11 @@ async def _run_watched(server: ComfyServer, wf: dict, timeout: float) -> tuple[s
                 if msg.type != aiohttp.WSMsgType.TEXT:
                     continue
                 data = json.loads(msg.data)
-                if data.get("type") != "executing" or data["data"].get("prompt_id") != prompt_id:
+                kind = data.get("type")
+                if kind not in ("execution_start", "executing") or data["data"].get("prompt_id") != prompt_id:
                     continue
-                events.append((time.time(), data["data"].get("node")))
-                if data["data"].get("node") is None:
+                events.append((time.time(), "start" if kind == "execution_start" else data["data"].get("node")))
+                if events[-1][1] is None:
                     return prompt_id, events
     raise TimeoutError(f"prompt {prompt_id} did not end within {timeout} s")
 
@@ -141,14 +145,14 @@ def visit(server: ComfyServer, wf: dict, timeout: float) -> dict[str, Any]:
     entry = server.wait(prompt_id, timeout)
     if entry["status"]["status_str"] != "success":
         raise RuntimeError(f"visit failed: {json.dumps(entry['status'])[:3000]}\n{server.log_tail(40)}")
-    stamps = {kind: data.get("timestamp") for kind, data in entry["status"]["messages"]}
-    start, end = stamps["execution_start"] / 1000, stamps["execution_success"] / 1000
     nodes = [node for _, node in events]
-    load_end = events[0][0]  # the first node starts once the prompt's models are held
+    if nodes[0] != "start":
+        raise RuntimeError(f"visit: no execution_start before its first node: {nodes}")
+    start, end = events[0][0], events[-1][0]
+    load_end = events[1][0]  # the first node starts once the prompt's models are held
     if "load" in nodes:
-        i = nodes.index("load")
-        load_end = events[i + 1][0]
-    return {"load_s": max(0.0, load_end - start), "prompt_s": end - start,
+        load_end = events[nodes.index("load") + 1][0]
+    return {"load_s": load_end - start, "prompt_s": end - start,
             "loader_ran": "load" in nodes,
             "latent_sha256": entry["outputs"]["stats"]["latent_stats"][0]["sha256"]}
 

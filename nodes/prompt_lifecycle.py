@@ -51,7 +51,8 @@ class _Gate:
     def between_prompts(self, what: str) -> Iterator[None]:
         with self._cond:
             if self._prompt or _queue_is_running():
-                raise PromptRunningError(f"a prompt is running; {what} is done between prompts only")
+                raise PromptRunningError(f"a prompt is running; {what} is done between prompts only: "
+                                         "try again when it ends")
             self._moves += 1
         try:
             yield

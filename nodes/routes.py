@@ -149,7 +149,7 @@ MOVES = {"load", "park", "evict"}  # actions that move bytes through core's mode
 
 def _act(action: str, model: str) -> dict[str, Any]:
     if action in MOVES:
-        with prompt_lifecycle.between_prompts(f"'{action}' from the API"):
+        with prompt_lifecycle.between_prompts(action):
             entry = ACTIONS[action](model)
     else:
         entry = ACTIONS[action](model)
@@ -159,7 +159,7 @@ def _act(action: str, model: str) -> dict[str, Any]:
 
 def _set_budgets(kwargs: dict[str, Any]) -> dict[str, Any]:
     # Lower budgets evict at once, through core.
-    with prompt_lifecycle.between_prompts("a budget change from the API"):
+    with prompt_lifecycle.between_prompts("a budget change"):
         return MANAGER.set_budgets(**kwargs)
 
 
