@@ -148,12 +148,12 @@ class LayerwiseSession:
             self.streamer.attach(transform=transform,
                                  progress=lambda done, total: progress.update_absolute(done, total))
         except CacheTooSmallError as e:
-            remedies = "raise host_cache_gb or lower prefetch"
+            remedies = "Raise host_cache_gb or lower prefetch"
             if self.settings.granularity != "phase":
                 remedies += ", or use granularity 'phase' (smaller units)"
             raise ValueError(
                 f"Apply Layerwise Offload: host_cache_gb={self.settings.host_cache_gb:g} GiB is too "
-                f"small for {self.model_class}: {e}. {remedies[0].upper()}{remedies[1:]}.") from None
+                f"small for {self.model_class}: {e}. {remedies}.") from None
         # Until account(), core's load() sees every block as empty: it neither counts nor moves
         # them, and it merges no LoRA into resident blocks that already carry the engine's merge.
         self.streamer.conceal_resident()

@@ -138,8 +138,8 @@ def report() -> list[dict[str, Any]]:
 def unload(card_id: str) -> dict[str, Any]:
     """Core's own unload of one loaded model, between prompts only.
 
-    Raises LookupError (unknown id), PromptRunningError (a prompt runs) or TierError (the tier
-    manager owns the model).
+    Raises LookupError (unknown id) or TierError (a prompt runs: PromptRunningError; or the
+    tier manager owns the model).
     """
     with prompt_lifecycle.between_prompts("core's unload"):
         for lm in _find(card_id):

@@ -27,6 +27,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Callable
 
+from ..offload_core.tiers import TierError
+
 log = logging.getLogger(__name__)
 
 _end_listeners: list[Callable[[str | None], None]] = []
@@ -35,7 +37,7 @@ _lock = threading.Lock()
 _running: dict[str, Any] = {"prompt_id": None}
 
 
-class PromptRunningError(RuntimeError):
+class PromptRunningError(TierError):
     """A move that calls into core's model management was asked for while a prompt runs."""
 
 
@@ -49,6 +51,8 @@ class _Gate:
 
     @contextmanager
     def between_prompts(self, what: str) -> Iterator[None]:
+        """Context for a move made outside the prompt worker (REST): PromptRunningError while a
+        prompt runs; a prompt that starts meanwhile waits until the move is done."""
         with self._cond:
             if self._prompt or _queue_is_running():
                 raise PromptRunningError(f"a prompt is running; {what} is done between prompts only: "
@@ -72,12 +76,7 @@ class _Gate:
 
 
 _GATE = _Gate()
-
-
-def between_prompts(what: str):
-    """Context for a move made outside the prompt worker (REST): PromptRunningError while a
-    prompt runs; a prompt that starts meanwhile waits until the move is done."""
-    return _GATE.between_prompts(what)
+between_prompts = _GATE.between_prompts
 
 
 def _queue_is_running() -> bool:

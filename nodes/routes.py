@@ -13,6 +13,7 @@ an event is handed to ComfyUI's websocket only once it is known to encode.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -148,10 +149,7 @@ MOVES = {"load", "park", "evict"}  # actions that move bytes through core's mode
 
 
 def _act(action: str, model: str) -> dict[str, Any]:
-    if action in MOVES:
-        with prompt_lifecycle.between_prompts(action):
-            entry = ACTIONS[action](model)
-    else:
+    with prompt_lifecycle.between_prompts(action) if action in MOVES else contextlib.nullcontext():
         entry = ACTIONS[action](model)
     sync_tiers()
     return entry.to_dict()
@@ -210,7 +208,7 @@ async def post_unload(request: web.Request) -> web.Response:
         return web.json_response({"unloaded": done})
     except LookupError:
         return _error(404, f"no loaded model with id '{budgets.shorten(card)}'")
-    except (TierError, prompt_lifecycle.PromptRunningError) as e:
+    except TierError as e:
         return _error(409, str(e))
 
 

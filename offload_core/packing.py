@@ -629,13 +629,18 @@ class PackedBlock:
         return torch.equal(t.reshape(-1).view(torch.uint8), _typed(self.host, e).reshape(-1).view(torch.uint8))
 
 
+def empty_at_phase(nbytes: int, phase: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Fresh uint8 tensor of ``nbytes`` whose first byte sits at ``phase`` modulo ``PHASE``."""
+    raw = torch.empty(nbytes + PHASE, dtype=torch.uint8, device=device)
+    start = (phase - raw.data_ptr()) % PHASE
+    return raw[start : start + nbytes]
+
+
 def _copy_as(src: torch.Tensor, e: PackedTensor) -> torch.Tensor:
     """Fresh tensor holding ``src``'s values with the entry's original device, strides,
     inference-ness and address modulo ``PHASE`` (so CPU kernels sum it in the original's order)."""
     with torch.inference_mode(e.inference):
-        raw = torch.empty(e.nbytes + PHASE, dtype=torch.uint8, device=e.device)
-        start = (e.phase - raw.data_ptr()) % PHASE
-        out = raw[start : start + e.nbytes].view(e.dtype).as_strided(e.shape, e.stride)
+        out = empty_at_phase(e.nbytes, e.phase, e.device).view(e.dtype).as_strided(e.shape, e.stride)
         out.copy_(src)
     return out
 

@@ -8,7 +8,7 @@ from toy_models import ToyBlock, assert_restored, bits, snapshot
 from torch import nn
 
 from offload_core import PackedBlock, check_packable, tensor_refs
-from offload_core.packing import ALIGN, PHASE
+from offload_core.packing import ALIGN, PHASE, empty_at_phase
 
 
 def _block() -> ToyBlock:
@@ -28,9 +28,7 @@ def _off_phase_linear(phase: int) -> nn.Linear:
     safetensors memory map often does."""
     torch.manual_seed(0)
     lin = nn.Linear(64, 16)
-    raw = torch.empty(lin.weight.numel() * 4 + 2 * PHASE, dtype=torch.uint8)
-    start = (phase - raw.data_ptr()) % PHASE
-    w = raw[start : start + lin.weight.numel() * 4].view(torch.float32).view(16, 64)
+    w = empty_at_phase(lin.weight.numel() * 4, phase).view(torch.float32).view(16, 64)
     w.copy_(lin.weight.detach())
     lin.weight = nn.Parameter(w, requires_grad=False)
     return lin
@@ -45,9 +43,7 @@ def test_address_phase_is_kept_in_the_pack_where_asked_and_always_in_fresh_copie
     reference = lin(x)
     assert lin.weight.data_ptr() % PHASE == phase
     pb = PackedBlock(tensor_refs(lin, 0), index=0, keep_address_phase=True)
-    host = torch.empty(pb.nbytes + PHASE, dtype=torch.uint8)
-    host = host[(-host.data_ptr()) % PHASE :][: pb.nbytes]
-    pb.pack(host)
+    pb.pack(empty_at_phase(pb.nbytes, 0))
     assert lin.weight.data_ptr() % PHASE == phase
     assert torch.equal(lin(x), reference)
     pb.restore(keep_host=False)
@@ -57,8 +53,7 @@ def test_address_phase_is_kept_in_the_pack_where_asked_and_always_in_fresh_copie
     aligned = PackedBlock(tensor_refs(lin, 0), index=0)  # device-slot packs stay aligned
     assert all(e.offset % ALIGN == 0 for e in aligned.entries)
     with pytest.raises(ValueError, match="boundary"):
-        PackedBlock(tensor_refs(lin, 0), index=0, keep_address_phase=True).pack(
-            torch.empty(pb.nbytes + PHASE, dtype=torch.uint8)[4 : 4 + pb.nbytes])
+        PackedBlock(tensor_refs(lin, 0), index=0, keep_address_phase=True).pack(empty_at_phase(pb.nbytes, 4))
 
 
 def test_a_tensor_off_its_own_element_size_packs_and_restores():
@@ -71,9 +66,7 @@ def test_a_tensor_off_its_own_element_size_packs_and_restores():
     m.register_buffer("ids", ids)
     assert m.ids.data_ptr() % 8 == 4
     pb = PackedBlock(tensor_refs(m, 0), index=0, keep_address_phase=True)
-    host = torch.empty(pb.nbytes + PHASE, dtype=torch.uint8)
-    host = host[(-host.data_ptr()) % PHASE :][: pb.nbytes]
-    pb.pack(host)
+    pb.pack(empty_at_phase(pb.nbytes, 0))
     assert m.ids.data_ptr() % 8 == 0 and torch.equal(m.ids, torch.arange(8))
     pb.restore(keep_host=False)
     assert torch.equal(m.ids, torch.arange(8))
