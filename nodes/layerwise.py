@@ -38,7 +38,7 @@ from ..offload_core.host_cache import CacheTooSmallError
 from ..offload_core.per_module import PerModule
 from ..offload_core.phases import GRANULARITIES
 from ..offload_core.streamer import LayerwiseStreamer
-from . import block_budget, comfy_weights, disk_source, dynamic_vram
+from . import block_budget, comfy_weights, disk_source, dynamic_cooperation, dynamic_vram
 
 log = logging.getLogger(__name__)
 
@@ -287,7 +287,9 @@ class _Registry:
         self._listeners.append(fn)
 
     def publish(self, session: LayerwiseSession) -> None:
-        report = session.report()
+        self.publish_report(session.report())
+
+    def publish_report(self, report: dict[str, Any]) -> None:
         for fn in list(self._listeners):
             try:
                 fn(report)
@@ -321,7 +323,8 @@ class _Registry:
         return session is not None and session.active
 
     def report(self) -> list[dict[str, Any]]:
-        return [s.report() for s in self._sessions.values()]
+        """The engine's models, then the Dynamic VRAM models core streams in the node's order."""
+        return [s.report() for s in self._sessions.values()] + dynamic_cooperation.reports()
 
 
 REGISTRY = _Registry()
@@ -414,7 +417,8 @@ class ApplyLayerwiseOffload:
         settings = LayerwiseSettings(resident_blocks, vram_budget_gb, prefetch, pin, host_cache_gb,
                                      disk_workers, granularity, spill_dir)
         if dynamic_vram.check_mode(mode) == "auto" and _is_dynamic(model):
-            return (dynamic_vram.cooperate(model, settings.streamer_kwargs()),)
+            return (dynamic_cooperation.cooperate(model, settings.streamer_kwargs(),
+                                                  REGISTRY.publish_report),)
         from . import swap  # swap builds on this module
         # Checked on the input (clones carry its wrappers), so a refusal costs no copy.
         if model.get_wrappers(comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING, swap.KEY):

@@ -120,8 +120,8 @@ def report() -> list[dict[str, Any]]:
              if (card := _card(lm, layerwise, tier_names, swapped)) is not None]
     managed = set(diffusion_module_ids().values())  # the tier manager's cards show these
     for module_id, lw in layerwise.items():
-        if module_id in managed:
-            continue
+        if module_id in managed or (lw.get("dynamic_vram") or {}).get("path") == "core streams":
+            continue  # the tier manager's card shows it, or core streams it and the pack holds nothing
         cards.append({"id": f"layerwise-{module_id:x}", "class": lw["model_class"],
                       "network": lw["model_class"], "kind": "diffusion model", "file": None,
                       "device": lw["device"], "core": False, "bytes": None, "tier_id": None,

@@ -5,12 +5,25 @@ own Python (tests/dynamic_vram_probe.py, tools/dynamic_vram_cost.py), after Comf
 A real ModelPatcherDynamic cannot be built without a GPU: its `__new__` hands a CPU load device
 to the classic ModelPatcher, and its `__init__` allocates comfy-aimdo host buffers, whose native
 library loads only with CUDA or ROCm. So `DynamicStandIn` is the real ModelPatcher carrying
-ModelPatcherDynamic's own methods (`is_dynamic`, `get_non_dynamic_delegate`, `load` and what
-`load` calls), and `VBARStandIn` is comfy-aimdo's ModelVBAR with its real address arithmetic
-(`alloc`) but no device memory behind it. What they cannot show (faults, eviction, pins) needs
-CUDA: tests/test_dynamic_vram_gpu.py.
+ModelPatcherDynamic's own methods (`is_dynamic`, `get_non_dynamic_delegate`, `load`,
+`partially_load` and what they call), and `VBARStandIn` is comfy-aimdo's ModelVBAR with its real
+address arithmetic (`alloc`) but no device memory behind it. With the load device
+`torch.device("cpu", 0)` (not "the CPU" to core's VBAR check, the same memory) core's real
+`load_models_gpu` loads such a model and its real samplers run it: its cast path takes the CPU
+branch for weights with a VBAR slice. What the stand-in cannot show (faults, eviction, pins,
+residency) needs CUDA: tests/test_dynamic_vram_gpu.py.
+
+`map_weights` gives a model the host weights core's Dynamic VRAM loader gives it: read-only views
+of a memory map of the model file, so RSS splits into the file's pages and anonymous memory as it
+does on a GPU machine.
 """
 from __future__ import annotations
+
+import json
+import mmap
+import struct
+import warnings
+from pathlib import Path
 
 import torch
 
@@ -19,21 +32,7 @@ from comfy_aimdo.model_vbar import ModelVBAR
 
 MP = comfy.model_patcher.ModelPatcher
 MPD = comfy.model_patcher.ModelPatcherDynamic
-
-
-class DynamicStandIn(MP):
-    """The real ModelPatcher, reporting itself dynamic, with ModelPatcherDynamic's methods."""
-
-    is_dynamic = MPD.is_dynamic
-    get_non_dynamic_delegate = MPD.get_non_dynamic_delegate
-    load = MPD.load
-    restore_loaded_backups = MPD.restore_loaded_backups
-    unpatch_hooks = MPD.unpatch_hooks
-    _vbar_get = MPD._vbar_get
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.non_dynamic_delegate_model = None  # as ModelPatcherDynamic.__init__ sets it
+CPU0 = torch.device("cpu", 0)
 
 
 class VBARStandIn:
@@ -45,9 +44,40 @@ class VBARStandIn:
         self.base_addr = 0
         self.offset = 0
         self.max_size = size
+        self.unpinned = 0  # slices handed back through vbar_unpin
 
     def prioritize(self) -> None:
         pass
+
+    def unpin(self, alloc: int, size: int) -> None:
+        self.unpinned += 1
+
+    def loaded_size(self) -> int:
+        return 0  # no device memory behind it
+
+
+class DynamicStandIn(MP):
+    """The real ModelPatcher, reporting itself dynamic, with ModelPatcherDynamic's methods."""
+
+    is_dynamic = MPD.is_dynamic
+    get_non_dynamic_delegate = MPD.get_non_dynamic_delegate
+    load = MPD.load
+    partially_load = MPD.partially_load
+    restore_loaded_backups = MPD.restore_loaded_backups
+    unpatch_hooks = MPD.unpatch_hooks
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.non_dynamic_delegate_model = None  # as ModelPatcherDynamic.__init__ sets it
+        if not hasattr(self.model, "dynamic_vbars"):
+            self.model.dynamic_vbars = {}
+
+    def _vbar_get(self, create: bool = False):
+        """ModelPatcherDynamic._vbar_get, making a VBARStandIn where it makes a ModelVBAR."""
+        vbar = self.model.dynamic_vbars.get(self.load_device)
+        if create and vbar is None:
+            vbar = self.model.dynamic_vbars[self.load_device] = VBARStandIn(self.model_size() * 10)
+        return vbar
 
 
 def dynamic_from(source, *, with_loader: bool = True, load_device=None) -> DynamicStandIn:
@@ -63,13 +93,54 @@ def prepare_dynamic_load(dyn: DynamicStandIn, device: torch.device) -> VBARStand
     """What ModelPatcherDynamic.__init__ and aimdo would have set up for `load(device)`.
 
     `device` must not equal torch.device("cpu"): core gives that load device no VBAR.
-    torch.device("cpu", 0) does not equal it and is the same memory, so the load runs on CPU.
     """
-    vbar = VBARStandIn(dyn.model_size() * 10)  # ModelPatcherDynamic._vbar_get's size
-    dyn.model.dynamic_vbars = {device: vbar}
+    dyn.load_device = device
     dyn.model.dynamic_pins = {device: {"hostbufs_initialized": True, "failed": False,
                                        "active": False, "current_prompt": False}}
-    return vbar
+    return dyn._vbar_get(create=True)
+
+
+def runnable(source) -> DynamicStandIn:
+    """A stand-in that core's load_models_gpu and samplers run, on CPU, laid out on first load."""
+    dyn = dynamic_from(source, load_device=CPU0)
+    dyn.model.dynamic_pins = {CPU0: {"hostbufs_initialized": True, "failed": False,
+                                     "active": False, "current_prompt": False}}
+    return dyn
+
+
+def map_weights(patcher, path: Path) -> int:
+    """Point the model's weights at read-only views of a memory map of its file, as core's
+    Dynamic VRAM loader does (`comfy.utils.load_safetensors`). Only tensors whose dtype and shape
+    match the file's are mapped; returns the bytes mapped."""
+    raw = Path(path).read_bytes()[:8]
+    header_len = struct.unpack("<Q", raw)[0]
+    with open(path, "rb") as f:
+        header = json.loads(f.read(8 + header_len)[8:])
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    base = 8 + header_len
+    dtypes = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+    done = 0
+    for key, info in header.items():
+        if key == "__metadata__" or info["dtype"] not in dtypes:
+            continue
+        target = f"diffusion_model.{key}"
+        module_name, _, attr = target.rpartition(".")
+        try:
+            module = patcher.model.get_submodule(module_name)
+        except AttributeError:
+            continue
+        current = module._parameters.get(attr)
+        dtype = dtypes[info["dtype"]]
+        if current is None or current.dtype != dtype or list(current.shape) != info["shape"]:
+            continue
+        start, end = info["data_offsets"]
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            view = torch.frombuffer(mapped, dtype=dtype, count=(end - start) // dtype.itemsize,
+                                    offset=base + start).view(info["shape"])
+        module._parameters[attr] = torch.nn.Parameter(view, requires_grad=False)
+        done += end - start
+    return done
 
 
 def with_lora(patcher, strength: float):

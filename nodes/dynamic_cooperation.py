@@ -1,0 +1,385 @@
+"""Apply Layerwise Offload's `auto` mode on a model core runs with Dynamic VRAM (0.15 and later).
+
+Core streams such a model itself, and the node only decides the order in which core gives its
+weights VRAM: the resident blocks first, then everything outside the blocks, then the streamed
+blocks in run order (`get_dynamic_vram__units`, set as an object patch on the node's clone, so
+core applies it at its load and restores the model after). Under pressure comfy-aimdo keeps the
+lowest addresses and gives up the highest, so that order is the order of residency.
+
+Core fixes a weight's place at the model's first dynamic load, though (vbar_layout.py), so an
+order asked for later does nothing by itself: a model sampled before the node ran, or with other
+settings, keeps the old one. So at every sampling run, before core's load, the node:
+1. plans the resident blocks: the node's count, or as many as the VRAM free once core has made
+   room allows (core's own room-making for a dynamic load, plus what comfy-aimdo would evict from
+   dynamic models for this one), kept while the settings stay the same;
+2. reads the layout core holds, and where it is not the plan's, hands it back to core
+   (`vbar_layout.reset`) so that this load lays it out afresh; where that cannot be done safely it
+   says so, plainly, with the way to reload the model;
+3. after core's load reads the layout again: whether the node's order is in force, and after the
+   run which blocks comfy-aimdo holds resident and which it streams (`/offload/layerwise`, the
+   panel).
+
+The node adds no streamer, hook, stream or copy of its own here. Where core prefetches a model's
+blocks (`comfy/model_prefetch.py`, one block ahead, in the model loops that call it), the order
+is what feeds that queue: resident blocks are in VRAM when their turn comes and the streamed ones
+are fetched one ahead in run order. Where it does not, core copies each streamed weight when its
+layer runs; the order is all the node changes.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+import comfy.model_management
+import comfy.patcher_extension
+
+from ..offload_core.per_module import PerModule
+from ..offload_core.residency import fit_budget, plan_residency, slot_count, spread_evenly
+from . import block_budget, vbar_layout
+from .core_models import loaded_entries
+from .dynamic_vram import UNITS_ATTR, BlockPlan, binary_bytes, is_dynamic, plan_blocks
+
+log = logging.getLogger(__name__)
+
+WRAPPER_KEY = "tiered_offload.dynamic_order"
+RELOAD_HINT = ("takes effect after the model is reloaded: unload it and clear ComfyUI's cache "
+               "(POST /free {\"unload_models\": true, \"free_memory\": true}, or ComfyUI's \"Unload "
+               "Models and Execution Cache\"), then run again")
+
+
+@dataclass(frozen=True)
+class OrderSettings:
+    """What the node was asked for: a count, or a budget (None: what the card has free)."""
+
+    resident: int | None
+    budget_bytes: int | None
+    prefetch: int
+
+    @classmethod
+    def from_streamer_kwargs(cls, kwargs: dict[str, Any]) -> "OrderSettings":
+        return cls(kwargs.get("resident"), kwargs.get("vram_budget_bytes"), kwargs["prefetch"])
+
+
+@dataclass(frozen=True)
+class Order:
+    """Resident blocks (first in VRAM) and streamed blocks (last, in run order) for one load."""
+
+    resident: tuple[int, ...]
+    streamed: tuple[int, ...]
+    settings: OrderSettings
+    budget_bytes: int | None = None
+
+
+def core_prefetch(diffusion_model: torch.nn.Module) -> bool | None:
+    """Whether core prefetches this model's blocks itself: None where this ComfyUI has no block
+    prefetch at all (`comfy.model_prefetch.prefetch_queue_pop`, newer than 0.14), else whether the
+    model's own code calls it (core adds it family by family)."""
+    try:
+        prefetch = importlib.import_module("comfy.model_prefetch")
+    except ImportError:
+        return None
+    if not callable(getattr(prefetch, "prefetch_queue_pop", None)):
+        return None
+    for cls in type(diffusion_model).__mro__:
+        if cls.__module__.startswith("torch."):
+            break
+        try:
+            if "prefetch_queue_pop(" in inspect.getsource(cls):
+                return True
+        except (OSError, TypeError):
+            continue
+    return False
+
+
+def prefetch_statement(model_class: str, prefetch: bool | None) -> str:
+    if prefetch:
+        return (f"core prefetches {model_class}'s blocks one ahead in run order: the resident "
+                "blocks are in VRAM when their turn comes and the streamed ones are fetched one "
+                "ahead; the node adds no streamer of its own")
+    where = ("this ComfyUI has no block prefetch" if prefetch is None
+             else f"this ComfyUI does not prefetch {model_class}'s blocks")
+    return (f"{where}: core copies each streamed weight when its layer runs, on its own offload "
+            "streams; the node only sets the VRAM order and adds no streamer, hook or copy, so "
+            "nothing competes with core's copies")
+
+
+class Cooperation:
+    """The node's order for one diffusion model (one nn.Module shared by its clones), and what
+    core made of it."""
+
+    def __init__(self, diffusion_model: torch.nn.Module, plan: BlockPlan) -> None:
+        self._model = weakref.ref(diffusion_model)
+        self.module_id = id(diffusion_model)
+        self.model_class = plan.model_class
+        self.layout_name = plan.layout
+        self.paths = plan.paths
+        self.block_bytes = [comfy.model_management.module_size(b) for b in self.blocks()]
+        self.rest_bytes = max(0, comfy.model_management.module_size(diffusion_model)
+                              - sum(self.block_bytes))
+        self.prefetch = core_prefetch(diffusion_model)
+        self.order: Order | None = None
+        self.laid_out: Order | None = None  # the order core's layout was last made in for the node
+        self.served = False  # core asked for the units during the current load
+        self.in_force: bool | None = None
+        self.message: str | None = None
+        self.relayouts = 0
+        self.released_bytes = 0
+        self.runs = 0
+        self.device = ""
+        self.finished_at: float | None = None
+        self.spans: dict[str, Any] | None = None
+        self.core_states: list[str] | None = None
+
+    def blocks(self) -> list[torch.nn.Module]:
+        model = self._model()
+        return [] if model is None else [model.get_submodule(p) for p in self.paths]
+
+    def units(self) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:
+        """`get_dynamic_vram__units`: the resident blocks first, the streamed blocks last."""
+        blocks = self.blocks()
+        if not blocks or self.order is None:
+            return [], []
+        self.served = True
+        return [blocks[i] for i in self.order.resident], [blocks[i] for i in self.order.streamed]
+
+    # --------------------------------------------------------------------------------- a run
+    def before_load(self, patcher, settings: OrderSettings, noise_shape, conds) -> None:
+        """Plan this run's order and make sure core's load will lay it out (or say why not)."""
+        device = patcher.load_device
+        self.device = str(device)
+        self.served = False
+        blocks = self.blocks()
+        layout = vbar_layout.read(patcher.model, device, blocks)
+        kept = self.laid_out
+        if (settings.resident is None and kept is not None and kept.settings == settings
+                and layout is not None and layout.in_order(kept.resident, kept.streamed)):
+            # A budget's plan stands while its settings do: laying the model out again for a
+            # block more or less would drop all of its VRAM pages for that margin.
+            self.order = kept
+        else:
+            self.order = self._plan(patcher, settings, noise_shape, conds)
+        if layout is None or layout.empty() or layout.in_order(self.order.resident,
+                                                               self.order.streamed):
+            self.message = None
+            return
+        loaded = _vbar_loaded(patcher.model, device)
+        reason = vbar_layout.reset(patcher.model, device)
+        if reason is None:
+            self.relayouts += 1
+            self.released_bytes = loaded
+            self.message = None
+            log.info("Apply Layerwise Offload (auto): %s's VRAM order was fixed by an earlier load "
+                     "(%s); handed back to core, which lays it out in the node's order on this "
+                     "load: %s of its VRAM pages released, copied in again from RAM as they are "
+                     "used", self.model_class,
+                     "other settings" if kept is not None else "core's own order",
+                     binary_bytes(loaded))
+        else:
+            self.message = (f"{self.model_class}: order already fixed by an earlier load; the "
+                            f"node's order ({len(self.order.resident)} resident blocks first) "
+                            f"{RELOAD_HINT}. Not re-laid out now: {reason}.")
+            log.warning("Apply Layerwise Offload (auto): %s", self.message)
+
+    def _plan(self, patcher, settings: OrderSettings, noise_shape, conds) -> Order:
+        n = len(self.block_bytes)
+        if settings.resident is not None:
+            resident = spread_evenly(n, settings.resident)
+            budget = None
+        else:
+            budget = self._budget(patcher, settings, noise_shape, conds)
+            resident = [] if budget is None else plan_residency(
+                self.block_bytes, 0, resident=None, vram_budget_bytes=budget,
+                prefetch=settings.prefetch)
+            log.info("Apply Layerwise Offload (auto): %s: %d of %d blocks resident first, from %s "
+                     "of VRAM for its blocks", self.model_class, len(resident), n,
+                     binary_bytes(budget or 0))
+        streamed = [i for i in range(n) if i not in set(resident)]
+        return Order(tuple(resident), tuple(streamed), settings, budget)
+
+    def _budget(self, patcher, settings: OrderSettings, noise_shape, conds) -> int | None:
+        """Bytes of VRAM for resident blocks this run, or None when not even streaming fits
+        (every block then goes last; core streams them all)."""
+        least = slot_count(settings.prefetch, len(self.block_bytes)) * max(self.block_bytes)
+        most = sum(self.block_bytes)
+        available = room_for_blocks(patcher, self.rest_bytes, least, noise_shape, conds)
+        budget = fit_budget(settings.budget_bytes, available, least, most)
+        if budget is None:
+            log.info("Apply Layerwise Offload (auto): %s: %s left for its blocks, less than the "
+                     "%s that streaming them takes; no block is kept resident, core streams them "
+                     "all", self.model_class, binary_bytes(max(available, 0)), binary_bytes(least))
+        elif settings.budget_bytes is not None and budget < settings.budget_bytes:
+            log.info("Apply Layerwise Offload (auto): %s: vram_budget_gb lowered to %s, what is "
+                     "left for its blocks", self.model_class, binary_bytes(budget))
+        return budget
+
+    def after_load(self, patcher) -> None:
+        """Whether core laid the model out in the node's order (None: it cannot be read)."""
+        layout = vbar_layout.read(patcher.model, patcher.load_device, self.blocks())
+        if layout is None or layout.empty() or self.order is None:
+            self.in_force, self.spans = None, None
+            return
+        self.in_force = layout.in_order(self.order.resident, self.order.streamed)
+        if self.in_force and self.served:
+            self.laid_out = self.order
+        self.spans = {"blocks": layout.block_spans(), "rest": layout.rest_span()}
+
+    def after_run(self, patcher) -> None:
+        layout = vbar_layout.read(patcher.model, patcher.load_device, self.blocks())
+        self.core_states = (vbar_layout.residency(patcher.model, patcher.load_device, layout)
+                            if layout is not None else None)
+        self.runs += 1
+        self.finished_at = time.time()
+
+    # ------------------------------------------------------------------------------ report
+    def report(self) -> dict[str, Any]:
+        order = self.order
+        planned = ["resident" if order is not None and i in order.resident else "streamed"
+                   for i in range(len(self.block_bytes))]
+        states = self.core_states or planned
+        in_force = self.in_force
+        return {
+            "module_id": self.module_id,
+            "model_class": self.model_class,
+            "layout": self.layout_name,
+            "device": self.device,
+            "blocks": len(self.block_bytes),
+            "block_bytes": sum(self.block_bytes),
+            "rest_bytes": self.rest_bytes,
+            "resident_indices": list(order.resident) if order else [],
+            "streamed_indices": list(order.streamed) if order else [],
+            "block_states": states,
+            "budget_bytes": order.budget_bytes if order else None,
+            "bound_bytes": None,
+            "granularity": "block",
+            "active": False,
+            "runs": self.runs,
+            "finished_at": self.finished_at,
+            "telemetry": None,
+            "dynamic_vram": {
+                "path": "core streams",
+                "order": ("not loaded yet" if in_force is None and self.runs == 0 else
+                          "unknown" if in_force is None else
+                          "in force" if in_force else "fixed by an earlier load"),
+                "order_in_force": in_force,
+                "message": self.message,
+                "relayouts": self.relayouts,
+                "released_bytes": self.released_bytes,
+                "core_resident_blocks": ([i for i, s in enumerate(self.core_states) if s == "resident"]
+                                         if self.core_states else None),
+                "core_streamed_blocks": ([i for i, s in enumerate(self.core_states) if s != "resident"]
+                                         if self.core_states else None),
+                "residency_source": "vbar" if self.core_states else "plan",
+                "vbar_spans": self.spans,
+                "core_prefetch": self.prefetch,
+                "streaming": prefetch_statement(self.model_class, self.prefetch),
+            },
+        }
+
+    def close(self) -> None:
+        pass
+
+
+COOPERATIONS: PerModule[Cooperation] = PerModule()
+
+
+def _vbar_loaded(model: torch.nn.Module, device: torch.device) -> int:
+    vbar = vbar_layout.model_vbar(model, device)
+    probe = getattr(vbar, "loaded_size", None)
+    try:
+        return int(probe()) if callable(probe) else 0
+    except Exception:  # a figure for a log line
+        return 0
+
+
+def room_for_blocks(patcher, rest_bytes: int, least: int, noise_shape, conds) -> int:
+    """VRAM for the model's blocks this run, once core has made room as for a dynamic load.
+
+    Core's dynamic load unloads other (classic) models to make room, never dynamic ones:
+    comfy-aimdo evicts their pages on demand, the least recently loaded first, and this model is
+    about to become the most recent. So what is free, plus what dynamic models hold on the
+    device (this one included), less what the rest of the run needs (the weights outside the
+    blocks, core's activation estimate, its reserve), is what the blocks can have.
+    """
+    mm = comfy.model_management
+    device = patcher.load_device
+    others = (rest_bytes + block_budget._activations(patcher, noise_shape, conds)
+              + mm.minimum_inference_memory() + block_budget._extra_reserved())
+    keep = loaded_entries(patcher.model)
+    if "for_dynamic" in inspect.signature(mm.free_memory).parameters:
+        mm.free_memory(least + others, device, keep_loaded=keep, for_dynamic=True)
+    free = int(mm.get_free_memory(device))
+    evictable = 0
+    for lm in list(mm.current_loaded_models):
+        if lm.model is not None and lm.device == device and is_dynamic(lm.model):
+            evictable += int(lm.model.loaded_size())
+    return free + evictable - int(others)
+
+
+def cooperate(model, streamer_kwargs: dict[str, Any], publish: Callable[[dict[str, Any]], None]):
+    """`auto` on a dynamic model: a clone on which core streams in the node's order."""
+    plan = plan_blocks(model, streamer_kwargs)
+    patcher = model.clone()
+    # The class's own method; an instance attribute may be another clone's patch still applied.
+    if getattr(type(model.model), UNITS_ATTR, None) is not None:
+        log.info("Apply Layerwise Offload (auto): %s defines its own Dynamic VRAM units; core "
+                 "streams it in its own order, the node changes nothing", plan.model_class)
+        return patcher
+    settings = OrderSettings.from_streamer_kwargs(streamer_kwargs)
+    diffusion_model = patcher.get_model_object("diffusion_model")
+    coop = COOPERATIONS.get_or_create(diffusion_model, lambda: Cooperation(diffusion_model, plan))
+    if coop.order is None and settings.resident is not None:
+        coop.order = Order(plan.resident, plan.streamed, settings)
+    patcher.add_object_patch(UNITS_ATTR, coop.units)
+
+    def prepare_sampling(executor, model_patcher, noise_shape=None, conds=None, *args, **kwargs):
+        live = COOPERATIONS.get(model_patcher.get_model_object("diffusion_model"))
+        if live is not None and is_dynamic(model_patcher):
+            try:
+                live.before_load(model_patcher, settings, noise_shape, conds)
+            except Exception:  # the order is advice: core loads the model whatever happens here
+                log.exception("Apply Layerwise Offload (auto): planning the order failed; core "
+                              "loads the model in the order it holds")
+        result = executor(model_patcher, noise_shape, conds, *args, **kwargs)
+        if live is not None:
+            try:
+                live.after_load(model_patcher)
+            except Exception:
+                log.exception("Apply Layerwise Offload (auto): reading the order back failed")
+        return result
+
+    def outer_sample(executor, *args, **kwargs):
+        current = executor.class_obj.model_patcher
+        try:
+            return executor(*args, **kwargs)
+        finally:
+            live = COOPERATIONS.get(current.get_model_object("diffusion_model"))
+            if live is not None:
+                try:
+                    live.after_run(current)
+                    publish(live.report())
+                except Exception:
+                    log.exception("Apply Layerwise Offload (auto): the run's report failed")
+
+    for wrapper_type, fn in ((comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING, prepare_sampling),
+                             (comfy.patcher_extension.WrappersMP.OUTER_SAMPLE, outer_sample)):
+        patcher.remove_wrappers_with_key(wrapper_type, WRAPPER_KEY)
+        patcher.add_wrapper_with_key(wrapper_type, WRAPPER_KEY, fn)
+    what = (f"{settings.resident} resident block{'s' if settings.resident != 1 else ''}"
+            if settings.resident is not None else
+            f"the resident blocks a {binary_bytes(settings.budget_bytes)} budget allows"
+            if settings.budget_bytes else "as many resident blocks as the VRAM free at each run allows")
+    log.info("Apply Layerwise Offload (auto): %s runs with Dynamic VRAM, so core streams it; the "
+             "node orders its VRAM, %s first and the streamed blocks last, checked at every "
+             "load; %s", plan.model_class, what, prefetch_statement(plan.model_class, coop.prefetch))
+    return patcher
+
+
+def reports() -> list[dict[str, Any]]:
+    return [c.report() for c in COOPERATIONS.values()]
