@@ -15,6 +15,7 @@ import gc
 import importlib
 import inspect
 import json
+import logging
 import sys
 import types
 import weakref
@@ -49,7 +50,8 @@ def import_pack():
         module.__path__ = [str(path)]
         sys.modules[name] = module
     return (importlib.import_module("tiered_offload_probe.nodes.layerwise"),
-            importlib.import_module("tiered_offload_probe.nodes.dynamic_vram"))
+            importlib.import_module("tiered_offload_probe.nodes.dynamic_vram"),
+            importlib.import_module("tiered_offload_probe.nodes.dynamic_cooperation"))
 
 
 def state_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
@@ -96,6 +98,100 @@ def standin_units(patcher):
     return patcher.object_patches.get("get_dynamic_vram__units")
 
 
+def engine_sessions(layerwise) -> list[dict]:
+    """The engine's own sessions (reports of models core streams in the node's order excluded)."""
+    return [r for r in layerwise.REGISTRY.report()
+            if (r.get("dynamic_vram") or {}).get("path") != "core streams"]
+
+
+def sample(model) -> torch.Tensor:
+    """Two steps of core's own sampler (comfy.sample.sample, as KSampler calls it)."""
+    import comfy.sample
+    latent = torch.zeros(1, 16, 1, 8, 8)
+    noise = comfy.sample.prepare_noise(latent, 42)
+    cond = [[torch.randn(1, 8, 4096, generator=torch.Generator().manual_seed(1)), {}]]
+    return comfy.sample.sample(model, noise, 2, 1.0, "euler", "simple", cond, cond, latent)
+
+
+def block_hooks(model) -> int:
+    """Forward hooks on the model's block modules (the engine's way in; auto must add none)."""
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks)
+               for b in model.model.diffusion_model.blocks for m in b.modules())
+
+
+class LogLines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def layout_of(vbar_layout, dyn) -> dict:
+    import dynamic_vram_standin as standin
+    layout = vbar_layout.read(dyn.model, standin.CPU0, list(dyn.model.diffusion_model.blocks))
+    return {"blocks": layout.block_spans(), "rest": layout.rest_span()} if layout else None
+
+
+def order_cases(layerwise, cooperation, path: Path) -> dict:
+    """auto on models core has laid out already: sampled first without the node, then with it;
+    with changed settings; with the default settings; and where the layout cannot be handed back.
+    Every run is core's own sampler on the stand-in, so each latent can be compared with core's."""
+    import dynamic_vram_standin as standin
+    vbar_layout = sys.modules["tiered_offload_probe.nodes.vbar_layout"]
+    logs = LogLines()
+    logging.getLogger("tiered_offload_probe").addHandler(logs)
+    logging.getLogger("tiered_offload_probe").setLevel(logging.INFO)
+    node = layerwise.ApplyLayerwiseOffload()
+    out: dict = {}
+
+    def report_of(dyn) -> dict:
+        return next(r for r in cooperation.reports() if r["module_id"] == id(dyn.model.diffusion_model))
+
+    dyn = standin.runnable(comfy.sd.load_diffusion_model(str(path)))
+    core = sample(dyn)  # core alone lays the model out in its own order
+    first_vbar = dyn.model.dynamic_vbars[standin.CPU0]
+    out["core_alone"] = layout_of(vbar_layout, dyn)
+    steps = []
+    for name, settings in (("node after core", SETTINGS),
+                           ("resident_blocks changed", dict(SETTINGS, resident_blocks=1)),
+                           ("same settings again", dict(SETTINGS, resident_blocks=1)),
+                           ("default settings", dict(SETTINGS, resident_blocks=-1, vram_budget_gb=0.0))):
+        patcher = node.apply(dyn, **settings)[0]
+        hooks_before = block_hooks(patcher)
+        latent = sample(patcher)
+        r = report_of(dyn)
+        steps.append({"step": name, "same_as_core": torch.equal(latent, core),
+                      "layout": layout_of(vbar_layout, dyn), "resident": r["resident_indices"],
+                      "streamed": r["streamed_indices"], "dynamic_vram": r["dynamic_vram"],
+                      "budget_bytes": r["budget_bytes"], "block_hooks": [hooks_before, block_hooks(patcher)]})
+    out["steps"] = steps
+    out["first_vbar_unpinned"] = first_vbar.unpinned
+    out["first_vbar_slices"] = sum(1 for m in dyn.model.modules() if hasattr(m, "_v"))
+    first_ref = weakref.ref(first_vbar)
+    del first_vbar
+    gc.collect()
+    out["first_vbar_freed"] = first_ref() is None
+    out["engine_sessions_for_model"] = sum(r["module_id"] == id(dyn.model.diffusion_model)
+                                           for r in engine_sessions(layerwise))
+
+    # A layout that cannot be handed back now: core holds a CUDA graph over a block (it drops
+    # them after each node; one left over stands for any state in which core uses the slices).
+    held = standin.runnable(comfy.sd.load_diffusion_model(str(path)))
+    held_core = sample(held)
+    before = layout_of(vbar_layout, held)
+    held.model.diffusion_model.blocks[0]._comfy_graph = {"graph": None, "signature": None}
+    logs.lines.clear()
+    latent = sample(node.apply(held, **SETTINGS)[0])
+    r = report_of(held)
+    out["held"] = {"same_as_core": torch.equal(latent, held_core),
+                   "layout_unchanged": layout_of(vbar_layout, held) == before,
+                   "dynamic_vram": r["dynamic_vram"],
+                   "warnings": [line for line in logs.lines if "order already fixed" in line]}
+    return out
+
+
 def load_order(dyn) -> dict:
     """Run core's ModelPatcherDynamic.load on `dyn` and read the VBAR addresses it assigned."""
     import dynamic_vram_standin as standin
@@ -121,7 +217,7 @@ def load_order(dyn) -> dict:
             "unit_roots_marked": [hasattr(b, "_v_block") for b in blocks]}
 
 
-def dynamic_cases(layerwise, dynamic_vram, path: Path) -> dict:
+def dynamic_cases(layerwise, dynamic_vram, cooperation, path: Path) -> dict:
     import dynamic_vram_standin as standin
     report: dict = {}
     node = layerwise.ApplyLayerwiseOffload()
@@ -142,7 +238,8 @@ def dynamic_cases(layerwise, dynamic_vram, path: Path) -> dict:
         "resident": [blocks.index(b) for b in resident],
         "streamed": [blocks.index(b) for b in streamed],
         "engine_session": any(r["module_id"] == id(dyn.model.diffusion_model)
-                              for r in layerwise.REGISTRY.report()),
+                              for r in engine_sessions(layerwise)),
+        "block_hooks": block_hooks(auto),
     }
 
     # Core's own load, with and without the node: which blocks get the low (kept) addresses.
@@ -151,21 +248,29 @@ def dynamic_cases(layerwise, dynamic_vram, path: Path) -> dict:
         spent = standin.dynamic_from(comfy.sd.load_diffusion_model(str(path)))
         report[name] = load_order(make(spent))
 
-    # engine: a classic copy, made once per underlying model, after every check.
+    # engine: a classic twin over the model's own host tensors, made once per model.
     first = node.apply(dyn, **SETTINGS, mode="engine")[0]
+    dyn_state = dyn.model.state_dict()
+    block_keys = [k for k in dyn_state if k.startswith("diffusion_model.blocks.")]
+    twin_state = first.model.state_dict()
     calls_first = loader.calls
     lora = standin.with_lora(dyn, 0.5)
     after_lora = node.apply(lora, **SETTINGS, mode="engine")[0]
     lora2 = standin.with_lora(dyn, 0.8)
     other_settings = node.apply(lora2, **dict(SETTINGS, resident_blocks=1), mode="engine")[0]
     entry = dynamic_vram.DELEGATES.get(dyn.model)
-    session = next((r for r in layerwise.REGISTRY.report()
+    session = next((r for r in engine_sessions(layerwise)
                     if r["module_id"] == id(first.model.diffusion_model)), None)
     report["engine"] = {
         "output_type": type(first).__name__,
         "output_dynamic": layerwise._is_dynamic(first),
         "new_module": first.model is not dyn.model,
         "same_weights": state_equal(first.model, dyn.model),
+        "blocks_shared": all(twin_state[k].untyped_storage().data_ptr()
+                             == dyn_state[k].untyped_storage().data_ptr() for k in block_keys),
+        "rest_shared": [k for k in dyn_state if k not in block_keys and dyn_state[k].numel()
+                        and twin_state[k].untyped_storage().data_ptr()
+                        == dyn_state[k].untyped_storage().data_ptr()],
         "loader_calls_first": calls_first,
         "loader_calls_after_lora_and_settings": loader.calls,
         "lora_reuses_copy": after_lora.model is first.model and other_settings.model is first.model,
@@ -194,14 +299,31 @@ def dynamic_cases(layerwise, dynamic_vram, path: Path) -> dict:
             refused[name] = type(e).__name__
     refused["loader_calls"] = fresh_loader.calls
     refused["no_copy_kept"] = dynamic_vram.DELEGATES.get(fresh.model) is None
-    # A model whose loader registered no way to rebuild it (core's loaders all do).
+    # A model whose loader registered no way to rebuild it (core's loaders all do): the twin
+    # needs none.
     no_loader = standin.dynamic_from(comfy.sd.load_diffusion_model(str(path)), with_loader=False)
-    try:
-        node.apply(no_loader, **SETTINGS, mode="engine")
-        refused["no_loader_engine"] = "accepted"
-    except ValueError as e:
-        refused["no_loader_engine"] = str(e)
+    twin = node.apply(no_loader, **SETTINGS, mode="engine")[0]
+    refused["no_loader_engine"] = (dynamic_vram.DELEGATES.get(no_loader.model).path,
+                                   twin.model is not no_loader.model)
     refused["no_loader_auto_dynamic"] = layerwise._is_dynamic(node.apply(no_loader, **SETTINGS)[0])
+    # No twin (a model without the config core builds it from): a reload, counted, or where the
+    # loader cannot reload either, a refusal that names auto.
+    configless = standin.dynamic_from(comfy.sd.load_diffusion_model(str(path)))
+    configless_loader = CountingLoader(configless)
+    configless_loader.install(configless)
+    configless.model.model_config = None
+    node.apply(configless, **SETTINGS, mode="engine")
+    fallback = dynamic_vram.DELEGATES.get(configless.model)
+    refused["no_twin"] = {"path": fallback.path, "loader_calls": configless_loader.calls,
+                          "cost": fallback.cost()}
+    bare = standin.dynamic_from(comfy.sd.load_diffusion_model(str(path)), with_loader=False)
+    bare.model.model_config = None
+    try:
+        node.apply(bare, **SETTINGS, mode="engine")
+        refused["no_twin_no_loader"] = "accepted"
+    except ValueError as e:
+        refused["no_twin_no_loader"] = str(e)
+    del twin, configless, fallback, bare
     try:
         node.apply(dyn, **SETTINGS, mode="fastest")
         refused["bad_mode"] = "accepted"
@@ -220,7 +342,7 @@ def dynamic_cases(layerwise, dynamic_vram, path: Path) -> dict:
         "model_freed": dyn_ref() is None,
         "copy_freed": copy_ref() is None,
         "copies_left": len(dynamic_vram.DELEGATES.values()),
-        "engine_session_left": any(r["module_id"] == copy_module_id for r in layerwise.REGISTRY.report()),
+        "engine_session_left": any(r["module_id"] == copy_module_id for r in engine_sessions(layerwise)),
     }
     return report
 
@@ -228,7 +350,7 @@ def dynamic_cases(layerwise, dynamic_vram, path: Path) -> dict:
 def main() -> None:
     path = OUT_DIR / "probe_wan21.safetensors"
     tiny_models.write_tiny_wan21(path, layers=LAYERS, seed=11)
-    layerwise, dynamic_vram = import_pack()
+    layerwise, dynamic_vram, cooperation = import_pack()
     MP = comfy.model_patcher.ModelPatcher
     report: dict = {"clone_params": list(inspect.signature(MP.clone).parameters)[1:],
                     "classic": classic_case(layerwise, path)}
@@ -236,7 +358,8 @@ def main() -> None:
     if MPD is None:
         report["dynamic"] = None
     else:
-        report["dynamic"] = dynamic_cases(layerwise, dynamic_vram, path)
+        report["dynamic"] = dynamic_cases(layerwise, dynamic_vram, cooperation, path)
+        report["dynamic"]["orders"] = order_cases(layerwise, cooperation, path)
     print(json.dumps(report))
 
 

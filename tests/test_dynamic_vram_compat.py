@@ -44,6 +44,7 @@ def test_auto_lets_core_stream_a_dynamic_model_without_a_copy(dynamic):
     auto = dynamic["auto"]
     assert auto["output_dynamic"] and auto["shares_module"]
     assert auto["loader_calls"] == 0 and not auto["engine_session"]
+    assert auto["block_hooks"] == 0, "auto must add no streamer or hook of its own"
     # 2 resident of 4, spread evenly: the engine's own choice.
     assert auto["resident"] == [1, 3] and auto["streamed"] == [0, 2]
 
@@ -64,16 +65,18 @@ def test_core_load_puts_the_nodes_resident_blocks_first_and_streamed_blocks_last
     assert alone_spans[0][1] > alone_spans[1][0]
 
 
-def test_dynamic_model_gets_a_classic_delegate(dynamic):
+def test_engine_gets_a_classic_twin_over_the_models_own_block_tensors(dynamic):
     engine = dynamic["engine"]
     assert engine["output_type"] == "ModelPatcher" and not engine["output_dynamic"]
     assert engine["new_module"] and engine["same_weights"]
-    assert engine["loader_calls_first"] == 1
+    assert engine["loader_calls_first"] == 0, "no reload from disk"
+    assert engine["blocks_shared"], "the twin's blocks must be the dynamic model's own tensors"
+    assert engine["rest_shared"] == [], "weights outside the blocks are copied (core may pin them)"
 
 
 def test_lora_change_and_other_settings_reuse_the_delegate(dynamic):
     engine = dynamic["engine"]
-    assert engine["loader_calls_after_lora_and_settings"] == 1
+    assert engine["loader_calls_after_lora_and_settings"] == 0
     assert engine["lora_reuses_copy"] and engine["lora_patches_kept"]
     assert engine["uses"] == 3
 
@@ -81,10 +84,10 @@ def test_lora_change_and_other_settings_reuse_the_delegate(dynamic):
 def test_engine_cost_is_in_the_layerwise_report(dynamic):
     engine = dynamic["engine"]
     report = engine["report"]
-    assert report["path"] == "classic copy" and report["uses"] == 3
-    assert report["extra_ram_bytes"] == engine["model_size"] > 0
-    assert report["reload_seconds"] > 0
-    assert f"second copy of the model in RAM ({engine['model_size'] / 2**20:.1f} MiB)" in report["cost"]
+    assert report["path"] == "twin" and report["uses"] == 3 and report["reason"] is None
+    assert 0 < report["copied_bytes"] < report["shared_bytes"] < engine["model_size"]
+    assert report["shared_bytes"] + report["copied_bytes"] == engine["model_size"]
+    assert report["cost"].startswith("engine on a Dynamic VRAM model: no reload")
 
 
 def test_refused_models_cost_no_copy(dynamic):
@@ -92,8 +95,16 @@ def test_refused_models_cost_no_copy(dynamic):
     assert refused["budget"] == "ValueError"
     assert refused["unsupported_model"] == "UnsupportedModelError"
     assert refused["loader_calls"] == 0 and refused["no_copy_kept"]
-    assert "use mode auto" in refused["no_loader_engine"]
+    assert refused["no_loader_engine"] == ["twin", True], "the twin needs no loader"
     assert refused["no_loader_auto_dynamic"]
+
+
+def test_without_a_twin_the_engine_falls_back_to_a_reload_and_says_so(dynamic):
+    refused = dynamic["refused"]
+    no_twin = refused["no_twin"]
+    assert no_twin["path"] == "classic copy" and no_twin["loader_calls"] == 1
+    assert "second copy of the model in RAM" in no_twin["cost"] and "no twin" in no_twin["cost"]
+    assert "use mode auto" in refused["no_twin_no_loader"]
     assert "mode must be one of auto, engine" in refused["bad_mode"]
 
 
@@ -118,3 +129,85 @@ def test_cost_tool_runs(dynamic, tmp_path):
     assert all(steps[s]["error"] is None for s in list(steps)[:3])
     assert steps["engine, refused settings"]["error"].startswith("ValueError")
     assert result["model_bytes"] > 0 and all(s["seconds"] > 0 for s in steps.values())
+
+
+# ---------------------------------------------------------------- auto on a laid-out model
+# Core gives a weight its VBAR slice at the model's first dynamic load and keeps it; these runs
+# are core's own sampler on the stand-in, first without the node, then with it.
+
+def _steps(dynamic) -> dict:
+    return {s["step"]: s for s in dynamic["orders"]["steps"]}
+
+
+def _resident_first(layout, resident, streamed) -> bool:
+    """The resident blocks own the lowest addresses, the streamed blocks the highest."""
+    spans, rest = layout["blocks"], layout["rest"]
+    low = [spans[i] for i in resident]
+    high = [spans[i] for i in streamed]
+    return all(s[1] <= rest[0] for s in low) and all(s[0] >= rest[1] for s in high)
+
+
+def test_core_alone_interleaves_the_blocks(dynamic):
+    core = dynamic["orders"]["core_alone"]
+    assert not _resident_first(core, [1, 3], [0, 2])
+
+
+def test_a_model_sampled_before_the_node_gets_the_nodes_order(dynamic):
+    step = _steps(dynamic)["node after core"]
+    assert step["resident"] == [1, 3] and step["streamed"] == [0, 2]
+    assert _resident_first(step["layout"], [1, 3], [0, 2])
+    assert step["layout"]["blocks"][1][1] <= step["layout"]["blocks"][3][0], "resident blocks in order"
+    dv = step["dynamic_vram"]
+    assert dv["order"] == "in force" and dv["order_in_force"] is True and dv["message"] is None
+    assert dv["relayouts"] == 1
+    assert step["same_as_core"], "re-laying out the VRAM must not change a bit of the result"
+
+
+def test_the_old_layout_went_back_to_core(dynamic):
+    orders = dynamic["orders"]
+    assert orders["first_vbar_unpinned"] > 0, "every slice handed back through vbar_unpin"
+    assert orders["first_vbar_freed"], "the old VBAR is dropped, so the address space stays bounded"
+
+
+def test_a_changed_resident_blocks_takes_effect(dynamic):
+    step = _steps(dynamic)["resident_blocks changed"]
+    assert step["resident"] == [2] and _resident_first(step["layout"], [2], [0, 1, 3])
+    assert step["dynamic_vram"]["order"] == "in force" and step["dynamic_vram"]["relayouts"] == 2
+    assert step["same_as_core"]
+
+
+def test_the_same_settings_again_keep_the_layout(dynamic):
+    steps = _steps(dynamic)
+    again = steps["same settings again"]
+    assert again["dynamic_vram"]["relayouts"] == 2
+    assert again["layout"] == steps["resident_blocks changed"]["layout"]
+
+
+def test_the_default_plans_resident_blocks_from_free_memory(dynamic):
+    step = _steps(dynamic)["default settings"]
+    # On the stand-in the load device is host memory, plentiful for 4 tiny blocks: all resident.
+    assert step["budget_bytes"] and step["budget_bytes"] > 0
+    assert step["resident"] == [0, 1, 2, 3] and step["streamed"] == []
+    assert step["dynamic_vram"]["order"] == "in force" and step["same_as_core"]
+
+
+def test_auto_adds_no_streamer_and_says_how_core_streams(dynamic):
+    orders = dynamic["orders"]
+    for step in orders["steps"]:
+        assert step["block_hooks"] == [0, 0], step["step"]
+    assert orders["engine_sessions_for_model"] == 0
+    dv = orders["steps"][0]["dynamic_vram"]
+    # 0.33 has comfy/model_prefetch.py, but Wan's loop does not call it.
+    assert dv["core_prefetch"] is False
+    assert "adds no streamer" in dv["streaming"]
+
+
+def test_a_layout_that_cannot_be_handed_back_is_said_plainly(dynamic):
+    held = dynamic["orders"]["held"]
+    dv = held["dynamic_vram"]
+    assert dv["order"] == "fixed by an earlier load" and dv["order_in_force"] is False
+    assert "order already fixed by an earlier load" in dv["message"]
+    assert "takes effect after the model is reloaded" in dv["message"]
+    assert "/free" in dv["message"] and "CUDA graph" in dv["message"]
+    assert len(held["warnings"]) == 1 and held["layout_unchanged"]
+    assert held["same_as_core"]
