@@ -100,6 +100,23 @@ def comfy(comfy_base) -> ComfyServer:
     assert not leaks, leaks[:5]
 
 
+@pytest.fixture(scope="session")
+def dynamic_vram_probe(tmp_path_factory) -> dict:
+    """tests/dynamic_vram_probe.py's report on the tree under test: Apply Layerwise Offload's
+    modes against core's real loader, samplers and (stand-in) Dynamic VRAM load."""
+    import json
+    import os
+    import subprocess
+
+    from comfy_server import COMFY_PYTHON
+    out = tmp_path_factory.mktemp("dynamic_probe")
+    proc = subprocess.run([COMFY_PYTHON, "-W", "ignore", str(TESTS / "dynamic_vram_probe.py"), str(out)],
+                          cwd=COMFY_ROOT, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="2"))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield

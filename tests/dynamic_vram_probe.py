@@ -167,6 +167,7 @@ def order_cases(layerwise, cooperation, path: Path) -> dict:
                       "streamed": r["streamed_indices"], "dynamic_vram": r["dynamic_vram"],
                       "budget_bytes": r["budget_bytes"], "block_hooks": [hooks_before, block_hooks(patcher)]})
     out["steps"] = steps
+    out["report_in_force"] = report_of(dyn)  # what /offload/layerwise and the panel get
     out["first_vbar_unpinned"] = first_vbar.unpinned
     out["first_vbar_slices"] = sum(1 for m in dyn.model.modules() if hasattr(m, "_v"))
     first_ref = weakref.ref(first_vbar)
@@ -188,7 +189,8 @@ def order_cases(layerwise, cooperation, path: Path) -> dict:
     out["held"] = {"same_as_core": torch.equal(latent, held_core),
                    "layout_unchanged": layout_of(vbar_layout, held) == before,
                    "dynamic_vram": r["dynamic_vram"],
-                   "warnings": [line for line in logs.lines if "order already fixed" in line]}
+                   "warnings": [line for line in logs.lines if "order already fixed" in line],
+                   "report": r}
     return out
 
 

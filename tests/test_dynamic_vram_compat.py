@@ -18,13 +18,8 @@ from conftest import TESTS
 
 
 @pytest.fixture(scope="module")
-def probe(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("dynamic_probe")
-    proc = subprocess.run([COMFY_PYTHON, "-W", "ignore", str(TESTS / "dynamic_vram_probe.py"), str(out)],
-                          cwd=COMFY_ROOT, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, OMP_NUM_THREADS="2"))
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def probe(dynamic_vram_probe) -> dict:
+    return dynamic_vram_probe
 
 
 @pytest.fixture(scope="module")

@@ -523,6 +523,59 @@ def test_example_workflows_open_from_the_template_browser(comfy, ui):
     assert comfy.run(prompt)["7"]["latents"], "the demo from the UI did not save its latent"
 
 
+def test_dynamic_vram_model_shows_cores_residency_and_whether_the_order_is_in_force(comfy, ui,
+                                                                                   dynamic_vram_probe):
+    """A model core streams with Dynamic VRAM in the node's order: the card says that core
+    streams it, which blocks it keeps and which it streams, and whether the node's order is in
+    force, or the plain message when it is not. The reports are the node's own, from
+    tests/dynamic_vram_probe.py (a real Dynamic VRAM model needs a GPU), drawn by the real panel
+    into the page's own payload."""
+    orders = (dynamic_vram_probe.get("dynamic") or {}).get("orders")
+    if orders is None:
+        pytest.skip("this ComfyUI has no Dynamic VRAM")
+    payload = comfy.get("/offload/tiers")
+    url = f"/extensions/{PACK_LINK_NAME}/panel.js"
+    drawn = {}
+    for name, lw in (("in force", orders["report_in_force"]), ("held", orders["held"]["report"])):
+        card = {"id": "core-dynamic", "class": "WAN21", "network": lw["model_class"],
+                "kind": "diffusion model", "file": None, "device": "cuda:0", "core": True,
+                "bytes": {"total": lw["block_bytes"] + lw["rest_bytes"], "device": lw["rest_bytes"],
+                          "ram": lw["block_bytes"], "loaded_by_core": lw["rest_bytes"]},
+                "tier_id": None, "layerwise": lw, "swap": None}
+        drawn[name] = ui.page.evaluate("""async ([url, payload]) => {
+            const { Panel } = await import(url);
+            const el = document.createElement("div");
+            el.style.width = "420px";
+            document.body.appendChild(el);
+            const noop = () => {};
+            const panel = new Panel({ state: { payload, pending: {}, status: "ok" },
+              settings: () => ({ strips: true }), onAction: noop, onUnload: noop, onPolicy: noop,
+              onBudgets: noop, onRefresh: noop, onDismiss: noop });
+            panel.mount(el);
+            const card = el.querySelector('[data-loaded-id="core-dynamic"]');
+            const lw = card.querySelector('[data-role="layerwise"]');
+            const out = { path: lw.dataset.path, summary: lw.querySelector('[data-role="lw-summary"]').textContent,
+              order: lw.querySelector('[data-role="lw-order"]').textContent,
+              streaming: lw.querySelector('[data-role="lw-streaming"]').textContent,
+              cells: [...lw.querySelectorAll(".to-strip .to-blk")].map((c) => c.className.split("to-blk-").pop()),
+              pills: [...card.querySelectorAll(".to-pill")].map((p) => p.textContent) };
+            panel.unmount();
+            el.remove();
+            return out;
+        }""", [url, dict(payload, models=[], loaded=[card])])
+    shown = drawn["in force"]
+    lw = orders["report_in_force"]
+    assert shown["path"] == "core" and "core streams · ordered" in shown["pills"]
+    assert shown["cells"] == lw["block_states"] == ["resident"] * 4
+    assert "4 kept in VRAM · 0 streamed" in " ".join(shown["summary"].split())
+    assert "in force" in shown["order"] and "laid out again" in shown["order"]
+    assert "adds no streamer" in shown["streaming"]
+    held = drawn["held"]
+    assert "order already fixed by an earlier load" in held["order"]
+    assert "takes effect after the model is reloaded" in held["order"]
+    assert held["cells"].count("resident") == 2 and held["cells"].count("streamed") == 2
+
+
 def test_no_console_errors(ui):
     """Everything our extension did above left no console error outside the allow-list."""
     def allowed_http(status: int, url: str) -> bool:

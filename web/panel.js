@@ -158,16 +158,24 @@ const PLACE = {
   streamed: "in RAM",
 };
 
-function stripHtml(lw) {
+// A model core streams with Dynamic VRAM: where comfy-aimdo holds each block (read from its VBAR
+// after the last run), or the node's plan where that cannot be read.
+const CORE_PLACE = {
+  resident: "kept in VRAM by ComfyUI", partial: "partly in VRAM (ComfyUI)", streamed: "streamed by ComfyUI",
+};
+const CORE_STATES = [["resident", CORE_PLACE.resident], ["partial", CORE_PLACE.partial],
+  ["streamed", CORE_PLACE.streamed]];
+
+function stripHtml(lw, place = PLACE, states_legend = BLOCK_STATES) {
   const states = Array.isArray(lw.block_states) && lw.block_states.length
     ? lw.block_states
     : Array.from({ length: num(lw.blocks) }, (_, i) =>
         (lw.resident_indices ?? []).includes(i) ? "resident" : "streamed");
   const cells = states.map((s, i) =>
-    `<span class="to-blk to-blk-${esc(s)}" title="block ${i}: ${esc(PLACE[s] ?? String(s).replace("_", " "))}"></span>`);
+    `<span class="to-blk to-blk-${esc(s)}" title="block ${i}: ${esc(place[s] ?? String(s).replace("_", " "))}"></span>`);
   const shown = new Set(states);
   return `<div class="to-strip" aria-label="blocks">${cells.join("")}</div>
-    ${legend(BLOCK_STATES.filter(([s]) => shown.has(s) || s === "resident" || s === "streamed")
+    ${legend(states_legend.filter(([s]) => shown.has(s) || s === "resident" || s === "streamed")
       .map(([s, text]) => [`to-blk-${s}`, text]), "strip-legend")}`;
 }
 
@@ -218,8 +226,37 @@ function telemetryHtml(raw) {
   return `<div class="to-stats">${rows.join("")}</div>`;
 }
 
+// Apply Layerwise Offload's auto mode on a Dynamic VRAM model: core streams, in the node's order.
+function dynamicOrderHtml(lw, showStrip) {
+  const dv = lw.dynamic_vram;
+  const fromVbar = dv.residency_source === "vbar";
+  const kept = fromVbar ? (dv.core_resident_blocks ?? []).length : (lw.resident_indices ?? []).length;
+  const streamed = fromVbar ? (dv.core_streamed_blocks ?? []).length : (lw.streamed_indices ?? []).length;
+  const order = dv.order === "in force"
+    ? `<div class="to-muted" data-role="lw-order">Order: the node's ${(lw.resident_indices ?? []).length} resident blocks first, in force${num(dv.relayouts) > 0 ? ` (laid out again ${num(dv.relayouts)}×)` : ""}</div>`
+    : dv.order === "fixed by an earlier load"
+      ? `<div class="to-muted to-warn-text" data-role="lw-order">${esc(dv.message ?? "Order already fixed by an earlier load; it takes effect after the model is reloaded.")}</div>`
+      : `<div class="to-muted" data-role="lw-order">Order: ${esc(dv.order)}</div>`;
+  return `<div class="to-lw" data-role="layerwise" data-path="core">
+    <div class="to-lw-head"><b>Streamed by ComfyUI (Dynamic VRAM) in the order of Apply Layerwise Offload</b>
+      <span class="to-muted" data-role="lw-summary">${num(lw.blocks)} blocks · ${kept} kept in VRAM · ${streamed} streamed
+      ${fromVbar ? "(after the last run)" : "(as planned)"}</span></div>
+    ${order}
+    ${showStrip ? stripHtml(lw, CORE_PLACE, CORE_STATES) : ""}
+    <div class="to-muted" data-role="lw-streaming">${esc(dv.streaming ?? "")}</div>
+  </div>`;
+}
+
+function streamedPill(lw) {
+  if (!lw) return "";
+  return lw.dynamic_vram?.path === "core streams"
+    ? `<span class="to-pill" title="ComfyUI streams it with Dynamic VRAM, in the order of Apply Layerwise Offload">core streams · ordered</span>`
+    : `<span class="to-pill">streamed</span>`;
+}
+
 function layerwiseHtml(lw, showStrip) {
   if (!lw) return "";
+  if (lw.dynamic_vram?.path === "core streams") return dynamicOrderHtml(lw, showStrip);
   const resident = lw.resident_indices?.length ?? 0;
   const streamed = lw.streamed_indices?.length ?? 0;
   // Resident and streamed counts are in units: blocks, or phases of blocks.
@@ -273,7 +310,7 @@ function managedHtml(m, parts, ctx) {
   const sw = parts.find((l) => l.swap)?.swap;
   const pills = [
     `<span class="to-pill to-pill-tier" title="Kept by the VRAM Tier Manager across workflows">tier-managed</span>`,
-    lw ? `<span class="to-pill">streamed</span>` : "",
+    streamedPill(lw),
     inUse ? `<span class="to-pill to-pill-busy" title="${num(m.in_use)} running prompt(s) use it">in use${num(m.in_use) > 1 ? ` ×${num(m.in_use)}` : ""}</span>` : "",
   ].join("");
   const buttons = TIER_ACTIONS.map((a) => button(a.action, a.label, a.icon, a.title,
@@ -323,7 +360,7 @@ function coreHtml(l, ctx) {
   const busy = pending[l.id];
   const pills = [
     l.core ? `<span class="to-pill" title="Loaded by ComfyUI on ${esc(l.device)}">core · ${esc(l.device)}</span>` : "",
-    l.layerwise ? `<span class="to-pill">streamed</span>` : "",
+    streamedPill(l.layerwise),
     l.swap ? `<span class="to-pill">swapped</span>` : "",
   ].join("");
   return `<div class="to-model" data-loaded-id="${esc(l.id)}" data-tier="${badge[0]}" data-card="core">
