@@ -104,11 +104,13 @@ test-0.33: env env-033 /usr/bin/chromium
 	OMP_NUM_THREADS=2 $(PY) -m pytest -m comfy_tree tests
 
 # What a lent GPU machine needs carried (see bench/gpu_session.sh): the ComfyUI tree without
-# bytecode, and the wheels its offline image lacks. Everything carried must stay under 64 MiB.
-gpu-kit: $(COMFY)/.ready
+# bytecode, and the wheels its offline image lacks; for the ComfyUI 0.33 (Dynamic VRAM) stages,
+# the 0.33 tree as a tarball and its extra wheels. Everything one call carries must stay under
+# 64 MiB: the 0.3.75 stages carry .comfyui and .gpu_kit, the 0.33 stages .gpu_kit alone.
+gpu-kit: $(COMFY)/.ready $(COMFY033)/.ready
 	find $(COMFY) -name __pycache__ -prune -exec rm -rf {} +
 	tools/gpu_kit.sh
-	du -csh --exclude=.git --exclude=.venv --exclude=.demo --exclude=tests/artifacts .
+	du -csh --exclude=.git --exclude=.venv --exclude=.venv-033 --exclude=.comfyui-033 --exclude=.demo --exclude=tests/artifacts .
 
 clean:
 	rm -rf $(VENV) $(COMFY) $(VENV033) $(COMFY033) .demo .pytest_cache .gpu_kit

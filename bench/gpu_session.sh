@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # What a session with a lent GPU runs, in stages that each fit one device call (10 minutes).
 #
-# Here, first: `make gpu-kit` (the ComfyUI tree and the wheels the offline GPU image lacks).
+# Here, first: `make gpu-kit` (the ComfyUI trees and the wheels the offline GPU image lacks).
 # Then the device tool: carry [".comfyui", ".gpu_kit"], command `bench/gpu_session.sh STAGE`:
 #   tests   tests/unit with its CUDA-only tests, then every server test on CUDA (not the panel)
 #   bench-engine  bench/layerwise.py (LAYERWISE_ARGS adds options)
 #   bench-comfy   bench/comfy_wan.py: core full / core partial / layerwise (COMFY_WAN_ARGS adds
 #                 options, e.g. "--visible-gb 8"; it writes an ~11 GB model first)
+# ComfyUI 0.33 with Dynamic VRAM (carry [".gpu_kit"] alone: the 0.33 tree travels inside it):
+#   tests-033     the Dynamic VRAM server tests of the 0.33 lane on CUDA, where core runs Dynamic
+#                 VRAM (TESTS_033=tests for the whole lane, if it fits a call)
+#   bench-dynamic bench/comfy_wan.py --dynamic: core's Dynamic VRAM alone, the node's auto and
+#                 engine modes at the same visible VRAM (DYNAMIC_ARGS adds options)
 # Results and logs go to $OUT, which the device tool brings back (bench/results/gpu elsewhere).
 # Commit the JSON under bench/results/; each file names the device it ran on.
 set -uo pipefail
@@ -20,8 +25,20 @@ mkdir -p "$OUT"
 # rehearsal here never makes the carried tree bigger.
 SITE=${TMPDIR:-/tmp}/tiered_offload_gpu_kit
 rm -rf "$SITE"
-for wheel in .gpu_kit/wheels/*.whl; do "$PY" -m zipfile -e "$wheel" "$SITE" || exit 1; done
+case ${1:-} in tests-033|bench-dynamic) KIT_WHEELS=".gpu_kit/wheels/*.whl .gpu_kit/comfyui-033/*.whl" ;;
+                *) KIT_WHEELS=".gpu_kit/wheels/*.whl" ;; esac
+# shellcheck disable=SC2086  # a word list of globs
+for wheel in $KIT_WHEELS; do "$PY" -m zipfile -e "$wheel" "$SITE" || exit 1; done
 export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+case ${1:-} in tests-033|bench-dynamic)
+  # The 0.33 tree, unpacked outside the checkout; the harness runs its server with this Python.
+  TREE=${TMPDIR:-/tmp}/tiered_offload_comfyui_033
+  rm -rf "$TREE" && mkdir -p "$TREE" && tar -xzf .gpu_kit/comfyui-033/comfyui-0.33.tar.gz -C "$TREE" \
+    || { echo "!! no ComfyUI 0.33 tree in the kit (make gpu-kit)"; exit 1; }
+  export TIERED_OFFLOAD_COMFY_ROOT=$TREE/ComfyUI TIERED_OFFLOAD_COMFY_PYTHON=$PY
+  "$PY" -c "import comfy_aimdo.control, comfy_kitchen" || { echo "!! the 0.33 kit does not import"; exit 1; }
+  ;;
+esac
 "$PY" -c "import comfyui_frontend_package, torchsde, av" || { echo "!! the GPU kit does not import"; exit 1; }
 
 {
@@ -54,8 +71,21 @@ case ${1:-} in
     # shellcheck disable=SC2086  # a word list of options
     run comfy_wan "$PY" bench/comfy_wan.py ${COMFY_WAN_ARGS:-} --out "$OUT/comfy_wan.json"
     ;;
+  tests-033)
+    export OMP_NUM_THREADS=2
+    # The Dynamic VRAM tests by default (one call is 10 minutes); TESTS_033=tests runs the lane.
+    # shellcheck disable=SC2086  # a word list of paths
+    run tests-033 "$PY" -m pytest -m comfy_tree ${TESTS_033:-tests/test_dynamic_vram_gpu.py \
+      tests/test_layerwise_mode.py tests/test_dynamic_vram_compat.py tests/test_loaded_models.py} \
+      -q -rs -p no:cacheprovider --ignore=tests/unit --ignore=tests/test_panel.py
+    ;;
+  bench-dynamic)
+    # shellcheck disable=SC2086  # a word list of options
+    run comfy_wan_dynamic "$PY" bench/comfy_wan.py --dynamic ${DYNAMIC_ARGS:-} \
+      --out "$OUT/comfy_wan_dynamic.json"
+    ;;
   *)
-    echo "usage: $0 tests|bench-engine|bench-comfy" >&2
+    echo "usage: $0 tests|bench-engine|bench-comfy|tests-033|bench-dynamic" >&2
     exit 2
     ;;
 esac
