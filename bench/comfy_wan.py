@@ -21,6 +21,16 @@ streamed blocks' bytes once per model call for layerwise (the engine's own count
 holds the upload at attach and the prefetch past the last step, is in the JSON beside it), and
 for core_partial the bytes core left unloaded, once per model call.
 
+--dynamic compares instead, on one server with the same visible VRAM (--reserve-vram on CUDA):
+  core_dynamic  the plain workflow: with ComfyUI 0.15 and later on NVIDIA, core's Dynamic VRAM
+                streams the model itself (run it with TIERED_OFFLOAD_COMFY_ROOT/_PYTHON naming a
+                0.33 tree; bench/gpu_session.sh bench-dynamic does)
+  auto          Apply Layerwise Offload, mode auto: core streams, in the node's order
+  engine        Apply Layerwise Offload, mode engine: the pack's engine on a classic twin
+with step time, peak device memory (the device's own use: Dynamic VRAM maps weights outside
+torch's allocator), the server's host RSS, and whether each latent equals core_dynamic's. The
+JSON says whether the server ran Dynamic VRAM at all (on CPU all three modes are classic).
+
 The model is Wan 2.1 with 14B dimensions (dim 5120, ffn 13824, 40 heads) and --layers blocks,
 in random bf16 weights written here. The text context is 16 random tokens rather than T5's 512.
 --smoke runs a 6-block dim-128 Wan, in well under a minute. On a CPU-only machine it skips
@@ -135,6 +145,13 @@ def prompt_seconds(entry: dict) -> float | None:
     return (end - start) / 1000 if start is not None and end is not None else None
 
 
+def _pack_report(reports: list[dict], core_streams: bool) -> dict | None:
+    """The node's report on the Wan: the engine's session, or the order core streams in."""
+    return next((r for r in reports if r["model_class"] == "WanModel"
+                 and ((r.get("dynamic_vram") or {}).get("path") == "core streams") == core_streams),
+                None)
+
+
 def run_mode(server: ComfyServer, args: argparse.Namespace, mode: str,
              layerwise: dict[str, Any] | None) -> dict:
     """Queue the mode's workflow --repeats times from a clean server; report the last run."""
@@ -158,7 +175,9 @@ def run_mode(server: ComfyServer, args: argparse.Namespace, mode: str,
                 cold_prompt_s=runs[0]["prompt_s"])
     if layerwise is not None:
         reports = server.get("/offload/layerwise")["models"]
-        last["layerwise"] = next(r for r in reports if r["model_class"] == "WanModel")
+        # auto on a Dynamic VRAM model: the order core streams in; anywhere else the engine's.
+        auto = layerwise.get("mode") == "auto"
+        last["layerwise"] = _pack_report(reports, auto) or _pack_report(reports, not auto)
     return last
 
 
@@ -215,11 +234,56 @@ def print_table(result: dict) -> None:
           f"{result['core_partial_matches_reference']}")
 
 
+def run_dynamic(args: argparse.Namespace, base: Path, result: dict, cuda: bool,
+                cpu_budget_gib: float) -> None:
+    """core_dynamic, auto and engine on one server: the same visible VRAM for all three. The
+    node's budget is --budget-gb, else its own default (from what is free at each run); on a
+    CPU, where that default keeps every block resident, one resident block so that it streams."""
+    modes = result["modes"]
+    extra: tuple[str, ...] = ()
+    if cuda:
+        reserve_gib = max(0.0, result["device_total_bytes"] / GIB - args.visible_gb)
+        result["settings"]["reserve_vram_gib"] = reserve_gib
+        extra = ("--reserve-vram", f"{reserve_gib:.3f}")
+    budget = args.budget_gb or (0.0 if cuda else cpu_budget_gib)
+    with _server(base, extra, torch.get_num_threads()) as server:
+        modes["core_dynamic"] = run_mode(server, args, "core_dynamic", None)
+        modes["auto"] = run_mode(server, args, "auto", {"mode": "auto", "vram_budget_gb": budget})
+        modes["engine"] = run_mode(server, args, "engine", {"mode": "engine", "vram_budget_gb": budget})
+        log = server.log_text()
+    result["dynamic_vram"] = "DynamicVRAM support detected and enabled" in log
+    result["settings"]["layerwise_budget_gib"] = budget
+    reference = modes["core_dynamic"]["latent_sha256"]
+    result["reference"] = "core_dynamic"
+    result["auto_matches_reference"] = modes["auto"]["latent_sha256"] == reference
+    result["engine_matches_reference"] = modes["engine"]["latent_sha256"] == reference
+
+
+def print_dynamic_table(result: dict) -> None:
+    print(f"device: {result['device']}  torch {result['torch']}  Dynamic VRAM: "
+          f"{result['dynamic_vram']}  model: {result['model']['layers']} blocks, "
+          f"{_gib(result['model']['bytes'])} GiB")
+    head = (f"{'mode':<13} {'step s':>8} {'peak device GiB':>16} {'host anon GiB':>14} "
+            f"{'host file GiB':>14} {'host peak GiB':>14} {'cold prompt s':>14} {'sha':>10}")
+    print(head)
+    print("-" * len(head))
+    for name, m in result["modes"].items():
+        rss = m.get("host_rss") or {}
+        print(f"{name:<13} {m['step_s']:>8.3f} {_gib(m.get('peak_device_used_bytes')):>16} "
+              f"{_gib(rss.get('anon_bytes')):>14} {_gib(rss.get('file_bytes')):>14} "
+              f"{_gib(rss.get('peak_bytes')):>14} {m['cold_prompt_s'] or 0:>14.2f} "
+              f"{m['latent_sha256'][:10]:>10}")
+    print(f"latent equals core_dynamic's: auto {result['auto_matches_reference']}, "
+          f"engine {result['engine_matches_reference']}")
+
+
 # ------------------------------------------------------------------ main
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="a 6-block dim-128 Wan, under a minute")
+    ap.add_argument("--dynamic", action="store_true",
+                    help="core's Dynamic VRAM alone vs the node's auto and engine modes")
     ap.add_argument("--layers", type=int, default=16, help="Wan blocks (Wan 2.1 14B has 40)")
     ap.add_argument("--dim", type=int, default=5120)
     ap.add_argument("--ffn", type=int, default=13824)
@@ -278,6 +342,10 @@ def main(argv: list[str] | None = None) -> dict:
         "link": link,
         "modes": {},
     }
+    if args.dynamic:
+        run_dynamic(args, base, result, cuda, min_budget + block_bytes / args.layers / GIB)
+        print_dynamic_table(result)
+        return _write(result, args)
     modes = result["modes"]
     threads = torch.get_num_threads()
     with _server(base, SERVER_ARGS, threads) as server:
@@ -310,10 +378,15 @@ def main(argv: list[str] | None = None) -> dict:
         if "latent_sha256" in modes["core_partial"] else None)
     add_bounds(result, link["pinned_h2d_GBps"] if cuda else None)
     print_table(result)
+    return _write(result, args)
+
+
+def _write(result: dict, args: argparse.Namespace) -> dict:
     out = args.out
     if out is None:
         slug = "smoke" if args.smoke else result["device"].lower().replace(" ", "-")
-        out = RESULTS / f"comfy_wan-{slug}-{dt.datetime.now():%Y%m%d-%H%M%S}.json"
+        kind = "comfy_wan_dynamic" if args.dynamic else "comfy_wan"
+        out = RESULTS / f"{kind}-{slug}-{dt.datetime.now():%Y%m%d-%H%M%S}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")

@@ -59,3 +59,20 @@ def test_comfy_wan_smoke(tmp_path):
         assert engine["block_bytes"] == data["model"]["block_bytes"]
         assert wan["loaded_bytes"] == engine["rest_bytes"]
         assert wan["total_bytes"] == engine["rest_bytes"] + engine["bound_bytes"]
+
+
+def test_comfy_wan_dynamic_smoke(tmp_path):
+    """--dynamic: core alone, auto and engine on one server. On CPU core runs no Dynamic VRAM
+    (the JSON says so) and all three are classic; each latent must equal core's."""
+    bench = _load_bench()
+    out = tmp_path / "comfy_wan_dynamic.json"
+    bench.main(["--smoke", "--dynamic", "--base", str(tmp_path / "base"), "--out", str(out)])
+    data = json.loads(out.read_text())
+    modes = data["modes"]
+    assert set(modes) == {"core_dynamic", "auto", "engine"} and data["reference"] == "core_dynamic"
+    assert data["auto_matches_reference"] is True and data["engine_matches_reference"] is True
+    if not torch.cuda.is_available():
+        assert data["dynamic_vram"] is False  # --cpu turns Dynamic VRAM off
+    for mode in modes.values():
+        assert mode["step_s"] > 0 and mode["host_rss"]["anon_bytes"] > 0
+    assert modes["engine"]["layerwise"]["telemetry"]["bytes_copied"] > 0

@@ -4,15 +4,23 @@
   device's peak-memory counter, so a run's figures cover its sampling (model loads included)
   and nothing before it. It is an APPLY_MODEL wrapper under its own key, so it chains with the
   pack's wrappers and any others instead of replacing them.
-- TieredBenchReport (output node): puts the call times, the device's peak memory and what core
-  believes is loaded into /history.
+- TieredBenchReport (output node): puts the call times, the device's peak memory, the server's
+  host RSS and what core believes is loaded into /history.
+
+Peak device memory is counted twice: torch's allocator peak, and the device's own use (total less
+free, read after every model call). Under Dynamic VRAM (ComfyUI 0.15 and later) core maps its
+weights' VRAM outside torch's allocator, so only the second sees them. Host RSS is the server's
+anonymous and file-backed resident memory when the run ends, and its peak (VmHWM, reset with the
+clock).
 
 On CUDA the times come from events on the compute stream, so timing never adds a host sync
 that would drain the copy stream's prefetch between steps.
 """
 from __future__ import annotations
 
+import contextlib
 import time
+from pathlib import Path
 from typing import Any
 
 import comfy.model_management
@@ -28,12 +36,20 @@ class _Clock:
     def __init__(self) -> None:
         self.device: torch.device | None = None
         self.marks: list[tuple[Any, Any]] = []
+        self.device_peak = 0  # device-wide bytes in use, the most seen after a model call
 
     def reset(self, device: torch.device) -> None:
-        self.device, self.marks = device, []
+        self.device, self.marks, self.device_peak = device, [], 0
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
+        with contextlib.suppress(OSError):  # Linux: VmHWM := current RSS
+            Path("/proc/self/clear_refs").write_text("5")
+
+    def sample_device(self) -> None:
+        if self.device is not None and self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            self.device_peak = max(self.device_peak, total - free)
 
     def mark(self) -> Any:
         if self.device is not None and self.device.type == "cuda":
@@ -65,6 +81,7 @@ def _timed_apply_model(executor, *args, **kwargs):
     start = CLOCK.mark()
     out = executor(*args, **kwargs)
     CLOCK.marks.append((start, CLOCK.mark()))
+    CLOCK.sample_device()
     return out
 
 
@@ -88,6 +105,18 @@ class TieredBenchClock:
                                      _timed_apply_model)
         CLOCK.reset(clocked.load_device)
         return (clocked,)
+
+
+def _host_rss() -> dict[str, int] | None:
+    """The server's resident memory (Linux /proc), in bytes."""
+    try:
+        lines = Path("/proc/self/status").read_text().splitlines()
+    except OSError:
+        return None
+    fields = {k: int(v.split()[0]) * 1024 for k, _, v in (line.partition(":") for line in lines)
+              if k in ("RssAnon", "RssFile", "VmHWM")}
+    return {"anon_bytes": fields.get("RssAnon"), "file_bytes": fields.get("RssFile"),
+            "peak_bytes": fields.get("VmHWM")}
 
 
 def _loaded_models() -> list[dict[str, Any]]:
@@ -119,6 +148,7 @@ class TieredBenchReport:
         device = CLOCK.device
         calls = CLOCK.seconds()
         cuda = device is not None and device.type == "cuda"
+        CLOCK.sample_device()
         figures = {
             "label": label,
             "device": str(device),
@@ -127,6 +157,8 @@ class TieredBenchReport:
             "span_s": CLOCK.span(),
             "peak_allocated_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
             "peak_reserved_bytes": torch.cuda.max_memory_reserved(device) if cuda else None,
+            "peak_device_used_bytes": CLOCK.device_peak if cuda else None,
+            "host_rss": _host_rss(),
             "loaded_models": _loaded_models(),
         }
         return {"ui": {"bench": [figures]}}
