@@ -81,8 +81,8 @@ def plan_blocks(patcher, streamer_kwargs: dict[str, Any]) -> BlockPlan:
     """Run the engine's checks (block discovery, packability, settings) on the model as given.
 
     The planner reads tensor metadata only: no copy, no allocation, no device. The blocks of a
-    dynamic model have the layout, dtypes and sizes of its classic copy, so a model this refuses
-    would be refused after a reload too; this way the refusal costs nothing.
+    dynamic model have the layout, dtypes and sizes of a classic one, so a model this refuses
+    would be refused on a classic patcher too; this way the refusal costs nothing.
     """
     diffusion_model = patcher.get_model_object("diffusion_model")
     found = find_blocks(diffusion_model)
@@ -231,7 +231,7 @@ def _reload_delegate(model, reason: str) -> tuple[Any, _Delegate]:
                               model.model_size(), time.perf_counter() - start, reason)
 
 
-def classic_copy(model, streamer_kwargs: dict[str, Any]):
+def classic_delegate(model, streamer_kwargs: dict[str, Any]):
     """`engine` on a dynamic model: a classic patcher over a twin made once per model.
 
     Later clones of the same model (a LoRA change, other settings) get a patcher over the same
@@ -260,7 +260,7 @@ def classic_copy(model, streamer_kwargs: dict[str, Any]):
 
 
 def describe(diffusion_module_id: int) -> dict[str, Any] | None:
-    """The cost entry of the classic copy whose diffusion model has this id, if it is one."""
+    """The cost entry of the twin (or reloaded copy) whose diffusion model has this id, if any."""
     for entry in DELEGATES.values():
         override = entry.override
         if override is not None and id(override[0].diffusion_model) == diffusion_module_id:

@@ -337,14 +337,15 @@ def _classic_patcher(model, settings: LayerwiseSettings):
     """A classic ModelPatcher for the engine to stream.
 
     A classic model gets a plain clone. A model that newer ComfyUI runs with Dynamic VRAM
-    (0.15 and later) gets a clone over a classic copy of it, because the engine cannot take the
-    blocks of a dynamic model (dynamic_vram.py says why): the copy is made once per model, after
-    every check, and its cost is logged and reported. Raises ValueError, before any copy, for a
-    model or settings the engine refuses or a model no copy can be made of.
+    (0.15 and later) gets a clone over a classic twin of it, sharing its host weights, because
+    the engine cannot take the blocks of a dynamic model (dynamic_vram.py says why): the twin is
+    made once per model, after every check, and its cost is logged and reported. Raises
+    ValueError, before any copy, for a model or settings the engine refuses or a model no
+    classic patcher can be made for.
     """
     if not _is_dynamic(model):
         return model.clone()
-    return dynamic_vram.classic_copy(model, settings.streamer_kwargs())
+    return dynamic_vram.classic_delegate(model, settings.streamer_kwargs())
 
 
 class ApplyLayerwiseOffload:
@@ -379,10 +380,11 @@ class ApplyLayerwiseOffload:
                 "default": "auto",
                 "tooltip": "auto: on a model that ComfyUI runs with Dynamic VRAM (0.15 and later "
                            "on NVIDIA), ComfyUI streams it and keeps this node's resident blocks "
-                           "in VRAM first, with no copy; on other models the pack's engine "
-                           "streams. engine: always the pack's engine; on a Dynamic VRAM model "
-                           "that costs a second copy of the model in RAM and one reload from "
-                           "disk (logged and shown in the Offload panel)."}),
+                           "in VRAM first, checked at every load, with no copy; on other models "
+                           "the pack's engine streams. engine: always the pack's engine; on a "
+                           "Dynamic VRAM model it runs on a twin of the model over its own host "
+                           "weights, with no reload (its cost is logged and shown in the "
+                           "Offload panel)."}),
             "host_cache_gb": ("FLOAT", {
                 "default": 0.0, "min": 0.0, "max": 4096.0, "step": 0.25,
                 "tooltip": "RAM in GiB for the streamed weights. 0 keeps every block packed in "
