@@ -169,6 +169,8 @@ class Cooperation:
                                                                self.order.streamed):
             self.message = None
             return
+        earlier = ("the node's, with other settings" if kept is not None
+                   and layout.in_order(kept.resident, kept.streamed) else "core's own order")
         loaded = _vbar_loaded(patcher.model, device)
         reason = vbar_layout.reset(patcher.model, device)
         if reason is None:
@@ -178,13 +180,13 @@ class Cooperation:
             log.info("Apply Layerwise Offload (auto): %s's VRAM order was fixed by an earlier load "
                      "(%s); handed back to core, which lays it out in the node's order on this "
                      "load: %s of its VRAM pages released, copied in again from RAM as they are "
-                     "used", self.model_class,
-                     "other settings" if kept is not None else "core's own order",
-                     binary_bytes(loaded))
+                     "used", self.model_class, earlier, binary_bytes(loaded))
         else:
-            self.message = (f"{self.model_class}: order already fixed by an earlier load; the "
-                            f"node's order ({len(self.order.resident)} resident blocks first) "
-                            f"{RELOAD_HINT}. Not re-laid out now: {reason}.")
+            count = len(self.order.resident)
+            self.message = (f"{self.model_class}: order already fixed by an earlier load "
+                            f"({earlier}); the node's order ({count} resident "
+                            f"block{'' if count == 1 else 's'} first) {RELOAD_HINT}. Not laid out "
+                            f"again now: {reason}.")
             log.warning("Apply Layerwise Offload (auto): %s", self.message)
 
     def _plan(self, patcher, settings: OrderSettings, noise_shape, conds) -> Order:

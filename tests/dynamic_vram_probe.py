@@ -1,13 +1,15 @@
 """Probe of Apply Layerwise Offload's two modes against the ComfyUI tree under test.
 
-Run by test_dynamic_vram_compat.py as `PYTHON dynamic_vram_probe.py OUT_DIR` with the ComfyUI
-root as the working directory (the Python and tree the server tests use). Prints one JSON object.
+Run by the `dynamic_vram_probe` fixture (conftest.py) as `PYTHON dynamic_vram_probe.py OUT_DIR`
+with the ComfyUI root as the working directory (the Python and tree the server tests use). Prints
+one JSON object.
 
 Models come from ComfyUI's real loader (`comfy.sd.load_diffusion_model`, which registers the
 reload factory `cached_patcher_init`); the node and core's clone / delegate / load code are the
 real ones. Dynamic models are stand-ins (tests/dynamic_vram_standin.py) because a real
-ModelPatcherDynamic needs a GPU. The reload factory is wrapped to count its calls (it still runs):
-that count is how "no copy, no reload" is seen.
+ModelPatcherDynamic needs a GPU; `order_cases` runs them through core's own `load_models_gpu` and
+sampler, so a model is laid out by core before the node runs, as a user's would be. The reload
+factory is wrapped to count its calls (it still runs): that count is how "no reload" is seen.
 """
 from __future__ import annotations
 
