@@ -162,6 +162,10 @@ def reset(model: torch.nn.Module, device: torch.device) -> str | None:
         v = module.__dict__.get("_v")
         if v is not None and _slice_of(module, vbar) is None:
             return "a weight of the model holds a slice of another VBAR"
+        unknown = [a for a in module.__dict__ if a.startswith("_v_") and a not in SLICE_ATTRS
+                   and a not in BUSY_ATTRS]
+        if unknown:  # a newer core's state of a slice, which a reset would leave stale
+            return f"core keeps VBAR state this node does not know ({unknown[0]})"
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     for module in modules:
