@@ -37,6 +37,7 @@ import comfy.options  # noqa: E402
 comfy.options.enable_args_parsing()
 import torch  # noqa: E402
 
+import comfy.model_management  # noqa: E402
 import comfy.model_patcher  # noqa: E402
 import comfy.sd  # noqa: E402
 import tiny_models  # noqa: E402
@@ -156,20 +157,27 @@ def order_cases(layerwise, cooperation, path: Path) -> dict:
     first_vbar = dyn.model.dynamic_vbars[standin.CPU0]
     out["core_alone"] = layout_of(vbar_layout, dyn)
     steps = []
+    block = comfy.model_management.module_size(dyn.model.diffusion_model.blocks[0])
+    # prefetch 1: one resident block plus two streamed-block slots fit 3.5 blocks, two do not.
+    one_block_budget = 3.5 * block / 2**30
     for name, settings in (("node after core", SETTINGS),
                            ("resident_blocks changed", dict(SETTINGS, resident_blocks=1)),
                            ("same settings again", dict(SETTINGS, resident_blocks=1)),
-                           ("default settings", dict(SETTINGS, resident_blocks=-1, vram_budget_gb=0.0))):
+                           ("default settings", dict(SETTINGS, resident_blocks=-1, vram_budget_gb=0.0)),
+                           ("a budget for one block", dict(SETTINGS, resident_blocks=-1,
+                                                          vram_budget_gb=one_block_budget))):
         patcher = node.apply(dyn, **settings)[0]
         hooks_before = block_hooks(patcher)
         latent = sample(patcher)
         r = report_of(dyn)
+        if name == "default settings":
+            out["report_in_force"] = r  # what /offload/layerwise and the panel get
         steps.append({"step": name, "same_as_core": torch.equal(latent, core),
                       "layout": layout_of(vbar_layout, dyn), "resident": r["resident_indices"],
                       "streamed": r["streamed_indices"], "dynamic_vram": r["dynamic_vram"],
                       "budget_bytes": r["budget_bytes"], "block_hooks": [hooks_before, block_hooks(patcher)]})
     out["steps"] = steps
-    out["report_in_force"] = report_of(dyn)  # what /offload/layerwise and the panel get
+    out["one_block_budget_bytes"] = int(one_block_budget * 2**30)
     out["first_vbar_unpinned"] = first_vbar.unpinned
     out["first_vbar_slices"] = sum(1 for m in dyn.model.modules() if hasattr(m, "_v"))
     first_ref = weakref.ref(first_vbar)

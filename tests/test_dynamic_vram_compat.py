@@ -200,6 +200,14 @@ def test_the_default_plans_resident_blocks_from_free_memory(dynamic):
     assert step["dynamic_vram"]["order"] == "in force" and step["same_as_core"]
 
 
+def test_a_budget_plans_what_it_pays_for(dynamic):
+    orders = dynamic["orders"]
+    step = _steps(dynamic)["a budget for one block"]
+    assert step["budget_bytes"] == orders["one_block_budget_bytes"]
+    assert step["resident"] == [2] and _resident_first(step["layout"], [2], [0, 1, 3])
+    assert step["dynamic_vram"]["order"] == "in force" and step["same_as_core"]
+
+
 def test_auto_adds_no_streamer_and_says_how_core_streams(dynamic):
     orders = dynamic["orders"]
     for step in orders["steps"]:
