@@ -263,10 +263,11 @@ def compiled(wf: dict, before_offload: bool) -> dict:
     return out
 
 
-def test_torch_compile_over_streamed_blocks_is_refused_before_sampling(comfy):
+def test_torch_compile_over_streamed_blocks_is_refused_and_all_resident_runs_compiled(comfy):
     """A compiled graph cannot follow weights that move between slots on every pass: the run is
     refused with a message before anything moves, whichever node comes first, and the model is
-    core's again for the next prompt."""
+    core's again for the next prompt. With every block resident nothing moves during the run, and
+    the compiled run (inductor, on the CPU) gives core's own compiled result."""
     reference = latent_sha(comfy.run(sample_workflow("wan21", lora_strength=1.0)))
     streamed = sample_workflow("wan21", lora_strength=1.0, layerwise={"resident_blocks": 0, "prefetch": 1})
     for before in (True, False):
@@ -276,6 +277,12 @@ def test_torch_compile_over_streamed_blocks_is_refused_before_sampling(comfy):
         assert "2 of its 2 blocks are streamed" in message and "resident_blocks = 2" in message
     assert latent_sha(comfy.run(streamed)) == reference
     assert latent_sha(comfy.run(sample_workflow("wan21", lora_strength=1.0))) == reference
+    # Every block resident: nothing moves during the run, and the compiled model runs.
+    resident = sample_workflow("wan21", lora_strength=1.0, layerwise={"resident_blocks": 2, "prefetch": 1})
+    plain = sample_workflow("wan21", lora_strength=1.0)
+    plain["compile"] = {"class_type": "TorchCompileModel", "inputs": {"model": ["lora", 0], "backend": "inductor"}}
+    plain["sample"]["inputs"]["model"] = ["compile", 0]
+    assert latent_sha(comfy.run(compiled(resident, True))) == latent_sha(comfy.run(plain))
 
 
 @pytest.fixture(scope="module")

@@ -302,6 +302,8 @@ def test_layerwise_block_strip(comfy, ui):
         sync_api.expect(stats).to_contain_text("/s", timeout=20_000)
     if "wait_seconds" in telemetry or "compute_wait_s" in telemetry:
         sync_api.expect(stats).to_contain_text("compute waited", timeout=20_000)
+    if "host_wait_s" in telemetry:
+        sync_api.expect(stats).to_contain_text("engine on host", timeout=20_000)
     assert ui.tier_gets() == gets
 
 
