@@ -50,8 +50,8 @@ def block_keys(prefix: str, block: torch.nn.Module) -> list[str]:
     return [f"{prefix}.{name}" for name, _ in block.named_parameters()]
 
 
-# Core's merge, at most: the weight in the merge dtype, the patch's product, its scaled copy, and
-# the rounded result (in the merge dtype at most), all of the weight's size.
+# Core's merge, at most: the weight in the merge dtype, the patch's product and its scaled copy
+# (in the adapters' fp32 intermediate dtype) and the rounded result, all of the weight's size.
 MERGE_WORKSPACE_FACTOR = 4
 
 
@@ -109,8 +109,8 @@ def _calculate_weight(patches, weight: torch.Tensor, key: str) -> torch.Tensor:
 def merge_workspace_bytes(patcher, block_prefixes: Sequence[str],
                           blocks: Sequence[torch.nn.Module]) -> int:
     """Device memory a merge into one of the blocks' weights needs beside the copy: a few
-    weight-sized temporaries of the merge dtype for the largest patched weight (0 without
-    patches). GGUF's quantized weights are merged at dequantization, not here."""
+    weight-sized temporaries, each in fp32 or the merge dtype if wider, for the largest patched
+    weight (0 without patches). GGUF's quantized weights are merged at dequantization, not here."""
     largest = 0
     for prefix, block in zip(block_prefixes, blocks):
         for name, weight in block.named_parameters():
@@ -201,7 +201,8 @@ class BlockPatches:
 
     def patches(self, block_index: int, key: str):
         """The patches of ``key`` with their packed tensors on the device, uploaded (on the
-        current stream) unless the device holds this block's already."""
+        current stream) unless the device holds this block's already; None for a key the block
+        had no patches under when they were packed."""
         views = self._side.load(block_index)
         on_device = self._on_device.get(block_index)
         if on_device is None:
@@ -210,7 +211,7 @@ class BlockPatches:
 
             on_device = self._on_device[block_index] = {
                 k: _map_patch(t, view) for k, t in self._templates[block_index].items()}
-        return on_device[key]
+        return on_device.get(key)
 
     def close(self) -> None:
         self._side.close()
@@ -239,7 +240,8 @@ def lora_transform(patcher, block_prefixes: Sequence[str], block_patches: BlockP
     merge_dtype = lora_merge_dtype(device)
 
     def patches_of(block_index: int, key: str):
-        return patches[key] if block_patches is None else block_patches.patches(block_index, key)
+        on_device = None if block_patches is None else block_patches.patches(block_index, key)
+        return patches[key] if on_device is None else on_device
 
     def transform(block_index: int, name: str, tensor: torch.Tensor) -> torch.Tensor:
         key = f"{block_prefixes[block_index]}.{name}"
