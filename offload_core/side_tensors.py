@@ -36,8 +36,7 @@ class SideTensors:
     """``groups[g]`` is the list of tensors group ``g`` needs; ``load(g)`` returns device views of
     them, in the same order, with the same dtypes, shapes and values (contiguous)."""
 
-    def __init__(self, groups: Sequence[Sequence[torch.Tensor]], device: torch.device | str, *,
-                 pin: bool = True, ram_budget_bytes: int | None = None) -> None:
+    def __init__(self, groups: Sequence[Sequence[torch.Tensor]], device: torch.device | str) -> None:
         self.device = torch.device(device)
         self._layout: list[list[tuple[int, int, torch.dtype, torch.Size]]] = []
         sizes = []
@@ -51,7 +50,7 @@ class SideTensors:
             sizes.append(offset)
         self._sizes = sizes
         cuda = self.device.type == "cuda"
-        self._host = HostStorage(sizes, pin=pin and cuda, ram_budget_bytes=ram_budget_bytes)
+        self._host = HostStorage(sizes, pin=cuda)  # page-locking only speeds up copies to a GPU
         with torch.no_grad(), torch.inference_mode(False):
             for g, tensors in enumerate(groups):
                 buf = self._host.buffer(g)
@@ -72,10 +71,6 @@ class SideTensors:
     def device_bytes(self) -> int:
         """Device memory the side tensors take from their first load: the largest group."""
         return max(self._sizes, default=0)
-
-    @property
-    def host_bytes(self) -> int:
-        return sum(self._sizes)
 
     def load(self, group: int) -> list[torch.Tensor]:
         """Device views of ``group``'s tensors, uploaded on the current stream unless they are
