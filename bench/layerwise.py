@@ -338,7 +338,8 @@ def run_streaming(stack: Stack, device: torch.device, resident: int, prefetch: i
         "peak_vram_bytes": peak,
         "pinned_over_packed": host["pinned"] / host["packed"] if host["packed"] else None,
         "host": host,
-        "telemetry": {k: v / len(steps) if k in ("bytes_copied", "copies", "compute_wait_s") else v for k, v in tel.items()},
+        "telemetry": {k: v / len(steps) if k in ("bytes_copied", "copies", "compute_wait_s", "host_wait_s") else v
+                      for k, v in tel.items()},
     }
     st.close()
     return result

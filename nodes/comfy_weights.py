@@ -14,8 +14,12 @@ patcher's own load would, and the transform leaves their bytes alone.
 """
 from __future__ import annotations
 
+import copy
+import logging
 import sys
-from typing import Callable, Sequence
+import threading
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -24,6 +28,11 @@ import comfy.lora
 import comfy.model_management
 import comfy.model_patcher
 import comfy.utils
+import comfy.weight_adapter
+
+from ..offload_core.side_tensors import SideTensors
+
+log = logging.getLogger(__name__)
 
 # Newer ComfyUI moved string_to_seed to comfy.utils and left a shim in comfy.model_patcher that
 # logs a warning on every call (once per patched key here); 0.3.75 has only the latter.
@@ -41,7 +50,174 @@ def block_keys(prefix: str, block: torch.nn.Module) -> list[str]:
     return [f"{prefix}.{name}" for name, _ in block.named_parameters()]
 
 
-def lora_transform(patcher, block_prefixes: Sequence[str]) -> Callable:
+# Core's merge, at most: the weight in the merge dtype, the patch's product and its scaled copy
+# (in the adapters' fp32 intermediate dtype) and the rounded result, all of the weight's size.
+MERGE_WORKSPACE_FACTOR = 4
+
+
+class MergeFailed(RuntimeError):
+    """Core could not merge a weight patch into a block and carried on with the base weight."""
+
+
+class _LoggedErrors(logging.Handler):
+    """ERROR records logged on a thread while it merges (see ``lora_transform``).
+
+    Core's weight adapters (LoRA, LoHa, LoKr, GLoRA, OFT, BOFT) catch every exception of their
+    math, out of memory included, log "ERROR <adapter> <key> <exception>" and return the
+    weight unmerged. That log record is the only sign of the failure.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self._local = threading.local()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        box = getattr(self._local, "box", None)
+        if box is not None:
+            box.append(record.getMessage())
+
+    @contextmanager
+    def collect(self) -> Iterator[list[str]]:
+        root = logging.getLogger()
+        if self not in root.handlers:
+            root.addHandler(self)
+        previous = getattr(self._local, "box", None)
+        self._local.box = box = []
+        try:
+            yield box
+        finally:
+            self._local.box = previous
+
+
+_LOGGED_ERRORS = _LoggedErrors()
+_ADAPTER = getattr(comfy.weight_adapter, "WeightAdapterBase", ())  # () matches nothing
+
+
+def _calculate_weight(patches, weight: torch.Tensor, key: str) -> torch.Tensor:
+    """Core's `calculate_weight`, raising MergeFailed where core logs a failure and goes on."""
+    with _LOGGED_ERRORS.collect() as errors:
+        merged = comfy.lora.calculate_weight(patches, weight, key)
+    if errors:
+        raise MergeFailed(
+            f"Apply Layerwise Offload: the LoRA (or other weight patch) on {key} could not be merged "
+            f"into its streamed copy: {errors[0]}. The prompt stops rather than run that block with "
+            "its base weights. If the GPU ran out of memory, lower vram_budget_gb, prefetch or the "
+            "resolution.")
+    return merged
+
+
+def merge_workspace_bytes(patcher, block_prefixes: Sequence[str],
+                          blocks: Sequence[torch.nn.Module]) -> int:
+    """Device memory a merge into one of the blocks' weights needs beside the copy: a few
+    weight-sized temporaries, each in fp32 or the merge dtype if wider, for the largest patched
+    weight (0 without patches). GGUF's quantized weights are merged at dequantization, not here."""
+    largest = 0
+    for prefix, block in zip(block_prefixes, blocks):
+        for name, weight in block.named_parameters():
+            if f"{prefix}.{name}" in patcher.patches and not (is_ggml(weight) and ggml_quantized(weight)):
+                largest = max(largest, weight.numel())
+    size = torch.empty((), dtype=lora_merge_dtype(patcher.load_device)).element_size()
+    return MERGE_WORKSPACE_FACTOR * largest * max(size, 4)
+
+
+class _Taken:
+    """Where a patch tensor goes in its block's side tensors."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+def _map_patch(value: Any, fn: Callable[[Any], Any]) -> Any:
+    """``value`` (a patch as core stores it) with ``fn`` applied to its tensors (and to the
+    placeholders that stand for them): inside tuples, lists and dicts, and a weight adapter's
+    ``weights``. Anything else is kept as it is."""
+    if isinstance(value, (torch.Tensor, _Taken)):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        items = [_map_patch(v, fn) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict):
+        return {k: _map_patch(v, fn) for k, v in value.items()}
+    weights = getattr(value, "weights", None)
+    if isinstance(value, _ADAPTER) and isinstance(weights, (tuple, list)):
+        moved = copy.copy(value)
+        moved.weights = type(weights)(_map_patch(w, fn) for w in weights)
+        return moved
+    return value
+
+
+class BlockPatches:
+    """The patcher's weight patches of each block, their tensors brought to the device with the
+    block (offload_core.side_tensors): a merge on the copy stream then reads no pageable memory.
+
+    A LoRA's factors are small beside the weight they patch and are packed, once per run. A patch
+    tensor as large as its weight (a model merge's difference) stays where it is: packing it
+    would hold a second model in RAM; its merges read it as core does (logged).
+    """
+
+    def __init__(self, patcher, block_prefixes: Sequence[str], blocks: Sequence[torch.nn.Module],
+                 device: torch.device) -> None:
+        groups: list[list[torch.Tensor]] = []
+        templates: list[dict[str, Any]] = []
+        left = 0
+        for prefix, block in zip(block_prefixes, blocks):
+            tensors: list[torch.Tensor] = []
+            index: dict[int, int] = {}
+            template: dict[str, Any] = {}
+            for name, weight in block.named_parameters():
+                key = f"{prefix}.{name}"
+                if key not in patcher.patches or (is_ggml(weight) and ggml_quantized(weight)):
+                    continue  # GGUF merges its quantized weights at dequantization
+
+                def take(t: torch.Tensor, full: int = weight.numel()) -> Any:
+                    nonlocal left
+                    if t.device.type != "cpu" or type(t) not in (torch.Tensor, torch.nn.Parameter):
+                        return t
+                    if t.numel() >= full:
+                        left += 1
+                        return t
+                    if id(t) not in index:
+                        index[id(t)] = len(tensors)
+                        tensors.append(t)
+                    return _Taken(index[id(t)])
+
+                template[key] = _map_patch(patcher.patches[key], take)
+            groups.append(tensors)
+            templates.append(template)
+        if left:
+            log.info("Apply Layerwise Offload: %d patch tensors are as large as the weights they patch "
+                     "(a model merge); their merges read them from RAM, which holds up sampling", left)
+        self._templates = templates
+        self._side = SideTensors(groups, device)
+        self._on_device: dict[int, dict[str, Any]] = {}
+
+    @property
+    def device_bytes(self) -> int:
+        return self._side.device_bytes
+
+    @property
+    def uploads(self) -> int:
+        return self._side.uploads
+
+    def patches(self, block_index: int, key: str):
+        """The patches of ``key`` with their packed tensors on the device, uploaded (on the
+        current stream) unless the device holds this block's already; None for a key the block
+        had no patches under when they were packed."""
+        views = self._side.load(block_index)
+        on_device = self._on_device.get(block_index)
+        if on_device is None:
+            def view(item: Any) -> Any:
+                return views[item.index] if isinstance(item, _Taken) else item
+
+            on_device = self._on_device[block_index] = {
+                k: _map_patch(t, view) for k, t in self._templates[block_index].items()}
+        return on_device.get(key)
+
+    def close(self) -> None:
+        self._side.close()
+
+
+def lora_transform(patcher, block_prefixes: Sequence[str], block_patches: BlockPatches | None = None) -> Callable:
     """A transform that merges the patcher's weight patches the way core's full load does.
 
     Core's `patch_weight_to_device`: the weight in the merge dtype on the load device, the
@@ -53,11 +229,19 @@ def lora_transform(patcher, block_prefixes: Sequence[str]) -> Callable:
     its other tensors (a scale), so the engine runs the transform while the block's tensors are
     bound to the copy. A GGUF weight is merged as its own patcher merges it (see the module
     docstring).
+
+    With ``block_patches`` the patches' tensors come from the device (uploaded with the block,
+    on the stream the merge runs on), so a merge never waits on the host. A merge core fails
+    and carries on from (it logs the error and keeps the base weight) raises MergeFailed.
     """
     patches = patcher.patches
     device = patcher.load_device
     model = patcher.model
     merge_dtype = lora_merge_dtype(device)
+
+    def patches_of(block_index: int, key: str):
+        on_device = None if block_patches is None else block_patches.patches(block_index, key)
+        return patches[key] if on_device is None else on_device
 
     def transform(block_index: int, name: str, tensor: torch.Tensor) -> torch.Tensor:
         key = f"{block_prefixes[block_index]}.{name}"
@@ -68,12 +252,12 @@ def lora_transform(patcher, block_prefixes: Sequence[str]) -> Callable:
             if ggml_quantized(weight):
                 return tensor  # applied at dequantization through weight.patches
             work = comfy.model_management.cast_to_device(tensor, device, torch.float32, copy=True)
-            merged = comfy.lora.calculate_weight(patches[key], work, key)
+            merged = _calculate_weight(patches_of(block_index, key), work, key)
             return comfy.float.stochastic_rounding(merged, tensor.dtype).to(tensor.device)
         work = comfy.model_management.cast_to_device(tensor, device, merge_dtype, copy=True)
         if convert_func is not None:
             work = convert_func(work, inplace=True)
-        merged = comfy.lora.calculate_weight(patches[key], work, key)
+        merged = _calculate_weight(patches_of(block_index, key), work, key)
         seed = _string_to_seed(key)
         if set_func is None:
             merged = comfy.float.stochastic_rounding(merged, tensor.dtype, seed=seed)
@@ -129,16 +313,22 @@ def _clear_ggml_patches(module: torch.nn.Module) -> None:
 
 
 def hand_over_from_core(patcher, block_prefixes: Sequence[str],
-                        blocks: Sequence[torch.nn.Module]) -> None:
+                        blocks: Sequence[torch.nn.Module], reclaim: Callable[[], int]) -> None:
     """Make the streamed blocks pristine, on the host and unknown to core before the engine
     takes them.
 
     The engine's master is host RAM whatever core's offload device is (`--highvram` makes that
-    the GPU), so the blocks go to the CPU. A block already there is not moved: a no-op `.to()`
-    still rebuilds every quantized (wrapper subclass) parameter. GGUF weights then get the
-    patches their patcher's load would give them.
+    the GPU), so the blocks go to the CPU. Once core's base weights are back, ``reclaim`` (the
+    engine's) re-points every tensor that holds them at a kept pack: blocks core loaded onto
+    the device since the last run come back without a copy, and the pack stays valid. A block
+    already on the host is not moved: a no-op `.to()` still rebuilds every quantized (wrapper
+    subclass) parameter. GGUF weights then get the patches their patcher's load would give them.
     """
     _restore_base_weights(patcher, block_prefixes, blocks)
+    taken = reclaim()
+    if taken:
+        log.info("Apply Layerwise Offload: %d block tensors core had moved were re-pointed at the "
+                 "kept pack, with no copy", taken)
     cpu = torch.device("cpu")
     for block in blocks:
         if any(t.device != cpu for t in [*block.parameters(), *block.buffers()]):

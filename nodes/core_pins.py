@@ -54,7 +54,13 @@ class _CoreCount:
 
 
 def install() -> bool:
-    """Share the pinned budget where this ComfyUI keeps a count; False (engine keeps its own cap) elsewhere."""
+    """Share the pinned budget where this ComfyUI keeps a count; False (engine keeps its own cap) elsewhere.
+
+    Also clear the CUDA error a failed registration leaves the way core does, where core has a
+    function for it (0.33's `discard_cuda_async_error`; the engine does the same itself elsewhere).
+    """
+    discard = getattr(mm, "discard_cuda_async_error", None)
+    pinned.set_cuda_error_discard(discard if callable(discard) else None)
     if not all(isinstance(getattr(mm, name, None), (int, float)) for name in _NAMES):
         log.info("tiered offload: this ComfyUI keeps no pinned-memory count; the engine keeps its own cap")
         return False

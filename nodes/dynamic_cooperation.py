@@ -306,13 +306,14 @@ def room_for_blocks(patcher, rest_bytes: int, least: int, noise_shape, conds) ->
     Core's dynamic load unloads other (classic) models to make room, never dynamic ones:
     comfy-aimdo evicts their pages on demand, the least recently loaded first, and this model is
     about to become the most recent. So what is free, plus what dynamic models hold on the
-    device (this one included), less what the rest of the run needs (the weights outside the
-    blocks, core's activation estimate, its reserve), is what the blocks can have.
+    device (this one included), less the weights outside the blocks and what core keeps free
+    beside the weights (`block_budget.kept_beside_weights`, as its load computes it), is what
+    the blocks can have.
     """
     mm = comfy.model_management
     device = patcher.load_device
-    others = (rest_bytes + block_budget._activations(patcher, noise_shape, conds)
-              + mm.minimum_inference_memory() + block_budget._extra_reserved())
+    kept, _ = block_budget.kept_beside_weights(patcher, noise_shape, conds)
+    others = rest_bytes + int(kept)
     keep = loaded_entries(patcher.model)
     if "for_dynamic" in inspect.signature(mm.free_memory).parameters:
         mm.free_memory(least + others, device, keep_loaded=keep, for_dynamic=True)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
@@ -38,11 +39,14 @@ from ..offload_core.host_cache import CacheTooSmallError
 from ..offload_core.per_module import PerModule
 from ..offload_core.phases import GRANULARITIES
 from ..offload_core.streamer import LayerwiseStreamer
-from . import block_budget, comfy_weights, disk_source, dynamic_cooperation, dynamic_vram
+from ..offload_core.telemetry import overlap_efficiency
+from . import block_budget, comfy_weights, disk_source, dynamic_cooperation, dynamic_vram, host_moves
 
 log = logging.getLogger(__name__)
 
 WRAPPER_KEY = "tiered_offload.layerwise"
+# The key of core's TorchCompileModel wrapper (comfy_api.torch_helpers.torch_compile.COMPILE_KEY).
+_COMPILE_KEY = "torch.compile"
 GIB = 1024 ** 3
 
 
@@ -116,6 +120,11 @@ class LayerwiseSession:
         self.finished_at: float | None = None  # unix time the last sampling run ended
         self.last_run: dict[str, Any] | None = None
         self.core_view: dict[str, int] | None = None
+        self.block_patches: comfy_weights.BlockPatches | None = None  # this run's, with patches
+        # Core's unload of the model (without this node) moves it to the host with its root's
+        # `.to()`: the kept pack takes its tensors back first, so nothing is copied back.
+        self._root = weakref.ref(patcher.model)
+        host_moves.watch(patcher.model, WRAPPER_KEY, self._reclaim_before_host_move)
 
     def _disk_options(self, patcher, settings: LayerwiseSettings) -> DiskOptions | None:
         """The disk tier when host_cache_gb caps the RAM for blocks; the model's own file is
@@ -128,19 +137,30 @@ class LayerwiseSession:
                            spill_dir=disk_source.spill_folder(settings.spill_dir),
                            model_file=lambda: disk_source.model_file(patcher, prefixes, blocks))
 
-    def begin(self, patcher, noise_shape=None, conds=None) -> None:
+    def begin(self, patcher, noise_shape=None, conds=None, model_options=None) -> None:
         """Plan, hand the blocks over from core, pack and attach. Called before core's load; if
         anything here raises, `end()` (from the sampler's OUTER_SAMPLE) gives core its model back."""
         self.run_pending = False
-        self._plan(patcher, noise_shape, conds)
+        self._close_block_patches()
+        touched = any(key in patcher.patches for prefix, block in zip(self.prefixes, self.blocks)
+                      for key in comfy_weights.block_keys(prefix, block))
+        merge_bytes = 0
+        if touched:
+            # The patches' tensors go to the device with each block copy (no host wait in a
+            # merge); the device holds one block's at a time, beside the merge's workspace.
+            self.block_patches = comfy_weights.BlockPatches(patcher, self.prefixes, self.blocks,
+                                                            self.device)
+            merge_bytes = self.block_patches.device_bytes + comfy_weights.merge_workspace_bytes(
+                patcher, self.prefixes, self.blocks)
+        self._plan(patcher, noise_shape, conds, model_options, merge_bytes)
+        self._refuse_compiled(patcher)
+        self.begun = True
         if hasattr(patcher, "size"):
             # While core loads, the model it sees is the part outside the blocks, which it loads.
             patcher.size = self.rest_bytes
-        self.begun = True
-        comfy_weights.hand_over_from_core(patcher, self.prefixes, self.blocks)
-        touched = any(key in patcher.patches for prefix, block in zip(self.prefixes, self.blocks)
-                      for key in comfy_weights.block_keys(prefix, block))
-        transform = comfy_weights.lora_transform(patcher, self.prefixes) if touched else None
+        comfy_weights.hand_over_from_core(patcher, self.prefixes, self.blocks, self.streamer.reclaim)
+        transform = comfy_weights.lora_transform(patcher, self.prefixes, self.block_patches) \
+            if touched else None
         self.streamer.reset_figures()
         start = time.perf_counter()
         progress = comfy.utils.ProgressBar(len(self.streamer.units) + 1)
@@ -161,7 +181,23 @@ class LayerwiseSession:
         self.attach_seconds = time.perf_counter() - start
         self.started = time.perf_counter()
 
-    def _plan(self, patcher, noise_shape, conds) -> None:
+    def _refuse_compiled(self, patcher) -> None:
+        """Refuse, before anything moves, a run that torch.compile would trace over streamed
+        blocks: their weights move between device slots on every pass, and a compiled graph
+        follows none of that (the engine's hooks inside it become graph breaks, or errors that
+        do not name the cause). Resident blocks stay put for the run and may be compiled."""
+        if not self.streamer.streamed_indices:
+            return
+        how = compiled_by(patcher, self.blocks)
+        if how is not None:
+            raise ValueError(
+                f"Apply Layerwise Offload: {self.model_class} is compiled with torch.compile ({how}), "
+                f"but {len(self.streamer.streamed_indices)} of its {len(self.blocks)} blocks are "
+                "streamed: their weights move between GPU slots on every pass, which a compiled "
+                "graph cannot follow. Remove the torch.compile node, or keep every block resident "
+                f"(resident_blocks = {len(self.blocks)}, or a vram_budget_gb that holds them all).")
+
+    def _plan(self, patcher, noise_shape, conds, model_options, merge_bytes: int) -> None:
         """Resident blocks for this run: the node's count, or the most its budget (or, in auto,
         the card) allows."""
         if self.settings.resident_blocks >= 0:
@@ -173,7 +209,9 @@ class LayerwiseSession:
             # The "device" is host RAM: nothing to clamp to. Auto keeps every block resident.
             budget = most if requested is None else requested
         else:
-            room = block_budget.device_room(patcher, self.rest_bytes, least, noise_shape, conds)
+            wanted = most if requested is None else min(requested, most)
+            room = block_budget.device_room(patcher, self.rest_bytes, wanted, noise_shape, conds,
+                                            model_options, merge_bytes)
             budget = block_budget.choose_budget(self.model_class, requested, room, least, most)
         self.streamer.replan(vram_budget_bytes=budget)
         self.budget_bytes = budget
@@ -200,6 +238,7 @@ class LayerwiseSession:
         """Give everything back to core, however the run ended. Safe to call more than once."""
         self.run_pending = False
         if not self.begun:
+            self._close_block_patches()  # a refusal while planning
             return
         try:
             if self.active:
@@ -214,6 +253,7 @@ class LayerwiseSession:
             try:
                 self.streamer.detach(keep_pack=True)
             finally:
+                self._close_block_patches()
                 model = patcher.model
                 model.model_loaded_weight_memory = max(
                     0, model.model_loaded_weight_memory - self.accounted_bytes)
@@ -222,7 +262,24 @@ class LayerwiseSession:
                 self.core_view = {"model_size": int(patcher.model_size()),
                                   "loaded": int(model.model_loaded_weight_memory)}
 
+    def _reclaim_before_host_move(self) -> None:
+        if self.begun:  # the engine holds the blocks during a run
+            return
+        taken = self.streamer.reclaim()
+        if taken:
+            log.info("Apply Layerwise Offload: %s moves to the host: %d block tensors re-pointed "
+                     "at the kept pack, with no copy", self.model_class, taken)
+
+    def _close_block_patches(self) -> None:
+        if self.block_patches is not None:
+            self.block_patches.close()
+            self.block_patches = None
+
     def close(self) -> None:
+        root = self._root()
+        if root is not None:
+            host_moves.unwatch(root, WRAPPER_KEY)
+        self._close_block_patches()
         self.streamer.close()
 
     def report(self) -> dict[str, Any]:
@@ -258,20 +315,42 @@ class LayerwiseSession:
         return self.streamer.host_bytes().get("disk", 0)
 
 
+def compiled_by(patcher, blocks) -> str | None:
+    """How torch.compile would run the diffusion model or its blocks in this patcher's sampling:
+    core's TorchCompileModel wrapper, a compiled module put in by an object patch (the way
+    per-block compile nodes do it), or a compiled block; None if it would not."""
+    if patcher.get_wrappers(comfy.patcher_extension.WrappersMP.APPLY_MODEL, _COMPILE_KEY):
+        return "ComfyUI's TorchCompileModel"
+    for key, value in getattr(patcher, "object_patches", {}).items():
+        if (key == "diffusion_model" or key.startswith("diffusion_model.")) and _is_compiled(value):
+            return f"a compiled module patched in at {key}"
+    if any(_is_compiled(b) for b in blocks):
+        return "compiled blocks"
+    return None
+
+
+def _is_compiled(module: object) -> bool:
+    """torch.compile's module wrapper (OptimizedModule, known by the module it wraps)."""
+    return isinstance(module, torch.nn.Module) and isinstance(getattr(module, "_orig_mod", None),
+                                                               torch.nn.Module)
+
+
 def run_figures(snapshot: dict[str, Any], seconds: float, attach_seconds: float,
                 device: torch.device) -> dict[str, Any]:
     """The engine's counters plus what a person reads first: rate and overlap of the run.
 
     `seconds` is sampling time only (from the end of the attach to the end of the run), so
-    `gibps` (streamed GiB over that time) and `overlap_efficiency` (the share of it that compute
-    did not spend waiting for copies) are not flattered by packing and pinning, which
-    `attach_seconds` shows on its own. On CPU copies are synchronous and not timed, so overlap
-    is left out there rather than shown as a flattering 100%.
+    `gibps` (streamed GiB over that time) and `overlap_efficiency` are not flattered by packing
+    and pinning, which `attach_seconds` shows on its own. Overlap is the share of the run in
+    which neither the GPU waited for a copy (`compute_wait_s`) nor the sampling thread sat in the
+    engine (`host_wait_s`: a host that waits queues no compute, which the GPU's own waits do
+    not show). On CPU copies are synchronous and part of the compute, so overlap is left out
+    there rather than shown as a meaningless figure.
     """
     figures = dict(snapshot, seconds=seconds, attach_seconds=attach_seconds)
     figures["gibps"] = snapshot["bytes_copied"] / seconds / 2**30 if seconds > 0 else 0.0
     if device.type != "cpu" and seconds > 0:
-        figures["overlap_efficiency"] = max(0.0, 1.0 - snapshot["compute_wait_s"] / seconds)
+        figures["overlap_efficiency"] = overlap_efficiency(snapshot, seconds)
     return figures
 
 
@@ -455,7 +534,7 @@ class ApplyLayerwiseOffload:
             live = REGISTRY.session_for(model_patcher, settings)
             if not live.run_pending:  # not inside this node's sampling run
                 return executor(model_patcher, noise_shape, conds, *args, **kwargs)
-            live.begin(model_patcher, noise_shape, conds)
+            live.begin(model_patcher, noise_shape, conds, kwargs.get("model_options"))
             result = executor(model_patcher, noise_shape, conds, *args, **kwargs)
             live.account(model_patcher)
             return result

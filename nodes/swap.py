@@ -37,6 +37,7 @@ import comfy.patcher_extension
 
 from ..offload_core.per_module import PerModule
 from ..offload_core.swap import ModuleSwap
+from . import host_moves
 from .core_models import loaded_entries, unload_from_core
 from .layerwise import REGISTRY as LAYERWISE
 from .layerwise import WRAPPER_KEY as LAYERWISE_KEY
@@ -45,14 +46,6 @@ from .layerwise import _is_dynamic
 log = logging.getLogger(__name__)
 
 KEY = "tiered_offload.swap"
-
-
-def _target_device(args: tuple, kwargs: dict) -> torch.device | None:
-    try:
-        device = torch._C._nn._parse_to(*args, **kwargs)[0]
-    except (TypeError, RuntimeError, AttributeError):
-        device = kwargs.get("device", next((a for a in args if isinstance(a, (str, torch.device))), None))
-    return None if device is None else torch.device(device)
 
 
 def _patched_keys(patcher) -> list[str]:
@@ -74,26 +67,22 @@ class SwapMember:
                 f"({len(_patched_keys(patcher))} keys); refusing to take it as a master")
         self.name = name
         self.swap = ModuleSwap(module)
+        # Core copies from the master on the model's load device (ComfyUI's partial load does it
+        # asynchronously, per layer): the master waits for that device before it goes.
+        self.swap.note_reader(patcher.load_device)
         self.closed = False
         self.turns = 0
         self.parks = 0
         self.tensors_taken_back = 0
-        # Only weak references: the guard lives in the module's own __dict__, and the module
-        # must still be freed (and this member closed) when ComfyUI drops the model.
-        member_ref = weakref.ref(self)
-        module_ref = weakref.ref(module)
+        # Only a weak reference: the module must still be freed (and this member closed) when
+        # ComfyUI drops the model. The guard on its `.to()` holds this member weakly.
+        self._module_ref = weakref.ref(module)
+        host_moves.watch(module, KEY, self._park_before_host_move)
 
-        def guarded_to(*args: Any, **kwargs: Any):
-            target, member = module_ref(), member_ref()
-            device = _target_device(args, kwargs)
-            if member is not None and device is not None and device.type == "cpu" \
-                    and not layerwise_active(target):
-                member.park()
-            # Tensors back in the master are on the host already; this moves only the rest.
-            return type(target).to(target, *args, **kwargs)
-
-        module.to = guarded_to
-        self._module_ref = module_ref
+    def _park_before_host_move(self) -> None:
+        module = self._module_ref()
+        if module is not None and not layerwise_active(module):
+            self.park()
 
     def park(self) -> None:
         if self.closed:
@@ -113,7 +102,7 @@ class SwapMember:
         module = self._module_ref()
         if module is not None:
             unload_from_core(module)
-            module.__dict__.pop("to", None)
+            host_moves.unwatch(module, KEY)
             self.swap.park()
         self.closed = True
         self.swap.close()

@@ -546,6 +546,10 @@ class PackedBlock:
                 b.ptrs = self._ptrs(b.obj, u)
         return count
 
+    def devices(self) -> set[torch.device]:
+        """The devices the block's tensor objects are on now."""
+        return {b.obj.device for b in self._bindings}
+
     def release(self) -> None:
         """Drop the block's tensors from its modules; the pack keeps the values.
 

@@ -54,6 +54,7 @@ _lock = threading.Lock()
 _pinned_total = 0
 _external_cap: Callable[[], int | None] | None = None
 _report: Callable[[int], None] | None = None
+_discard_cuda_error: Callable[[], None] | None = None
 
 
 def pinned_bytes() -> int:
@@ -132,26 +133,29 @@ def available_ram_bytes() -> int:
     return avail if cg is None else min(avail, cg)
 
 
-@functools.lru_cache(maxsize=1)
-def _libcudart() -> ctypes.CDLL | None:
-    """The CUDA runtime torch already loaded (dlopen by soname returns the loaded copy)."""
-    major = (torch.version.cuda or "").split(".")[0]
-    names = [f"cudart64_{major}.dll", f"cudart64_{major}0.dll"] if os.name == "nt" else [f"libcudart.so.{major}"]
-    for name in names:
-        try:
-            return ctypes.CDLL(name)
-        except OSError:
-            continue
-    return None
+def set_cuda_error_discard(discard: Callable[[], None] | None) -> None:
+    """Use the host application's way of clearing a CUDA error (ComfyUI's
+    ``discard_cuda_async_error``); ``None`` goes back to the engine's own."""
+    global _discard_cuda_error
+    _discard_cuda_error = discard
 
 
 def _clear_cuda_error() -> None:
-    """A failed runtime call leaves a per-thread error that torch's next kernel-launch check would raise."""
-    lib = _libcudart()
-    if lib is None:
-        log.warning("could not reset the CUDA error left by a failed host-memory registration")
+    """A failed runtime call leaves an error that torch's next kernel-launch check would raise.
+
+    Cleared the way ComfyUI clears it: a tiny kernel and a synchronize on the current device,
+    whose error is the one left behind and is dropped. Through torch, so the error is read from
+    the CUDA runtime torch itself uses (a second copy of the runtime opened by name would keep
+    errors of its own).
+    """
+    if _discard_cuda_error is not None:
+        _discard_cuda_error()
         return
-    lib.cudaGetLastError()
+    try:
+        torch.ones(1, dtype=torch.uint8, device="cuda").add_(1)
+        torch.cuda.synchronize()
+    except RuntimeError:
+        pass  # that is the error being dropped; the failed call already reported it
 
 
 def _cuda_register(ptr: int, nbytes: int) -> bool:
@@ -369,6 +373,11 @@ class HostStorage:
     def release(self) -> None:
         """Unregister and drop every chunk; views still held elsewhere become plain pageable memory."""
         self._release(self._chunks)
+
+    @property
+    def readers(self) -> frozenset[int]:
+        """Indices of the CUDA devices that release waits for."""
+        return frozenset(self._readers)
 
     def note_reader(self, device: torch.device) -> None:
         """Record that asynchronous copies out of this storage may run on ``device``.

@@ -30,6 +30,7 @@ copy (per-slot events), so neither has to be the stream attach ran on.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -312,12 +313,15 @@ class LayerwiseStreamer:
                 log.info("block tensors were re-assigned since the pack was kept; packing from scratch")
                 self._free_pack()
             self._plan()
+        packed = None
         try:
             packed = self._pack(progress)
             self._transform = transform
             self._materialize()
         except BaseException:
-            self._teardown(keep_pack=False)
+            # A complete pack outlives a failed upload (out of device memory, a merge that
+            # failed): the next attach needs no re-pack and no re-pin. A pack cut short is freed.
+            self._teardown(keep_pack=packed is not None)
             raise
         self._attached = True
         host = self.host_bytes()
@@ -360,6 +364,23 @@ class LayerwiseStreamer:
         if not self._attached:
             raise RuntimeError(f"{caller}() needs an attached streamer")
         return [self._packs[i] for i in self.resident_indices] + [self._shared]
+
+    def reclaim(self) -> int:
+        """Re-point every block tensor that still shows the kept pack's values at the pack, moving
+        no bytes; returns how many tensors were elsewhere.
+
+        Only while detached. Whoever ran the blocks in between (ComfyUI's own load of the same
+        model) may have moved our tensor objects to a device, or back to fresh host memory by a
+        copy; an object of ours still holds the base values there (computed weights, a merged
+        LoRA, go into new objects), so re-pointing it keeps the pack valid and the copy can go,
+        instead of packing and pinning the whole model again next attach. Slots holding anything
+        else are left alone. Packs the disk tier keeps on disk are not in RAM to point at.
+        """
+        if self._attached:
+            raise RuntimeError("reclaim() needs a detached streamer")
+        if self._host is None:
+            return 0
+        return sum(p.reclaim() for p in self._packs + [self._shared] if p.host is not None)
 
     def detach(self, keep_pack: bool = False) -> None:
         """Remove hooks, free device memory, give every tensor back bit-for-bit.
@@ -483,7 +504,7 @@ class LayerwiseStreamer:
             # Phases: a block's own tensors are resident, and it may read them before any phase.
             waits = [(i, self.blocks[i]) for i in self.resident_indices] if self.granularity == "block" \
                 else list(enumerate(self.blocks))
-            self._hooks.append(BlockHooks(waits, self._on_enter_resident))
+            self._hooks.append(BlockHooks(waits, self._on_enter_resident))  # never waits on the host
         if not self.streamed_indices:
             return
         if disk is not None:
@@ -493,18 +514,19 @@ class LayerwiseStreamer:
         self._view_cache: dict[tuple[int, int], list[torch.Tensor]] = {}
         for i in self.streamed_indices:
             self._packs[i].release()
+        enter, leave = self._timed(self._on_enter), self._timed(self._on_exit)
         if self.granularity == "block":
             self._hooks.append(
-                BlockHooks([(i, self.blocks[i]) for i in self.streamed_indices], self._on_enter, self._on_exit)
+                BlockHooks([(i, self.blocks[i]) for i in self.streamed_indices], enter, leave)
             )
         else:
             # A phase starts when any module inside it is called and ends when the next one starts
             # or its block returns.
             members = [(i, m) for i in self.streamed_indices for m in hooked_modules(self.units[i])]
-            self._hooks.append(BlockHooks(members, self._on_enter))
+            self._hooks.append(BlockHooks(members, enter))
             streamed_blocks = sorted({self.units[i].block for i in self.streamed_indices})
             self._hooks.append(BlockHooks([(b, self.blocks[b]) for b in streamed_blocks],
-                                          self._on_block_enter, self._on_block_exit))
+                                          self._timed(self._on_block_enter), self._timed(self._on_block_exit)))
         self._fill()
         self._settle_copies()
 
@@ -567,6 +589,25 @@ class LayerwiseStreamer:
             self._disk.close()  # the modules keep copy-on-write maps of their bytes on disk
 
     # ---------------------------------------------------------------- hot path
+    def _timed(self, hook: Callable[[int], None]) -> Callable[[int], None]:
+        """``hook`` with its time on the sampling thread added to the telemetry's host waits.
+
+        Not while torch.compile traces: a clock is no graph op, and the hook's own refusal must
+        be what a trace of a streamed block meets."""
+        tel = self.telemetry
+
+        def timed(i: int) -> None:
+            if torch.compiler.is_compiling():
+                hook(i)
+                return
+            start = time.perf_counter()
+            try:
+                hook(i)
+            finally:
+                tel.host_wait_s += time.perf_counter() - start
+
+        return timed
+
     def _on_enter_resident(self, i: int) -> None:
         # torch.cuda.graph synchronizes the device before capture starts, so the upload is
         # complete there, and a wait on an event from outside a capture would break it.

@@ -66,6 +66,13 @@ class ModuleSwap:
         """Bytes of the host master."""
         return sum(p.nbytes for p in self._packs)
 
+    def note_reader(self, device: torch.device) -> None:
+        """Record that the module's owner may copy out of the master asynchronously on ``device``
+        (ComfyUI's partial load does, per layer): freeing the master waits for that device."""
+        if self._host is None:
+            raise RuntimeError("this ModuleSwap is closed")
+        self._host.note_reader(device)
+
     def park(self) -> int:
         """Re-point every tensor that shows the master's values at the master; no bytes move.
 
@@ -74,26 +81,30 @@ class ModuleSwap:
         """
         if self._host is None:
             raise RuntimeError("this ModuleSwap is closed")
+        self._note_devices()  # the devices the owner copied to read from the master
         return sum(p.reclaim() for p in self._packs)
 
     def close(self) -> None:
         """Give the module its original tensors back (original devices) and free the pack.
 
         The module must hold its base weights again (its owner's computed weights removed), since
-        every slot gets its original object back with the master's values.
+        every slot gets its original object back with the master's values. Freeing pinned memory
+        waits only for the devices that read from it (noted, or seen holding the module's
+        tensors): waiting on every GPU would create a CUDA context on each.
         """
         if self._host is None:
             return
-        if torch.cuda.is_available():
-            # The owner may have copied from the master asynchronously on any device (ComfyUI's
-            # partial load does, per layer): those copies finish before the memory goes.
-            for index in range(torch.cuda.device_count()):
-                self._host.note_reader(torch.device("cuda", index))
+        self._note_devices()
         for i, p in enumerate(self._packs):
             p.restore(keep_host=False)
             self._host.release_item(i)  # copy out part by part: never 2x RAM
         self._host.release()
         self._host = None
+
+    def _note_devices(self) -> None:
+        for p in self._packs:
+            for device in p.devices():
+                self._host.note_reader(device)
 
     def bytes_by_tier(self) -> dict[str, int]:
         """Bytes of the master in pinned and in pageable host memory."""

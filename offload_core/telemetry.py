@@ -2,8 +2,10 @@
 
 Why: offload engines fail quietly (hidden stalls, silent fallbacks, VRAM creeping
 past the plan).  These counters let tests assert the plan is kept and let a UI
-show what a run really cost.  Stalls are measured on the GPU with CUDA events and
-resolved lazily, so measuring never adds a host sync to the hot path.
+show what a run really cost.  Stalls are measured on both sides: on the GPU with
+CUDA events, resolved lazily so measuring never adds a host sync to the hot path,
+and on the host as the time the sampling thread spends in the engine's hooks, so
+a host that waits (and leaves the GPU without queued work) cannot hide either.
 """
 
 from __future__ import annotations
@@ -77,6 +79,10 @@ class Telemetry:
         self.transforms = 0  # tensors rewritten by the attach's transform, on device copies
         self.staged_copies = 0  # copies that went through the pinned bounce buffer (pageable pack)
         self.staging_waits = 0  # times a block was needed before its staged copy was issued
+        # Time the sampling thread spent in the engine's block hooks: issuing copies and merges,
+        # and waiting wherever the host has to (a copy from pageable memory, a staged or disk
+        # copy not yet issued). The GPU's own waits are compute_wait_s; this is the host's side.
+        self.host_wait_s = 0.0
         self.peak_materialized_bytes = self.materialized_bytes
         self.peak_device_alloc_bytes = self.device_alloc_bytes
         if self.stalls is not None:
@@ -115,9 +121,19 @@ class Telemetry:
             "staged_copies": self.staged_copies,
             "staging_waits": self.staging_waits,
             "compute_wait_s": self.compute_wait_s,
+            "host_wait_s": self.host_wait_s,
             "materialized_bytes": self.materialized_bytes,
             "peak_materialized_bytes": self.peak_materialized_bytes,
             "device_alloc_bytes": self.device_alloc_bytes,
             "peak_device_alloc_bytes": self.peak_device_alloc_bytes,
             "bound_bytes": self.bound_bytes,
         }
+
+
+def overlap_efficiency(snapshot: dict[str, Any], seconds: float) -> float:
+    """Share of a run of ``seconds`` in which neither the GPU waited for a copy nor the sampling
+    thread sat in the engine (a host that waits queues no compute, and the GPU's own waits do
+    not show that)."""
+    if seconds <= 0:
+        return 0.0
+    return max(0.0, 1.0 - (snapshot["compute_wait_s"] + snapshot["host_wait_s"]) / seconds)

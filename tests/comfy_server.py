@@ -206,14 +206,35 @@ class ComfyServer:
         return payload
 
     # -- prompts ----------------------------------------------------------------------------------
-    def queue(self, workflow: dict, *, client_id: bool = True) -> str:
+    def queue(self, workflow: dict, *, client_id: bool | str = True) -> str:
         """Queue a workflow; `client_id=False` queues it the way API scripts often do, without
-        one (ComfyUI then sends that prompt no execution messages)."""
-        body = {"prompt": workflow, **({"client_id": str(uuid.uuid4())} if client_id else {})}
+        one (ComfyUI then sends that prompt no execution messages, only broadcast progress); a
+        string queues it with that client id."""
+        if client_id is True:
+            client_id = str(uuid.uuid4())
+        body = {"prompt": workflow, **({"client_id": client_id} if client_id else {})}
         status, resp = self.request("POST", "/prompt", body)
         if status != 200:
             raise AssertionError(f"POST /prompt -> {status}: {json.dumps(resp)[:4000]}")
         return resp["prompt_id"]
+
+    def queue_running(self, workflow: dict, *, client_id: bool = True, timeout: float = 120) -> str:
+        """Queue a workflow and return its prompt id once it has reported progress (a sampler
+        step, the engine's packing): from then on an /interrupt stops it.
+
+        ComfyUI clears its interrupt flag when a prompt starts executing. The pack sees a prompt
+        start (its models in use, the queue running) a moment before that, so an interrupt sent
+        on those signs alone can be wiped out and the prompt runs to its end. A prompt queued
+        without a client id still broadcasts its progress, which the listener hears.
+        """
+        from ws_listener import WsListener
+
+        with WsListener(self.url) as ws:
+            prompt_id = self.queue(workflow, client_id=ws.client_id if client_id else False)
+            ws.wait_for(lambda m: m.get("type") == "progress"
+                        and (m.get("data") or {}).get("prompt_id") == prompt_id,
+                        timeout, f"progress of prompt {prompt_id}")
+        return prompt_id
 
     def wait(self, prompt_id: str, timeout: float = 300) -> dict:
         deadline = time.time() + timeout

@@ -12,14 +12,10 @@ own pin goes is written the way its `unpin_memory` writes it.
 """
 from __future__ import annotations
 
-import importlib
 import json
 import sys
-import types
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent
-REPO = TESTS.parent
 GIB = 1 << 30
 
 sys.argv = [sys.argv[0], "--cpu"]  # ComfyUI parses the command line when comfy.cli_args loads
@@ -29,23 +25,20 @@ import comfy.options  # noqa: E402
 
 comfy.options.enable_args_parsing()
 import comfy.model_management as mm  # noqa: E402
-
-
-def import_pack_module(name: str):
-    """A module of the pack as part of a package, without running the pack's server wiring."""
-    for pkg, path in (("tiered_offload_probe", REPO), ("tiered_offload_probe.nodes", REPO / "nodes")):
-        if pkg not in sys.modules:
-            module = types.ModuleType(pkg)
-            module.__path__ = [str(path)]
-            sys.modules[pkg] = module
-    return importlib.import_module(f"tiered_offload_probe.{name}")
+from tree_probe import import_pack_module  # noqa: E402
 
 
 def main() -> None:
     core_pins = import_pack_module("nodes.core_pins")
     pinned = import_pack_module("offload_core.pinned")
     out: dict = {"core_cap_on_cpu": mm.MAX_PINNED_MEMORY, "own_cap": pinned.pin_cap()}
+    discarded: list[bool] = []
+    out["core_has_discard"] = hasattr(mm, "discard_cuda_async_error")
+    if out["core_has_discard"]:  # core's function, counted (its body needs a GPU)
+        mm.discard_cuda_async_error = lambda: discarded.append(True)
     out["installed"] = core_pins.install()
+    if out["core_has_discard"]:
+        out["discards_after_failed_registration"] = failed_registration(pinned, discarded)
     out["cap_while_core_pins_nothing"] = pinned.pin_cap()
 
     mm.MAX_PINNED_MEMORY = 8 * GIB  # a CUDA machine's cap, with 1 GiB pinned by core itself
@@ -60,6 +53,27 @@ def main() -> None:
     pinned._count_pinned(-2 * GIB)  # the engine releases its chunk
     out["core_count_after_engine_unpin"] = mm.TOTAL_PINNED_MEMORY
     print(json.dumps(out))
+
+
+def failed_registration(pinned, discarded: list[bool]) -> int:
+    """A registration CUDA refuses (as torch exposes its runtime, faked: a CPU has none); how many
+    times core's discard_cuda_async_error ran for it."""
+    import torch
+
+    class Refusing:
+        def cudaHostRegister(self, ptr, size, flags):
+            return 712  # cudaErrorHostMemoryAlreadyRegistered
+
+    available, cudart = torch.cuda.is_available, torch.cuda.cudart
+    torch.cuda.is_available, torch.cuda.cudart = (lambda: True), (lambda: Refusing())
+    try:
+        storage = pinned.HostStorage([1 << 16], pin=True)
+        storage.buffer(0)
+        assert not storage.is_pinned(0)
+        storage.release()
+    finally:
+        torch.cuda.is_available, torch.cuda.cudart = available, cudart
+    return len(discarded)
 
 
 if __name__ == "__main__":

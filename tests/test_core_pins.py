@@ -43,3 +43,11 @@ def test_core_count_reset_is_repaired_and_the_engine_unpin_is_subtracted(probe):
     assert probe["cap_after_core_reset"] == 8 * GIB  # core holds nothing of its own now
     assert probe["core_count_after_core_reset"] == 2 * GIB  # the engine's 2 GiB are counted again
     assert probe["core_count_after_engine_unpin"] == 0
+
+
+def test_a_failed_registration_is_cleared_with_cores_own_function_where_it_has_one(probe):
+    """0.33 clears the CUDA error a failed cudaHostRegister leaves with discard_cuda_async_error;
+    the engine then uses it too (0.3.75 has none: the engine does the same with torch)."""
+    if not probe["core_has_discard"]:
+        pytest.skip("this ComfyUI has no discard_cuda_async_error")
+    assert probe["discards_after_failed_registration"] == 1

@@ -7,6 +7,7 @@ import copy
 import time
 
 import pytest
+import torch
 
 import tiny_models
 from comfy_server import ComfyServer
@@ -217,6 +218,71 @@ def test_budget_auto_keeps_every_block_resident_on_the_cpu(comfy):
     assert got == baseline
     state = layerwise_state(comfy, "WanModel")
     assert state["streamed_indices"] == [] and state["budget_bytes"] == state["bound_bytes"]
+
+
+BROKEN_LORA = "tiny_wan21_lora_broken_block1.safetensors"
+
+
+def test_a_merge_that_fails_fails_the_prompt_and_gives_the_model_back(comfy, comfy_base):
+    """Core's weight adapters catch whatever their math raises (out of memory included), log
+    "ERROR lora ..." and keep the base weight, and core's own load samples on with it. The node
+    fails the prompt instead of streaming a block without its LoRA, streamed or resident, and
+    hands the model back to core whole: the next prompts are right."""
+    path = comfy_base / "models" / "loras" / BROKEN_LORA
+    if not path.exists():
+        sd = tiny_models.build_tiny_wan_lora()
+        key = "diffusion_model.blocks.1.self_attn.q.lora_down.weight"
+        sd[key] = torch.cat([sd[key], sd[key][:, :1]], dim=1)  # the product no longer fits the weight
+        tiny_models._save(sd, path, {"fixture": "tiny_wan21_lora_broken"})
+    broken = sample_workflow("wan21", lora_strength=1.0)
+    broken["lora"]["inputs"]["lora_name"] = BROKEN_LORA
+    core_says = latent_sha(comfy.run(broken))  # core logs the failure and samples on
+    assert "ERROR lora diffusion_model.blocks.1.self_attn.q.weight" in comfy.log_text()
+    for settings in ({"resident_blocks": 0, "prefetch": 1}, {"resident_blocks": 2, "prefetch": 1}):
+        offloaded = sample_workflow("wan21", lora_strength=1.0, layerwise=settings)
+        offloaded["lora"]["inputs"]["lora_name"] = BROKEN_LORA
+        error = comfy.run_expect_error(offloaded)
+        message = error["exception_message"]
+        assert "diffusion_model.blocks.1.self_attn.q.weight could not be merged" in message, message
+        assert "base weights" in message, message
+    reference = latent_sha(comfy.run(sample_workflow("wan21", lora_strength=1.0)))
+    assert latent_sha(comfy.run(sample_workflow("wan21", lora_strength=1.0, layerwise=SETTINGS[0]))) \
+        == reference
+    assert latent_sha(comfy.run(broken)) == core_says
+
+
+def compiled(wf: dict, before_offload: bool) -> dict:
+    """The workflow with core's TorchCompileModel (inductor) before or after the offload node."""
+    out = copy.deepcopy(wf)
+    source = out["offload"]["inputs"]["model"] if before_offload else ["offload", 0]
+    out["compile"] = {"class_type": "TorchCompileModel", "inputs": {"model": source, "backend": "inductor"}}
+    if before_offload:
+        out["offload"]["inputs"]["model"] = ["compile", 0]
+    else:
+        out["sample"]["inputs"]["model"] = ["compile", 0]
+    return out
+
+
+def test_torch_compile_over_streamed_blocks_is_refused_and_all_resident_runs_compiled(comfy):
+    """A compiled graph cannot follow weights that move between slots on every pass: the run is
+    refused with a message before anything moves, whichever node comes first, and the model is
+    core's again for the next prompt. With every block resident nothing moves during the run, and
+    the compiled run (inductor, on the CPU) gives core's own compiled result."""
+    reference = latent_sha(comfy.run(sample_workflow("wan21", lora_strength=1.0)))
+    streamed = sample_workflow("wan21", lora_strength=1.0, layerwise={"resident_blocks": 0, "prefetch": 1})
+    for before in (True, False):
+        error = comfy.run_expect_error(compiled(streamed, before))
+        message = error["exception_message"]
+        assert "compiled with torch.compile (ComfyUI's TorchCompileModel)" in message, message
+        assert "2 of its 2 blocks are streamed" in message and "resident_blocks = 2" in message
+    assert latent_sha(comfy.run(streamed)) == reference
+    assert latent_sha(comfy.run(sample_workflow("wan21", lora_strength=1.0))) == reference
+    # Every block resident: nothing moves during the run, and the compiled model runs.
+    resident = sample_workflow("wan21", lora_strength=1.0, layerwise={"resident_blocks": 2, "prefetch": 1})
+    plain = sample_workflow("wan21", lora_strength=1.0)
+    plain["compile"] = {"class_type": "TorchCompileModel", "inputs": {"model": ["lora", 0], "backend": "inductor"}}
+    plain["sample"]["inputs"]["model"] = ["compile", 0]
+    assert latent_sha(comfy.run(compiled(resident, True))) == latent_sha(comfy.run(plain))
 
 
 @pytest.fixture(scope="module")

@@ -302,6 +302,8 @@ def test_layerwise_block_strip(comfy, ui):
         sync_api.expect(stats).to_contain_text("/s", timeout=20_000)
     if "wait_seconds" in telemetry or "compute_wait_s" in telemetry:
         sync_api.expect(stats).to_contain_text("compute waited", timeout=20_000)
+    if "host_wait_s" in telemetry:
+        sync_api.expect(stats).to_contain_text("engine on host", timeout=20_000)
     assert ui.tier_gets() == gets
 
 
@@ -330,7 +332,7 @@ def test_park_updates_from_websocket(comfy, ui):
 
 
 def test_evict_in_use_is_refused(comfy, ui):
-    prompt_id = comfy.queue(tiered_workflow(seed=103, steps=10_000))
+    prompt_id = comfy.queue_running(tiered_workflow(seed=103, steps=10_000))  # interruptible now
     try:
         model = wait_server(comfy, lambda m: m["in_use"] > 0, timeout=60, what="model in use")
         row = ui.row(model["id"])
@@ -432,9 +434,9 @@ def test_core_unload_refused_while_a_prompt_runs(comfy, ui):
     sync_api.expect(card).to_have_count(1, timeout=20_000)
     long_run = example_workflows.demo()   # the same loaders and encodes, cached; a long sampling
     long_run["6"]["inputs"].update(steps=10_000, seed=104)
-    prompt_id = comfy.queue(long_run)
+    prompt_id = comfy.queue_running(long_run)  # sampling: an interrupt now reaches it
     try:
-        wait_until(lambda: comfy.get("/queue")["queue_running"], 60, "the long prompt to start")
+        assert comfy.get("/queue")["queue_running"]
         card.locator('button[data-action="unload"]').click()
         notice = card.locator('[data-role="notice"]')
         sync_api.expect(notice).to_be_visible(timeout=20_000)

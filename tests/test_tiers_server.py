@@ -113,9 +113,9 @@ def test_moves_from_the_api_are_refused_while_a_prompt_runs_and_work_after_it(ti
     reference = latent_sha(s.run(tiered("wan21", steps=2)))
     s.run(tiered("sd3", steps=2))
     wan, other = model(s, WAN)["id"], model(s, SD3)["id"]
-    slow = s.queue(tiered("wan21", steps=400))
+    slow = s.queue_running(tiered("wan21", steps=400))  # samples: an interrupt now reaches it
     try:
-        wait_until(lambda: model(s, WAN)["in_use"] > 0, what="the prompt to start")
+        assert model(s, WAN)["in_use"] > 0
         for path, body in ((f"/offload/models/{other}/park", None), (f"/offload/models/{other}/load", None),
                            (f"/offload/models/{other}/evict", None), (f"/offload/models/{wan}/park", None),
                            ("/offload/budgets", {"ram_budget_gb": 4.0})):

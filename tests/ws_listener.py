@@ -20,7 +20,8 @@ JOIN_S = 30.0
 
 class WsListener:
     def __init__(self, base_url: str) -> None:
-        self.url = base_url.replace("http://", "ws://") + f"/ws?clientId={uuid.uuid4()}"
+        self.client_id = str(uuid.uuid4())  # prompts queued with it send this listener their messages
+        self.url = base_url.replace("http://", "ws://") + f"/ws?clientId={self.client_id}"
         self.messages: queue.Queue[dict[str, Any]] = queue.Queue()
         self._ready = threading.Event()
         self._loop = asyncio.new_event_loop()

@@ -200,7 +200,15 @@ function telemetryHtml(raw) {
     const share = seconds > 0 ? ` (${((100 * wait) / seconds).toFixed(0)}%)` : "";
     rows.push(stat("compute waited", `${wait.toFixed(2)} s${share}`, "time compute waited for a block's copy"));
   }
-  if (eff !== null) rows.push(stat("overlap", `${eff.toFixed(0)}%`, "share of the run compute did not wait"));
+  const host = pick(raw, "host_wait_s");
+  if (host !== null) {
+    const share = seconds > 0 ? ` (${((100 * host) / seconds).toFixed(0)}%)` : "";
+    rows.push(stat("engine on host", `${host.toFixed(2)} s${share}`,
+      "time the sampling thread spent in the engine: issuing copies and merges, and waiting for them"));
+  }
+  if (eff !== null) {
+    rows.push(stat("overlap", `${eff.toFixed(0)}%`, "share of the run neither compute nor the sampling thread waited"));
+  }
   if (seconds !== null) rows.push(stat("run", `${seconds.toFixed(2)} s`, "the last sampling run"));
   if (copied !== null) {
     rows.push(stat("copied", `${fmtBytes(copied)}${typeof raw.copies === "number" ? ` · ${raw.copies}×` : ""}`,

@@ -1,50 +1,85 @@
-"""GPU-only checks: equality, VRAM bound, no device-to-host traffic, ordering under delays, pinning,
-transforms on device copies, staged pageable copies, streams, capture refusal, shared pin budget."""
+"""The engine on a GPU: equality, VRAM bound, no device-to-host traffic, ordering under delays,
+pinning, transforms on device copies, side tensors without host waits, staged pageable copies,
+streams, capture refusal, shared pin budget, kept packs taken back from the device.
+
+Every test whose mechanism exists on a CPU runs there too (``device`` is a parameter): the CPU
+run keeps the test in step with the engine's API, so it cannot rot where CI has no GPU, and the
+CUDA run shows what only CUDA can (streams, events, pinning, the profiler's copy kinds).
+"""
 
 from __future__ import annotations
 
 import copy
 import logging
+import os
 import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 from toy_models import ToyDiT, assert_restored, bits, inputs, snapshot
 
 from offload_core import HostStorage, LayerwiseStreamer, ModuleSwap, pinned_bytes, set_pin_accounting
+from offload_core.side_tensors import SideTensors
 from offload_core.staging import PIECE_BYTES
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+CUDA = torch.cuda.is_available()
+cuda_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=cuda_only)]
+ROOT = Path(__file__).resolve().parents[2]
 
-DEV = torch.device("cuda", 0) if torch.cuda.is_available() else None
+
+def _dev(name: str) -> torch.device:
+    return torch.device("cuda", 0) if name == "cuda" else torch.device("cpu")
 
 
-def _models(depth: int = 6, dim: int = 128, blocks_on_gpu: bool = False) -> tuple[ToyDiT, ToyDiT]:
-    """The model to stream (everything but the blocks on the GPU) and a fully resident twin."""
+def _models(dev: torch.device, depth: int = 6, dim: int = 128, blocks_on_device: bool = False
+            ) -> tuple[ToyDiT, ToyDiT]:
+    """The model to stream (everything but the blocks on the device) and a fully resident twin."""
     model = ToyDiT(depth=depth, dim=dim)
-    ref = copy.deepcopy(model).to(DEV)
+    ref = copy.deepcopy(model).to(dev)
     for m in (model.embed, model.cond, model.head):
-        m.to(DEV)
-    if blocks_on_gpu:
-        model.blocks.to(DEV)
+        m.to(dev)
+    if blocks_on_device:
+        model.blocks.to(dev)
     return model, ref
 
 
-def _inputs(tokens: int = 16, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def _inputs(dev: torch.device, tokens: int = 16, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     x, t = inputs(tokens=tokens, seed=seed)
-    return x.to(DEV), t.to(DEV)
+    return x.to(dev), t.to(dev)
 
 
+def _delay(rng: random.Random, stream: torch.cuda.Stream | None = None) -> None:
+    """Hold a CUDA stream (the current one by default) for a random while. A CPU has nothing to
+    hold: every copy and every block runs to its end before the next starts."""
+    if stream is None:
+        torch.cuda._sleep(rng.randrange(0, 2_000_000))
+        return
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(rng.randrange(0, 2_000_000))
+
+
+def _synced(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("resident,prefetch", [(0, 1), (0, 2), (2, 1), (3, 3), (6, 1), (0, 10)])
-def test_gpu_bit_identical(resident, prefetch):
-    model, ref_model = _models()
-    x, t = _inputs()
-    x2, t2 = _inputs(seed=7)  # the "uncond" pass of each step
+def test_bit_identical(device, resident, prefetch):
+    dev = _dev(device)
+    model, ref_model = _models(dev)
+    x, t = _inputs(dev)
+    x2, t2 = _inputs(dev, seed=7)  # the "uncond" pass of each step
     with torch.no_grad():
         ref_c, ref_u = ref_model(x, t), ref_model(x2, t2)
     before, keys = snapshot(model), list(model.state_dict())
     base_pinned = pinned_bytes()
-    st = LayerwiseStreamer(model.blocks, DEV, resident=resident, prefetch=prefetch)
+    st = LayerwiseStreamer(model.blocks, dev, resident=resident, prefetch=prefetch)
     st.attach()
     with torch.no_grad():
         for _ in range(3):
@@ -53,28 +88,34 @@ def test_gpu_bit_identical(resident, prefetch):
     snap = st.telemetry.snapshot(wait=True)
     assert snap["sync_fallbacks"] == 0 and snap["peak_materialized_bytes"] <= st.bound_bytes()
     host = st.host_bytes()
-    assert 0 < host["pinned"] <= 1.05 * host["packed"] + 2 * 4096, host
+    if dev.type == "cuda":
+        assert 0 < host["pinned"] <= 1.05 * host["packed"] + 2 * 4096, host
+    else:
+        assert host["pinned"] == 0 and host["pageable"] >= host["packed"], host
     st.detach()
     assert pinned_bytes() == base_pinned
     assert_restored(model, before, keys)
 
 
-def test_gpu_resident_model_is_freed_and_restored_on_device():
-    model, ref_model = _models(depth=6, dim=256, blocks_on_gpu=True)
-    x, t = _inputs()
+@pytest.mark.parametrize("device", DEVICES)
+def test_resident_model_is_freed_and_restored_on_its_device(device):
+    dev = _dev(device)
+    model, ref_model = _models(dev, depth=6, dim=256, blocks_on_device=True)
+    x, t = _inputs(dev)
     with torch.no_grad():
         ref = ref_model(x, t)
     before, keys = snapshot(model), list(model.state_dict())
-    torch.cuda.synchronize()
-    used = torch.cuda.memory_allocated(DEV)
-    st = LayerwiseStreamer(model.blocks, DEV, resident=0, prefetch=1)
+    _synced(dev)
+    used = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+    st = LayerwiseStreamer(model.blocks, dev, resident=0, prefetch=1)
     st.attach()
-    freed = used - torch.cuda.memory_allocated(DEV)
-    assert freed >= st.packed_bytes - st.bound_bytes() - (1 << 20)  # originals left the GPU
+    if dev.type == "cuda":
+        freed = used - torch.cuda.memory_allocated(dev)
+        assert freed >= st.packed_bytes - st.bound_bytes() - (1 << 20)  # originals left the GPU
     with torch.no_grad():
         assert torch.equal(model(x, t), ref)
     st.detach(keep_pack=True)
-    assert_restored(model, before, keys)  # back on the GPU, same objects, same bits
+    assert_restored(model, before, keys)  # back on their device, same objects, same bits
     st.attach()
     with torch.no_grad():
         assert torch.equal(model(x, t), ref)
@@ -82,30 +123,32 @@ def test_gpu_resident_model_is_freed_and_restored_on_device():
     assert_restored(model, before, keys)
 
 
-def test_gpu_peak_memory_within_bound():
-    model, ref_model = _models(depth=8, dim=512)
-    x, t = _inputs(tokens=32)
+@cuda_only
+def test_peak_memory_within_bound():
+    dev = _dev("cuda")
+    model, ref_model = _models(dev, depth=8, dim=512)
+    x, t = _inputs(dev, tokens=32)
     weights = sum(p.numel() * p.element_size() for p in ref_model.blocks.state_dict().values())
     with torch.no_grad():
         ref_model(x, t)
         torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats(DEV)
-        start = torch.cuda.memory_allocated(DEV)
+        torch.cuda.reset_peak_memory_stats(dev)
+        start = torch.cuda.memory_allocated(dev)
         ref_model(x, t)
-        activations = torch.cuda.max_memory_allocated(DEV) - start
+        activations = torch.cuda.max_memory_allocated(dev) - start
     del ref_model
     torch.cuda.empty_cache()
     for resident, prefetch in [(0, 1), (2, 2)]:
         torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats(DEV)
-        base = torch.cuda.memory_allocated(DEV)
-        st = LayerwiseStreamer(model.blocks, DEV, resident=resident, prefetch=prefetch)
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        st = LayerwiseStreamer(model.blocks, dev, resident=resident, prefetch=prefetch)
         st.attach()
         with torch.no_grad():
             for _ in range(2):
                 model(x, t)
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated(DEV) - base
+        peak = torch.cuda.max_memory_allocated(dev) - base
         assert st.bound_bytes() < weights
         assert peak <= st.bound_bytes() + activations + (1 << 20), (peak, st.bound_bytes(), activations)
         st.close()
@@ -124,17 +167,28 @@ def _device_to_host(names: list[str]) -> list[str]:
     return [n for n in names if "DtoH" in n or "Device -> Pageable" in n or "Device -> Pinned" in n]
 
 
-def test_gpu_profiler_sees_device_to_host_copies():
-    """The control for the no-DtoH checks below: a real device-to-host copy is seen."""
-    assert _device_to_host(_profiled_event_names(lambda: torch.ones(1 << 20, device=DEV).cpu()))
+def _pageable_to_device(names: list[str]) -> list[str]:
+    return [n for n in names if "Pageable -> Device" in n]
 
 
-def test_gpu_no_device_to_host_copies_while_streaming():
-    model, ref_model = _models(depth=6, dim=128)
-    x, t = _inputs()
+@cuda_only
+def test_profiler_sees_device_to_host_and_pageable_copies():
+    """The controls for the checks below: a real device-to-host copy, and a copy to the device
+    from pageable memory, are seen by the names they are looked for by."""
+    dev = _dev("cuda")
+    assert _device_to_host(_profiled_event_names(lambda: torch.ones(1 << 20, device=dev).cpu()))
+    pageable = torch.ones(1 << 20)
+    assert _pageable_to_device(_profiled_event_names(lambda: pageable.to(dev, non_blocking=True)))
+
+
+@cuda_only
+def test_no_device_to_host_copies_while_streaming():
+    dev = _dev("cuda")
+    model, ref_model = _models(dev, depth=6, dim=128)
+    x, t = _inputs(dev)
     with torch.no_grad():
         ref = ref_model(x, t)
-    st = LayerwiseStreamer(model.blocks, DEV, resident=1, prefetch=2)
+    st = LayerwiseStreamer(model.blocks, dev, resident=1, prefetch=2)
     st.attach()
     with torch.no_grad():
         model(x, t)  # warm-up outside the profile
@@ -148,28 +202,31 @@ def test_gpu_no_device_to_host_copies_while_streaming():
     st.close()
 
 
-def test_gpu_ordering_under_random_delays():
+@pytest.mark.parametrize("device", DEVICES)
+def test_ordering_under_random_delays(device):
     """Slow compute must not let the copy stream overwrite a slot in use, and slow copies must be waited for."""
-    model, ref_model = _models(depth=6, dim=128)
-    x, t = _inputs()
+    dev = _dev(device)
+    model, ref_model = _models(dev, depth=6, dim=128)
+    x, t = _inputs(dev)
     with torch.no_grad():
         ref = ref_model(x, t)
     rng = random.Random(0)
-    st = LayerwiseStreamer(model.blocks, DEV, resident=1, prefetch=2)
+    st = LayerwiseStreamer(model.blocks, dev, resident=1, prefetch=2)
     st.attach()
 
     def slow_compute(module, args, kwargs):
-        torch.cuda._sleep(rng.randrange(0, 2_000_000))  # after our pre-hook: weights are bound
+        if dev.type == "cuda":
+            _delay(rng)  # after the engine's pre-hook: weights are bound
 
     for b in model.blocks:
         b.register_forward_pre_hook(slow_compute, with_kwargs=True)
     ring = st._ring
     copy_in = ring.copy_in
 
-    def slow_copy(slot, host, *args):
-        with torch.cuda.stream(ring.stream):
-            torch.cuda._sleep(rng.randrange(0, 2_000_000))
-        copy_in(slot, host, *args)
+    def slow_copy(slot, host, tag, prepare=None):
+        if ring.stream is not None:
+            _delay(rng, ring.stream)
+        copy_in(slot, host, tag, prepare)
 
     ring.copy_in = slow_copy
     with torch.no_grad():
@@ -177,18 +234,21 @@ def test_gpu_ordering_under_random_delays():
             out = model(x, t, order=[0, 1, 4, 5] if i % 5 == 4 else None)  # streamed blocks skipped too
             if i % 5 != 4:
                 assert torch.equal(out, ref), f"pass {i}"
-    assert st.telemetry.snapshot(wait=True)["compute_wait_s"] > 0
+    if dev.type == "cuda":
+        assert st.telemetry.snapshot(wait=True)["compute_wait_s"] > 0
     st.close()
 
 
-def test_gpu_exception_and_out_of_order_recover():
-    model, ref_model = _models(depth=6, dim=128)
-    x, t = _inputs()
+@pytest.mark.parametrize("device", DEVICES)
+def test_exception_and_out_of_order_recover(device):
+    dev = _dev(device)
+    model, ref_model = _models(dev, depth=6, dim=128)
+    x, t = _inputs(dev)
     with torch.no_grad():
         ref = ref_model(x, t)
         ref_order = ref_model(x, t, order=[0, 3, 1, 2, 5])
     before, keys = snapshot(model), list(model.state_dict())
-    st = LayerwiseStreamer(model.blocks, DEV, resident=0, prefetch=1)
+    st = LayerwiseStreamer(model.blocks, dev, resident=0, prefetch=1)
     st.attach()
     model.blocks[3].fail = True
     with torch.no_grad(), pytest.raises(RuntimeError, match="injected"):
@@ -203,7 +263,8 @@ def test_gpu_exception_and_out_of_order_recover():
     assert_restored(model, before, keys)
 
 
-def test_gpu_pinned_storage_counts_and_budget_fallback(caplog):
+@cuda_only
+def test_pinned_storage_counts_and_budget_fallback(caplog):
     base = pinned_bytes()
     hs = HostStorage([3 << 20, 5 << 20], pin=True, chunk_bytes=4 << 20)
     a, b = hs.buffer(0), hs.buffer(1)
@@ -219,36 +280,122 @@ def test_gpu_pinned_storage_counts_and_budget_fallback(caplog):
     assert pinned_bytes() == base
 
 
-def test_gpu_module_swap_round_trip_without_device_to_host():
-    model, ref_model = _models(depth=3, dim=128)
+@cuda_only
+def test_a_failed_registration_leaves_no_error_for_the_next_kernel():
+    """Registering a range twice fails (cudaErrorHostMemoryAlreadyRegistered) and leaves an error
+    behind; the engine clears it, so the next kernel launch does not raise it."""
+    from offload_core.pinned import _cuda_register
+
+    hs = HostStorage([1 << 20], pin=True)
+    buf = hs.buffer(0)
+    assert hs.is_pinned(0)
+    assert not _cuda_register(buf.data_ptr(), 1 << 20)
+    out = torch.ones(4, device="cuda") + 1
+    torch.cuda.synchronize()
+    assert out.sum().item() == 8.0
+    hs.release()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_module_swap_round_trip_without_device_to_host(device):
+    """The owner moves the module to the device (reading the master) and back; parking takes the
+    device copies back by re-pointing, with no device-to-host copy."""
+    dev = _dev(device)
+    model, ref_model = _models(dev, depth=3, dim=128)
     for m in (model.embed, model.cond, model.head):
         m.to("cpu")
-    x, t = _inputs()
+    x, t = _inputs(dev)
     with torch.no_grad():
         ref = ref_model(x, t)
     before, keys = snapshot(model), list(model.state_dict())
     swap = ModuleSwap(model, pin=True)
+    swap.note_reader(dev)
     tiers = swap.bytes_by_tier()
-    assert tiers["vram"] == 0 and tiers["pinned"] > 0 and tiers["pageable"] == 0
-    swap.load(DEV)
-    assert swap.bytes_by_tier()["vram"] == tiers["pinned"]
+    if dev.type == "cuda":
+        assert tiers["pinned"] > 0 and tiers["pageable"] == 0, tiers
+    else:
+        assert tiers["pinned"] == 0 and tiers["pageable"] == swap.nbytes, tiers
+    model.to(dev)
     with torch.no_grad():
         assert torch.equal(model(x, t), ref)
-    assert not _device_to_host(_profiled_event_names(swap.park))
-    assert swap.bytes_by_tier()["vram"] == 0
+    if dev.type == "cuda":
+        assert not _device_to_host(_profiled_event_names(swap.park))
+    else:
+        swap.park()
     assert model.blocks[0].qkv.weight.device.type == "cpu"
-    swap.load(DEV)
+    assert swap.bytes_by_tier() == tiers
+    model.to(dev)
     with torch.no_grad():
         assert torch.equal(bits(model(x, t)), bits(ref))
+    swap.park()
     swap.close()
     assert_restored(model, before, keys)
 
 
-def test_gpu_pack_views_read_as_pinned():
+@cuda_only
+def test_module_swap_close_creates_no_context_on_other_gpus():
+    """Freeing a master waits only for the devices that read it: run in a fresh process, a master
+    used on GPU 0 leaves GPU 1 without a CUDA context."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    script = textwrap.dedent(f"""
+        import sys, torch
+        sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / "tests" / "unit")!r}]
+        from toy_models import ToyDiT
+        from offload_core import ModuleSwap
+        model = ToyDiT(depth=2)
+        swap = ModuleSwap(model, pin=True)
+        swap.note_reader(torch.device("cuda", 0))
+        model.to("cuda:0")
+        swap.park()
+        swap.close()
+        print(torch._C._cuda_hasPrimaryContext(1))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, CUDA_DEVICE_ORDER="PCI_BUS_ID"))
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_reclaim_takes_the_blocks_back_from_the_device_without_copying(device):
+    """ComfyUI's own load of the model moves our tensor objects to the device between runs;
+    reclaiming re-points them at the kept pack with no device-to-host copy, and the next attach
+    packs nothing again."""
+    dev = _dev(device)
+    model, ref_model = _models(dev, depth=4, dim=128)
+    x, t = _inputs(dev)
+    with torch.no_grad():
+        ref = ref_model(x, t)
+    st = LayerwiseStreamer(model.blocks, dev, resident=1, prefetch=1)
+    st.attach()
+    st.detach(keep_pack=True)
+    packed = st.telemetry.blocks_packed
+    params = list(model.blocks.parameters())
+    with torch.no_grad():
+        for p in params:  # the same objects over device memory (a fresh copy on a CPU)
+            p.data = p.data.to(dev, copy=True)
+    if dev.type == "cuda":
+        taken = []
+        assert not _device_to_host(_profiled_event_names(lambda: taken.append(st.reclaim())))
+        assert taken == [len(params)]
+    else:
+        assert st.reclaim() == len(params)
+    assert all(p.device.type == "cpu" for p in params)
+    st.attach()
+    assert st.telemetry.blocks_packed == packed
+    with torch.no_grad():
+        assert torch.equal(model(x, t), ref)
+    st.close()
+
+
+@cuda_only
+def test_pack_views_read_as_pinned():
     """Core's pin_memory trusts is_pinned(): every tensor aliasing the pack must say True, or core
     registers the same pages again and leaves a CUDA error behind."""
-    model, _ = _models(depth=4, dim=128)
-    st = LayerwiseStreamer(model.blocks, DEV, resident=1, prefetch=1, host_chunk_bytes=1 << 20)
+    dev = _dev("cuda")
+    model, _ = _models(dev, depth=4, dim=128)
+    st = LayerwiseStreamer(model.blocks, dev, resident=1, prefetch=1, host_chunk_bytes=1 << 20)
     st.attach()
     st.detach(keep_pack=True)  # CPU tensors now alias the kept pack
     host = st._host
@@ -272,35 +419,37 @@ def _merge(i: int, name: str, w: torch.Tensor) -> torch.Tensor:
     return w if d is None else (w.float() + d).to(w.dtype)
 
 
-def _merged_reference(ref_model: ToyDiT) -> ToyDiT:
+def _merged_reference(ref_model: ToyDiT, merge) -> ToyDiT:
     merged = copy.deepcopy(ref_model)
     with torch.no_grad():
         for i, blk in enumerate(merged.blocks):
             for name, p in blk.named_parameters():
-                p.copy_(_merge(i, name, p))
+                p.copy_(merge(i, name, p))
     return merged
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("pin", [True, False])
-def test_gpu_transform_runs_on_device_copies_under_delays(pin):
+def test_transform_runs_on_device_copies_under_delays(device, pin):
     """The merge runs on the copy stream after each copy and before the slot is ready: with the
     copy stream slowed at random, compute still only ever sees merged weights. A pageable pack
     (pin=False) goes through the staging worker the same way."""
-    model, ref_model = _models(depth=6, dim=128)
-    x, t = _inputs()
+    dev = _dev(device)
+    model, ref_model = _models(dev, depth=6, dim=128)
+    x, t = _inputs(dev)
     with torch.no_grad():
-        ref = _merged_reference(ref_model)(x, t)
+        ref = _merged_reference(ref_model, _merge)(x, t)
     base = pinned_bytes()
     rng = random.Random(1)
-    st = LayerwiseStreamer(model.blocks, DEV, resident=2, prefetch=2, pin=pin)
+    st = LayerwiseStreamer(model.blocks, dev, resident=2, prefetch=2, pin=pin)
     st.attach(_merge)
     ring = st._ring
     copy_in = ring.copy_in
 
-    def slow_copy(slot, host, *args):
-        with torch.cuda.stream(ring.stream):
-            torch.cuda._sleep(rng.randrange(0, 2_000_000))
-        copy_in(slot, host, *args)
+    def slow_copy(slot, host, tag, prepare=None):
+        if ring.stream is not None:
+            _delay(rng, ring.stream)
+        copy_in(slot, host, tag, prepare)
 
     ring.copy_in = slow_copy
     with torch.no_grad():
@@ -309,22 +458,79 @@ def test_gpu_transform_runs_on_device_copies_under_delays(pin):
     snap = st.telemetry.snapshot(wait=True)
     assert snap["transforms"] == 3 * (snap["copies"] + len(st.resident_indices)) and snap["sync_fallbacks"] == 0
     host = st.host_bytes()
-    assert snap["staged_copies"] == (0 if pin else snap["copies"]), snap
-    assert host["pageable"] == (0 if pin else host["packed"]), host
+    staged = dev.type == "cuda" and not pin
+    assert snap["staged_copies"] == (snap["copies"] if staged else 0), snap
+    assert host["pageable"] == (0 if dev.type == "cuda" and pin else host["packed"]), host
     st.close()
     assert pinned_bytes() == base
 
 
-def test_gpu_partly_pinned_pack_stages_only_its_pageable_blocks():
-    model, ref_model = _models(depth=6, dim=128)
-    x, t = _inputs()
+def _factors(depth: int, dim: int) -> list[list[torch.Tensor]]:
+    """Per block, a LoRA's two factors for qkv.weight ([3 dim, dim]), in pageable host memory."""
+    g = torch.Generator().manual_seed(5)
+    return [[torch.randn(3 * dim, 4, generator=g) * 0.05, torch.randn(4, dim, generator=g) * 0.05]
+            for _ in range(depth)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_side_tensors_reach_the_merge_without_host_waits(device):
+    """A merge reads its factors from the device, uploaded with the block's copy from pinned
+    memory on the copy stream: no copy from pageable memory and no synchronizing call while the
+    blocks stream (a pageable upload would hold the host until the copy stream got there)."""
+    dev = _dev(device)
+    depth, dim = 6, 128
+    model, ref_model = _models(dev, depth=depth, dim=dim)
+    x, t = _inputs(dev)
+    factors = _factors(depth, dim)
+    side = SideTensors(factors, dev)
+
+    def merge_with(load):
+        def merge(i: int, name: str, w: torch.Tensor) -> torch.Tensor:
+            if name != "qkv.weight":
+                return w
+            up, down = load(i)
+            return (w.float() + up.to(w.device, torch.float32) @ down.to(w.device, torch.float32)).to(w.dtype)
+        return merge
+
+    with torch.no_grad():
+        ref = _merged_reference(ref_model, merge_with(lambda i: factors[i]))(x, t)
+    st = LayerwiseStreamer(model.blocks, dev, resident=1, prefetch=2)
+    st.attach(merge_with(side.load))
+    with torch.no_grad():
+        assert torch.equal(model(x, t), ref)  # warm-up: every allocation made once
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+            outs = []
+
+            def passes():
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    outs.extend(model(x, t) for _ in range(2))
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+
+            names = _profiled_event_names(passes)
+            assert not _pageable_to_device(names), _pageable_to_device(names)[:5]
+            assert all(torch.equal(out, ref) for out in outs)
+        else:
+            assert torch.equal(model(x, t), ref)
+    assert side.uploads >= len(st.streamed_indices)
+    st.close()
+    side.close()
+
+
+@cuda_only
+def test_partly_pinned_pack_stages_only_its_pageable_blocks():
+    dev = _dev("cuda")
+    model, ref_model = _models(dev, depth=6, dim=128)
+    x, t = _inputs(dev)
     with torch.no_grad():
         ref = ref_model(x, t)
-    probe = LayerwiseStreamer(model.blocks, DEV, resident=0, prefetch=1)
+    probe = LayerwiseStreamer(model.blocks, dev, resident=0, prefetch=1)
     block = probe._packs[0].nbytes
     # Room for the staging buffer (taken first) and about half of the blocks, one per chunk.
     budget = pinned_bytes() + 2 * PIECE_BYTES + 3 * (block + 4096)
-    st = LayerwiseStreamer(model.blocks, DEV, resident=0, prefetch=1, ram_budget_bytes=budget,
+    st = LayerwiseStreamer(model.blocks, dev, resident=0, prefetch=1, ram_budget_bytes=budget,
                            host_chunk_bytes=block)
     st.attach()
     host = st.host_bytes()
@@ -337,17 +543,19 @@ def test_gpu_partly_pinned_pack_stages_only_its_pageable_blocks():
     st.close()
 
 
-def test_gpu_compute_on_another_stream_waits_for_the_resident_upload():
+@cuda_only
+def test_compute_on_another_stream_waits_for_the_resident_upload():
     """Resident buffers are uploaded on the stream attach runs on; compute on any other stream must
     wait for that upload (here held back by a long sleep queued before it)."""
-    model, ref_model = _models(depth=6, dim=256)
-    x, t = _inputs()
+    dev = _dev("cuda")
+    model, ref_model = _models(dev, depth=6, dim=256)
+    x, t = _inputs(dev)
     with torch.no_grad():
         ref = ref_model(x, t)
-    st = LayerwiseStreamer(model.blocks, DEV, resident=4, prefetch=1)
+    st = LayerwiseStreamer(model.blocks, dev, resident=4, prefetch=1)
     torch.cuda._sleep(200_000_000)  # the resident copies queue behind this
     st.attach()
-    side = torch.cuda.Stream(DEV)  # not ordered after the attach stream: only the engine's event orders it
+    side = torch.cuda.Stream(dev)  # not ordered after the attach stream: only the engine's event orders it
     with torch.no_grad(), torch.cuda.stream(side):
         out = model(x, t)
     torch.cuda.synchronize()
@@ -355,12 +563,14 @@ def test_gpu_compute_on_another_stream_waits_for_the_resident_upload():
     st.close()
 
 
-def test_gpu_capture_of_a_streamed_block_is_refused_and_the_engine_recovers():
-    model, ref_model = _models(depth=4, dim=128)
-    x, t = _inputs()
+@cuda_only
+def test_capture_of_a_streamed_block_is_refused_and_the_engine_recovers():
+    dev = _dev("cuda")
+    model, ref_model = _models(dev, depth=4, dim=128)
+    x, t = _inputs(dev)
     with torch.no_grad():
         ref = ref_model(x, t)
-    st = LayerwiseStreamer(model.blocks, DEV, resident=1, prefetch=1)
+    st = LayerwiseStreamer(model.blocks, dev, resident=1, prefetch=1)
     st.attach()
     with torch.no_grad():
         assert torch.equal(model(x, t), ref)  # warm-up, as capture needs
@@ -373,7 +583,8 @@ def test_gpu_capture_of_a_streamed_block_is_refused_and_the_engine_recovers():
     st.close()
 
 
-def test_gpu_shared_pin_budget_caps_real_registrations():
+@cuda_only
+def test_shared_pin_budget_caps_real_registrations():
     reports: list[int] = []
     base = pinned_bytes()
     try:

@@ -136,3 +136,37 @@ def test_rss_after_packing_is_the_pack_not_pack_plus_freed_originals(tmp_path):
     assert fig["rss_built"] - fig["rss_start"] >= 0.9 * fig["weights"]  # the originals were really in RAM
     # The pack replaces the originals: RSS grows by a small fraction, not by another copy.
     assert fig["rss_packed"] - fig["rss_built"] < 0.1 * fig["packed"], mib
+
+
+class _FailingRuntime:
+    """CUDA's runtime as torch exposes it, refusing every host registration (a CPU machine cannot
+    make a real one fail)."""
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+        return 712  # cudaErrorHostMemoryAlreadyRegistered
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        raise AssertionError("nothing was registered")
+
+
+def test_a_failed_registration_clears_the_cuda_error_the_host_application_way(monkeypatch, caplog):
+    """A failed cudaHostRegister leaves an error that torch's next kernel launch would raise: it is
+    cleared through the host application's function (ComfyUI's discard_cuda_async_error) where
+    one is set, and the chunk stays pageable."""
+    from offload_core.pinned import set_cuda_error_discard
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: _FailingRuntime())
+    discarded: list[bool] = []
+    set_cuda_error_discard(lambda: discarded.append(True))
+    base = pinned_bytes()
+    try:
+        with caplog.at_level(logging.WARNING, logger="offload_core.pinned"):
+            hs = HostStorage([1 << 16, 1 << 16], pin=True, chunk_bytes=1 << 16)
+            hs.buffer(0), hs.buffer(1)
+        assert discarded == [True]  # once: after a refusal the rest stays pageable without trying
+        assert not hs.is_pinned(0) and not hs.is_pinned(1) and pinned_bytes() == base
+        assert "cudaHostRegister failed" in caplog.text
+        hs.release()
+    finally:
+        set_cuda_error_discard(None)

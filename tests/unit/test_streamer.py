@@ -534,8 +534,10 @@ def test_telemetry_snapshot_is_json_and_resets():
 def test_streamed_block_refuses_torch_compile_tracing():
     """A streamed block's weights move between slots each pass, so tracing it is refused in its hook.
 
-    With fullgraph=True the refusal is the compile error; without, dynamo gives up on the frame
-    and runs it eagerly, which the engine serves as usual.
+    With fullgraph=True the refusal is the compile error, with inductor as with the eager backend
+    (the hook's host-wait clock stays out of the trace). Without, dynamo gives up on the frame
+    and runs it eagerly, which the engine serves as usual; Apply Layerwise Offload refuses a
+    compiled model with streamed blocks before sampling (tests/test_layerwise_nodes.py).
     """
     import torch._dynamo
 
@@ -547,8 +549,10 @@ def test_streamed_block_refuses_torch_compile_tracing():
     st.attach()
     torch._dynamo.reset()
     try:
-        with torch.no_grad(), pytest.raises(Exception, match="cannot be traced by torch.compile"):
-            torch.compile(model, backend="eager", fullgraph=True)(x, t)
+        for backend in ("eager", "inductor"):
+            with torch.no_grad(), pytest.raises(Exception, match="cannot be traced by torch.compile"):
+                torch.compile(model, backend=backend, fullgraph=True)(x, t)
+            torch._dynamo.reset()
         assert st._running is None and st.telemetry.materialized_bytes <= st.bound_bytes()
         with torch.no_grad():
             assert torch.equal(torch.compile(model, backend="eager")(x, t), ref)
@@ -591,4 +595,109 @@ def test_transform_sees_the_block_bound_to_the_copy_it_rewrites():
     assert seen and all(seen), seen
     streamed = st.streamed_indices[0]
     assert model.blocks[streamed].qkv._parameters["weight"] is None  # released again after
+    st.close()
+
+
+def test_host_side_waits_are_counted_and_lower_the_overlap():
+    """Time the sampling thread spends in the engine (here a slow merge of each streamed copy, as
+    a merge that waits for a pageable upload would be) is counted, and the overlap figure takes
+    it off like the GPU's own waits: a stalled host cannot read as full overlap."""
+    import time
+
+    from offload_core.telemetry import overlap_efficiency
+
+    model = ToyDiT(depth=4, shared=False)
+    x, t = inputs()
+    slept: list[float] = []
+    attached = {"done": False}
+
+    def slow_merge(block: int, name: str, w: torch.Tensor) -> torch.Tensor:
+        if name == "qkv.weight" and attached["done"]:
+            start = time.perf_counter()
+            time.sleep(0.005)
+            slept.append(time.perf_counter() - start)
+        return w
+
+    st = LayerwiseStreamer(model.blocks, "cpu", resident=0, prefetch=1)
+    st.attach(slow_merge)
+    attached["done"] = True
+    with torch.no_grad():
+        for _ in range(3):
+            model(x, t)
+    snap = st.telemetry.snapshot()
+    assert slept and snap["host_wait_s"] >= sum(slept)
+    assert overlap_efficiency(snap, 10 * snap["host_wait_s"]) < 1.0
+    assert overlap_efficiency({"compute_wait_s": 1.0, "host_wait_s": 2.0}, 10.0) == pytest.approx(0.7)
+    st.telemetry.reset()
+    assert st.telemetry.snapshot()["host_wait_s"] == 0.0
+    st.close()
+
+
+def test_reclaim_keeps_a_kept_pack_after_the_blocks_moved_elsewhere():
+    """Between attaches the blocks may run elsewhere (ComfyUI's own load moves them to a device and
+    its unload copies them back to fresh host memory). Reclaiming re-points them at the kept pack:
+    the next attach packs nothing again, and the copies are let go."""
+    model = ToyDiT(depth=4)
+    x, t = inputs()
+    with torch.no_grad():
+        ref = model(x, t)
+    before, keys = snapshot(model), list(model.state_dict())
+    st = LayerwiseStreamer(model.blocks, "cpu", resident=1, prefetch=1)
+    st.attach()
+    st.detach(keep_pack=True)
+    host = st._host
+    packed = st.telemetry.blocks_packed
+    moved = [p for p in model.blocks.parameters()]
+    with torch.no_grad():
+        for p in moved:  # what a device round trip leaves: the same objects over fresh copies
+            p.data = p.data.clone()
+    assert st.reclaim() == len(moved)
+    assert_restored(model, before, keys)
+    ranges = [(host.buffer(i).data_ptr(), host.buffer(i).numel()) for i in range(len(st._packs) + 1)]
+    assert all(any(lo <= p.data_ptr() < lo + n for lo, n in ranges) for p in moved)
+    assert st.reclaim() == 0
+    st.attach()
+    assert st.telemetry.blocks_packed == packed and st._host is host  # the pack survived
+    with torch.no_grad():
+        assert torch.equal(model(x, t), ref)
+    with pytest.raises(RuntimeError, match="detached"):
+        st.reclaim()
+    st.close()
+
+
+def test_a_failed_upload_keeps_the_pack_and_a_failed_packing_frees_it():
+    """An attach that fails after packing (out of device memory in the resident upload, a merge
+    that fails there) keeps the complete pack for the next attach; one that fails while packing
+    frees what it packed. Either way the module gets its tensors back."""
+    model = ToyDiT(depth=4)
+    x, t = inputs()
+    with torch.no_grad():
+        ref = model(x, t)
+    before, keys = snapshot(model), list(model.state_dict())
+    st = LayerwiseStreamer(model.blocks, "cpu", resident=2, prefetch=1)
+
+    def out_of_memory(block: int, name: str, w: torch.Tensor) -> torch.Tensor:
+        raise torch.OutOfMemoryError("injected: out of memory in the resident upload")
+
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        st.attach(out_of_memory)
+    assert not st.attached and st._host is not None
+    assert_restored(model, before, keys)
+    packed = st.telemetry.blocks_packed
+    st.attach()
+    assert st.telemetry.blocks_packed == packed  # nothing packed again
+    with torch.no_grad():
+        assert torch.equal(model(x, t), ref)
+    st.close()
+
+    st = LayerwiseStreamer(model.blocks, "cpu", resident=2, prefetch=1)
+
+    def interrupted(done: int, total: int) -> None:
+        if done == 2:
+            raise KeyboardInterrupt("injected: interrupted while packing")
+
+    with pytest.raises(KeyboardInterrupt):
+        st.attach(progress=interrupted)
+    assert st._host is None
+    assert_restored(model, before, keys)
     st.close()

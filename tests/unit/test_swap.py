@@ -77,3 +77,18 @@ def test_unpackable_module_is_left_untouched():
 def test_invalid_part_size():
     with pytest.raises(ValueError, match="part_bytes"):
         ModuleSwap(ToyDiT(depth=1), part_bytes=0)
+
+
+def test_close_waits_only_for_the_devices_that_read_the_master(monkeypatch):
+    """Freeing a pinned master waits for the devices that may still copy out of it: the one its
+    owner declared and those its tensors were taken back from, never every GPU (waiting on a
+    device creates a CUDA context there)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a machine with four GPUs
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    model = ToyDiT(depth=2)
+    swap = ModuleSwap(model, pin=False)
+    swap.note_reader(torch.device("cuda", 2))
+    host = swap._host
+    swap.park()
+    swap.close()
+    assert host.readers == {2}

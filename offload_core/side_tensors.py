@@ -1,0 +1,102 @@
+"""Tensors a transform reads beside each block (a LoRA's factors), brought to the device with the block.
+
+Why: a merge of a streamed block runs on the copy stream right after the block's copy. If it
+read its factors from pageable host memory, each non-blocking upload would hold the host until
+the copy stream reached it, and the copy stream first waits for the slot's last reader: the
+host would sit idle with no compute queued, and copy, merge and compute would run one after
+another. Here each block's side tensors are packed once per attach into one host buffer
+(pinned where the budget allows), and ``load(group)`` uploads them with one asynchronous copy
+on the current stream (the stream the merge runs on) into a device buffer sized for the
+largest group. The device holds one group at a time; on the GPU the upload needs no host wait.
+
+A group is uploaded again only when another group was loaded since, and every load must come
+from work ordered on one stream (the engine's copy stream, or the attach's stream before it
+exists), which is how the engine calls transforms.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from .pinned import HostStorage
+
+log = logging.getLogger(__name__)
+
+ALIGN = 256
+
+
+def _align_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+class SideTensors:
+    """``groups[g]`` is the list of tensors group ``g`` needs; ``load(g)`` returns device views of
+    them, in the same order, with the same dtypes, shapes and values (contiguous)."""
+
+    def __init__(self, groups: Sequence[Sequence[torch.Tensor]], device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self._layout: list[list[tuple[int, int, torch.dtype, torch.Size]]] = []
+        sizes = []
+        for tensors in groups:
+            offset, layout = 0, []
+            for t in tensors:
+                nbytes = t.numel() * t.element_size()
+                layout.append((offset, nbytes, t.dtype, t.shape))
+                offset = _align_up(offset + nbytes, ALIGN)
+            self._layout.append(layout)
+            sizes.append(offset)
+        self._sizes = sizes
+        cuda = self.device.type == "cuda"
+        self._host = HostStorage(sizes, pin=cuda)  # page-locking only speeds up copies to a GPU
+        with torch.no_grad(), torch.inference_mode(False):
+            for g, tensors in enumerate(groups):
+                buf = self._host.buffer(g)
+                for (offset, nbytes, dtype, shape), t in zip(self._layout[g], tensors):
+                    buf[offset:offset + nbytes].view(dtype).view(shape).copy_(t)
+        self._host.note_reader(self.device)
+        self._device_buf: torch.Tensor | None = None  # allocated at the first load
+        self._views: list[list[torch.Tensor]] = []
+        self._holds: int | None = None
+        self._closed = False
+        self.uploads = 0
+        pageable = [g for g, size in enumerate(sizes) if size and not self._host.is_pinned(g)]
+        if cuda and pageable:
+            log.warning("%d of %d groups of side tensors are in pageable RAM (over the pinned-RAM cap): "
+                        "their uploads hold up the thread that issues them", len(pageable), len(sizes))
+
+    @property
+    def device_bytes(self) -> int:
+        """Device memory the side tensors take from their first load: the largest group."""
+        return max(self._sizes, default=0)
+
+    def load(self, group: int) -> list[torch.Tensor]:
+        """Device views of ``group``'s tensors, uploaded on the current stream unless they are
+        what the device buffer holds already."""
+        if self._closed:
+            raise RuntimeError("these side tensors are closed")
+        if self._device_buf is None:
+            with torch.inference_mode(False):
+                self._device_buf = torch.empty(self.device_bytes, dtype=torch.uint8, device=self.device)
+            self._views = [[self._device_buf[o:o + n].view(dtype).view(shape) for o, n, dtype, shape in layout]
+                           for layout in self._layout]
+        if self._holds != group:
+            size = self._sizes[group]
+            if size:
+                self._device_buf[:size].copy_(self._host.buffer(group), non_blocking=True)
+            self._holds = group
+            self.uploads += 1
+        return self._views[group]
+
+    def close(self) -> None:
+        """Free both buffers once every upload queued so far has run."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._device_buf is not None and self.device.type == "cuda":  # queued on any stream
+            torch.cuda.synchronize(self.device)
+        self._device_buf = None
+        self._views = []
+        self._host.release()
