@@ -38,7 +38,7 @@ from ..offload_core.host_cache import CacheTooSmallError
 from ..offload_core.per_module import PerModule
 from ..offload_core.phases import GRANULARITIES
 from ..offload_core.streamer import LayerwiseStreamer
-from . import block_budget, comfy_weights, disk_source, dynamic_vram
+from . import block_budget, comfy_weights, dynamic_vram, spill_folder
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class LayerwiseSession:
         self.streamer = LayerwiseStreamer(list(self.blocks), self.device, resident=resident,
                                           prefetch=settings.prefetch, pin=settings.pin,
                                           granularity=settings.granularity,
-                                          disk=self._disk_options(patcher, settings))
+                                          disk=self._disk_options(settings))
         least, _ = self.streamer.bound_range()
         requested = settings.requested_budget
         if resident is None and requested is not None and requested < least:
@@ -117,16 +117,14 @@ class LayerwiseSession:
         self.last_run: dict[str, Any] | None = None
         self.core_view: dict[str, int] | None = None
 
-    def _disk_options(self, patcher, settings: LayerwiseSettings) -> DiskOptions | None:
-        """The disk tier when host_cache_gb caps the RAM for blocks; the model's own file is
-        looked for when the blocks are first placed, once they hold their base weights."""
+    @staticmethod
+    def _disk_options(settings: LayerwiseSettings) -> DiskOptions | None:
+        """The disk tier when host_cache_gb caps the RAM for blocks."""
         if settings.host_cache_gb <= 0:
             return None
-        prefixes, blocks = self.prefixes, self.blocks
         return DiskOptions(cap_bytes=max(1, int(settings.host_cache_gb * GIB)),
                            workers=settings.disk_workers,
-                           spill_dir=disk_source.spill_folder(settings.spill_dir),
-                           model_file=lambda: disk_source.model_file(patcher, prefixes, blocks))
+                           spill_dir=spill_folder.spill_folder(settings.spill_dir))
 
     def begin(self, patcher, noise_shape=None, conds=None) -> None:
         """Plan, hand the blocks over from core, pack and attach. Called before core's load; if
@@ -383,9 +381,8 @@ class ApplyLayerwiseOffload:
             "host_cache_gb": ("FLOAT", {
                 "default": 0.0, "min": 0.0, "max": 4096.0, "step": 0.25,
                 "tooltip": "RAM in GiB for the streamed weights. 0 keeps every block packed in "
-                           "RAM. When the blocks do not fit, they are read from disk (the "
-                           "model's own file, or a spill file) through a cache of this size, "
-                           "ahead of need."}),
+                           "RAM. When the blocks do not fit, they are written once to a spill "
+                           "file and read from it through a cache of this size, ahead of need."}),
             "disk_workers": ("INT", {
                 "default": 2, "min": 1, "max": 16,
                 "tooltip": "Threads reading blocks from disk ahead of need (disk streaming)."}),
@@ -396,9 +393,9 @@ class ApplyLayerwiseOffload:
                            "slot, at more and smaller copies."}),
             "spill_dir": ("STRING", {
                 "default": "",
-                "tooltip": "Folder for the spill file, written when blocks are streamed from "
-                           "disk and the loaded weights are not the model file's bytes (a "
-                           "cast, a conversion). Empty: ComfyUI's temp folder."}),
+                "tooltip": "Folder for the spill file that blocks are streamed from when they "
+                           "do not fit host_cache_gb: as large as the streamed blocks, written "
+                           "once, gone with the engine. Empty: ComfyUI's temp folder."}),
         }}
 
     RETURN_TYPES = ("MODEL",)

@@ -18,7 +18,8 @@ A backend must therefore never call back into the manager. Listeners are called 
 released, and ``snapshot`` reads a copy published when a move starts and when each change ends, so
 a status request never waits for a load and can see which model is moving.
 
-Identity: a model file that changed on disk is a different model (``model_id`` covers its mtime).
+Identity: a model file that changed on disk is a different model (``model_id`` covers its
+``file_version``: inode, size and time stamps, the change time included, which no one can put back).
 Entries registered with the same ``source`` supersede each other: the older one is forgotten as
 soon as no job uses it, so RAM never holds two versions of one file and new bytes never appear
 under an old id.
@@ -107,22 +108,30 @@ class SourceUnreadableError(TierError):
     """The source file exists but is not a model the backend can read (corrupt, wrong kind) (422)."""
 
 
-def model_id(source_path: str | os.PathLike[str], mtime_ns: int, options: Mapping[str, Any]) -> str:
+def file_version(st: os.stat_result) -> tuple[int, ...]:
+    """What moves on whenever a file's bytes may have changed: its device and inode (a new file
+    renamed over the name), its size, its modification time, and its inode change time. The last
+    is why a version cannot be faked: a write moves it on, and so does putting the modification
+    time back (``touch -d``, ``cp -p``), since that changes the inode too."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def model_id(source_path: str | os.PathLike[str], version: tuple[int, ...], options: Mapping[str, Any]) -> str:
     """A short stable id for a model file loaded with given options.
 
-    The id covers the resolved path, the modification time and the load options (JSON with sorted
-    keys, non-JSON values by ``str``), so a re-saved file or a different dtype is a different model
-    and never reuses a stale parked copy.
+    The id covers the resolved path, the file's version (``file_version``) and the load options
+    (JSON with sorted keys, non-JSON values by ``str``), so a re-saved file or a different dtype is
+    a different model and never reuses a stale parked copy.
     """
     identity = json.dumps(
-        {"path": os.path.realpath(os.fspath(source_path)), "mtime_ns": int(mtime_ns),
+        {"path": os.path.realpath(os.fspath(source_path)), "version": [int(v) for v in version],
          "options": dict(options)},
         sort_keys=True, default=str)
     return hashlib.sha256(identity.encode()).hexdigest()[:16]
 
 
 def source_key(source_path: str | os.PathLike[str], options: Mapping[str, Any]) -> str:
-    """What ``model_id`` covers except the modification time: one key for every version of a file
+    """What ``model_id`` covers except the file's version: one key for every version of a file
     loaded with the same options, so a newer version can supersede the older one."""
     identity = json.dumps(
         {"path": os.path.realpath(os.fspath(source_path)), "options": dict(options)},

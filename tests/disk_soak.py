@@ -3,7 +3,7 @@ behind in threads, open descriptors, spill-file bytes and RSS.
 
 Each mode runs on a fresh server of its own, so nothing else moves its figures:
 - ``cast``: a bf16 Wan that the CPU loads as fp32 (the loaded tensors are not the file's bytes);
-- ``uncast``: an fp32 Wan saved 64-byte aligned (what ComfyUI loads is the file's bytes);
+- ``uncast``: an fp32 Wan (what ComfyUI loads is the file's bytes);
 - ``tiered``: the uncast Wan through the Tiered UNET Loader, evicted to disk now and then.
 Between prompts Apply Layerwise Offload's settings change (granularity, resident blocks, prefetch,
 cache size: each change rebuilds the engine), a LoRA comes and goes, and ``/free`` runs every few
@@ -17,8 +17,9 @@ The long one is a command (Linux only, it reads /proc):
     .venv/bin/python -m tests.disk_soak --prompts 200        # every mode; --modes cast uncast tiered
 
 It writes ``tests/artifacts/disk_soak/<mode>.json`` (every sample and a summary) and prints the
-summary: each figure after the warm-up and at the end, and its growth per 100 prompts (a
-least-squares slope over the samples after the warm-up).
+summary: each figure after the warm-up and at the end, its growth per 100 prompts (a least-squares
+slope over the samples after the warm-up), and the figures once the model is dropped (``/free``;
+with the Tiered loader an eviction first, since the tier manager keeps its models across it).
 """
 from __future__ import annotations
 
@@ -38,13 +39,12 @@ for _path in (TESTS, TESTS / "fixtures"):
         sys.path.insert(0, str(_path))
 
 import tiny_models  # noqa: E402
-from aligned_safetensors import save_aligned  # noqa: E402
 from comfy_server import ComfyServer, comfy_version, DEFAULT_TREE  # noqa: E402
 from workflows import latent_sha, sample_workflow  # noqa: E402
 
 MODES = ("cast", "uncast", "tiered")
 LAYERS, DIM, FFN = 8, 384, 1536  # 8 blocks of 9.5 MB in fp32: a leaked cache shows in RSS
-UNCAST = "soak_wan8_aligned.safetensors"
+UNCAST = "soak_wan8_fp32.safetensors"
 CAST = "soak_wan8_bf16.safetensors"
 LORA = "soak_wan8_lora.safetensors"
 PAGE = 4096
@@ -70,8 +70,7 @@ def write_models(models: Path) -> None:
     unet = models / "diffusion_models"
     unet.mkdir(parents=True, exist_ok=True)
     if not (unet / UNCAST).exists():
-        save_aligned(tiny_models.build_tiny_wan21(layers=LAYERS, dim=DIM, ffn_dim=FFN, seed=81),
-                     unet / UNCAST, {"fixture": "soak_wan8_aligned"})
+        tiny_models.write_tiny_wan21(unet / UNCAST, layers=LAYERS, dim=DIM, ffn_dim=FFN, seed=81)
     if not (unet / CAST).exists():
         import torch
         tiny_models.write_tiny_wan21(unet / CAST, layers=LAYERS, dim=DIM, ffn_dim=FFN, seed=82,
@@ -140,9 +139,9 @@ def summarize(samples: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
         out[key] = {"warmup_max": max(warm, default=0), "first": values[0] if values else None,
                     "last": values[-1] if values else None, "max": max(values, default=0),
                     "per_100_prompts": slope_per_100([s["prompt"] for s in steady], values)}
-    after_free = [s for s in samples if s["event"] == "final free"]
-    out["after_final_free"] = {k: after_free[-1][k] for k in ("threads", "fds", "rss", "spill_files",
-                                                              "spill_bytes")} if after_free else None
+    end = [s for s in samples if s["event"] == "end"]
+    out["after_end"] = {k: end[-1][k] for k in ("threads", "fds", "rss", "spill_files",
+                                                "spill_bytes")} if end else None
     return out
 
 
@@ -209,8 +208,14 @@ def soak(server: ComfyServer, mode: str, prompts: int, *, log=None) -> dict[str,
         samples.append(sample)
         if log is not None:
             log(mode, sample)
+    # The end: /free drops core's loaders' models; the tier manager keeps its own until evicted.
+    events = ["free"]
+    if mode == "tiered" and (key := _tier_id(server, unet)):
+        status, body = server.request("POST", f"/offload/models/{key}/evict")
+        assert status == 200, body
+        events.append("evict")
     server.free()
-    samples.append({"prompt": prompts, "event": "final free", "events": ["free"], "seconds": 0.0,
+    samples.append({"prompt": prompts, "event": "end", "events": events, "seconds": 0.0,
                     **measure(pid, spill_folder)})
     return {"mode": mode, "comfyui": comfy_version(), "model": {"layers": LAYERS, "dim": DIM, "ffn": FFN},
             "cycle": CYCLE, "free_every": FREE_EVERY, "evict_every": EVICT_EVERY if mode == "tiered" else None,

@@ -1,6 +1,6 @@
 """Disk streaming releases everything it retires: a short soak of each disk mode on a fresh
 server (tests/disk_soak.py says what runs), with flat threads, descriptors, spill-file bytes and
-RSS after the warm-up, and nothing of the disk tier left once /free has dropped the model.
+RSS after the warm-up, and nothing of the disk tier left once the model is dropped.
 
 The bounds are counts, not times: threads and descriptors may not exceed what the warm-up (every
 setting once, one /free) reached; at most one spill file is held (the live engine's); RSS grows
@@ -51,7 +51,8 @@ def test_disk_streaming_leaves_nothing_behind_over_many_prompts(tmp_path, soak_m
     first = statistics.median(s["rss"] for s in steady[:5])
     last = statistics.median(s["rss"] for s in steady[-5:])
     assert last - first < RSS_SLACK, figures
-    # /free dropped the model: no engine is left, so no spill file, reader or cache either.
-    final = summary["after_final_free"]
+    # The model is dropped (/free; the Tiered loader's evicted first): no engine is left, so no
+    # spill file, reader or cache either.
+    final = summary["after_end"]
     assert final["spill_files"] == 0 and final["spill_bytes"] == 0, figures
     assert final["threads"] <= min(s["threads"] for s in steady), figures
