@@ -169,9 +169,14 @@ def test_bad_input_on_every_route_gets_a_short_4xx_and_the_server_keeps_serving(
             assert_refused(send(s, "POST", f"{prefix}/offload/models/..%2F..%2Fetc/load"), 404)
             assert_refused(send(s, "POST", f"{prefix}/offload/models/{key}/{'q' * 3000}"), 400,
                            "unknown action")
-            # The action routes read no body: junk there changes nothing.
-            status, body = send(s, "POST", f"{prefix}/offload/models/{key}/park", b"\xff[[[",
-                                "text/plain; charset=bogus")
+            # Every state-changing route takes JSON only (a page of another site can send
+            # text/plain without asking); the action routes read no body, so junk in a JSON
+            # request changes nothing.
+            for path in (f"{prefix}/offload/models/{key}/park", f"{prefix}/offload/budgets",
+                         f"{prefix}/offload/policy/{key}", f"{prefix}/offload/loaded/x/unload"):
+                assert_refused(send(s, "POST", path, b'{"disk_tier": false}', "text/plain"), 415,
+                               "application/json")
+            status, body = send(s, "POST", f"{prefix}/offload/models/{key}/park", b"\xff[[[")
             assert status == 200 and body["model"]["tier"] == "ram", body
             json_type = "application/json"
             for body, content_type, status, fragments in (
