@@ -25,6 +25,7 @@ import contextlib
 import functools
 import json
 import logging
+import threading
 import urllib.parse
 from typing import Any, Awaitable, Callable
 
@@ -199,13 +200,38 @@ async def get_swap(request: web.Request) -> web.Response:
 
 
 MOVES = {"load", "park", "evict"}  # actions that move bytes through core's model management
+# An unpin while a prompt ran left RAM over budget: the drops wait for the prompt's end.
+_DROPS_AFTER_PROMPT = threading.Event()
 
 
 def _act(action: str, model: str) -> dict[str, Any]:
-    with prompt_lifecycle.between_prompts(action) if action in MOVES else contextlib.nullcontext():
-        entry = ACTIONS[action](model)
+    MANAGER.get(model)  # an unknown id is a 404, whether a prompt runs or not
+    if action == "unpin":
+        entry = _unpin(model)
+    else:
+        with prompt_lifecycle.between_prompts(action) if action in MOVES else contextlib.nullcontext():
+            entry = ACTIONS[action](model)
     sync_tiers()
     return entry.to_dict()
+
+
+def _unpin(key: str):
+    """Unpin at once. The drops to disk it may make necessary run through core's unload, which is
+    the prompt worker's: now when no prompt runs, else when the running prompt ends."""
+    try:
+        with prompt_lifecycle.between_prompts("a drop to disk"):
+            return MANAGER.unpin(key)
+    except prompt_lifecycle.PromptRunningError:
+        entry = MANAGER.unpin(key, drop=False)
+        _DROPS_AFTER_PROMPT.set()
+        return entry
+
+
+def _drops_after_prompt() -> None:
+    """On the prompt worker, as a prompt ends: the drops an unpin during it left to now."""
+    if _DROPS_AFTER_PROMPT.is_set():
+        _DROPS_AFTER_PROMPT.clear()
+        MANAGER.enforce_ram_budget()
 
 
 def _set_budgets(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -285,7 +311,7 @@ def policy_fields(body: dict[str, Any]) -> tuple[bool | None, int | None]:
 def _policy(key: str, keep_in_ram: bool | None, priority: int | None) -> dict[str, Any]:
     entry = MANAGER.get(key)
     if keep_in_ram is not None:
-        (MANAGER.pin if keep_in_ram else MANAGER.unpin)(key)
+        MANAGER.pin(key) if keep_in_ram else _unpin(key)
     if priority is not None:
         MANAGER.set_priority(key, priority)
     return entry.to_dict()
@@ -342,7 +368,7 @@ def register() -> None:
     # Core's own loads and unloads raise no event: the panel hears of them after each prompt
     # (the prompt's models are released first, so the figures no longer show them in use).
     prompt_lifecycle.on_prompt_end(lambda prompt_id: (PROMPT_USES.release_prompt(prompt_id),
-                                                      push_tiers()))
+                                                      _drops_after_prompt(), push_tiers()))
     LAYERWISE.subscribe(lambda report: _send(
         server, LAYERWISE_EVENT,
         {"model_id": _model_id_of_module(report["module_id"]), "layerwise": report}))

@@ -453,15 +453,18 @@ class TierManager:
                 logger.info("pinned '%s' (%s)", entry.name, key)
             return entry
 
-    def unpin(self, key: str) -> Entry:
-        """Let this model be dropped to disk again; drops at once if RAM is over budget."""
+    def unpin(self, key: str, *, drop: bool = True) -> Entry:
+        """Let this model be dropped to disk again. With ``drop``, idle models over the RAM budget
+        go at once; without it they stay until the next ``enforce_ram_budget`` or release (a
+        caller outside the host's model-management thread leaves the drop to it)."""
         with self._locked():
             entry = self.get(key)
             if entry.policy.pinned:
                 entry.policy.pinned = False
                 self._announce("policy", entry, reason="unpin")
                 logger.info("unpinned '%s' (%s)", entry.name, key)
-            self._drop_over_budget(0, None, strict=False)
+            if drop:
+                self._drop_over_budget(0, None, strict=False)
             return entry
 
     def set_priority(self, key: str, priority: int) -> Entry:
