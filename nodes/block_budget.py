@@ -15,16 +15,10 @@ from dataclasses import dataclass
 import comfy.model_management
 
 from ..offload_core.residency import fit_budget
+from ..offload_core.units import size_text
 from .core_models import loaded_entries
 
 log = logging.getLogger(__name__)
-
-GIB = 1024 ** 3
-
-
-def gib(n: float) -> str:
-    return f"{n / GIB:.2f} GiB"
-
 
 @dataclass(frozen=True)
 class DeviceRoom:
@@ -42,14 +36,14 @@ def choose_budget(model_name: str, requested: int | None, room: DeviceRoom, leas
     budget = fit_budget(requested, available, least, most)
     if budget is None:
         raise ValueError(
-            f"Apply Layerwise Offload: {model_name} needs at least {gib(least)} of GPU memory to "
+            f"Apply Layerwise Offload: {model_name} needs at least {size_text(least)} of GPU memory to "
             f"stream its blocks (prefetch + 1 slots of its largest block), but only "
-            f"{gib(max(available, 0))} is left: {gib(room.free)} free after ComfyUI made room, "
-            f"less {gib(room.others)} for the model's other weights, activations and ComfyUI's "
+            f"{size_text(max(available, 0))} is left: {size_text(room.free)} free after ComfyUI made room, "
+            f"less {size_text(room.others)} for the model's other weights, activations and ComfyUI's "
             "reserve. Lower prefetch or the resolution, or free GPU memory.")
     if requested is not None and budget < requested:
         log.info("Apply Layerwise Offload: %s: vram_budget_gb %s lowered to %s, what is left on "
-                 "the card for its blocks", model_name, gib(requested), gib(budget))
+                 "the card for its blocks", model_name, size_text(requested), size_text(budget))
     return budget
 
 

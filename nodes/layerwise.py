@@ -38,12 +38,20 @@ from ..offload_core.host_cache import CacheTooSmallError
 from ..offload_core.per_module import PerModule
 from ..offload_core.phases import GRANULARITIES
 from ..offload_core.streamer import LayerwiseStreamer
-from . import block_budget, comfy_weights, dynamic_vram, spill_folder
+from ..offload_core.units import size_text
+from . import block_budget, budgets, comfy_weights, dynamic_vram, spill_folder
 
 log = logging.getLogger(__name__)
 
 WRAPPER_KEY = "tiered_offload.layerwise"
 GIB = 1024 ** 3
+# The inputs' ranges, for the node's widgets and for the checks of values that reach the node
+# through a link (ComfyUI checks the range of a widget's value only) or as NaN (which passes it).
+MAX_RESIDENT_BLOCKS = 4096
+MAX_VRAM_BUDGET_GB = 1024.0
+MAX_PREFETCH = 16
+MAX_HOST_CACHE_GB = 4096.0
+MAX_DISK_WORKERS = 16
 
 
 @dataclass(frozen=True)
@@ -56,6 +64,26 @@ class LayerwiseSettings:
     disk_workers: int = 2
     granularity: str = "block"
     spill_dir: str = ""
+
+    def __post_init__(self) -> None:
+        """Refuse, naming the input and its range, a value no setting means: another type, NaN,
+        an infinity, out of range, or a budget of less than one byte (which would read as 0)."""
+        try:
+            budgets.whole_number("resident_blocks", self.resident_blocks, -1, MAX_RESIDENT_BLOCKS)
+            budgets.gib_bytes("vram_budget_gb", self.vram_budget_gb, maximum=MAX_VRAM_BUDGET_GB,
+                              zero_means="0 (auto)")
+            budgets.whole_number("prefetch", self.prefetch, 1, MAX_PREFETCH)
+            if not isinstance(self.pin, bool):
+                raise ValueError("pin must be true or false")
+            budgets.gib_bytes("host_cache_gb", self.host_cache_gb, maximum=MAX_HOST_CACHE_GB,
+                              zero_means="0 (every block in RAM)")
+            budgets.whole_number("disk_workers", self.disk_workers, 1, MAX_DISK_WORKERS)
+            if self.granularity not in GRANULARITIES:
+                raise ValueError(f"granularity must be one of {', '.join(GRANULARITIES)}")
+            if not isinstance(self.spill_dir, str):
+                raise ValueError("spill_dir must be a folder path, or empty")
+        except ValueError as e:
+            raise ValueError(f"Apply Layerwise Offload: {e}") from None
 
     def streamer_kwargs(self) -> dict[str, Any]:
         """The residency settings as the streamer takes them (an auto budget plans no resident
@@ -101,9 +129,10 @@ class LayerwiseSession:
         if resident is None and requested is not None and requested < least:
             raise ValueError(
                 f"Apply Layerwise Offload: vram_budget_gb={settings.vram_budget_gb:g} GiB is too "
-                f"small for {self.model_class}: streaming every block needs "
-                f"{block_budget.gib(least)} (prefetch + 1 = {settings.prefetch + 1} slots of its "
-                "largest block). Raise vram_budget_gb, lower prefetch, or set 0 for auto.")
+                f"small for {self.model_class}: streaming every block needs {size_text(least)} "
+                f"(prefetch + 1 = {settings.prefetch + 1} slots of its largest block), and the "
+                f"budget leaves {size_text(requested)} for them. Raise vram_budget_gb, lower "
+                "prefetch, or set 0 for auto.")
         self.module_id = id(diffusion_model)
         self.accounted_bytes = 0
         self.budget_bytes: int | None = None
@@ -122,7 +151,7 @@ class LayerwiseSession:
         """The disk tier when host_cache_gb caps the RAM for blocks."""
         if settings.host_cache_gb <= 0:
             return None
-        return DiskOptions(cap_bytes=max(1, int(settings.host_cache_gb * GIB)),
+        return DiskOptions(cap_bytes=int(settings.host_cache_gb * GIB),
                            workers=settings.disk_workers,
                            spill_dir=spill_folder.spill_folder(settings.spill_dir))
 
@@ -350,18 +379,18 @@ class ApplyLayerwiseOffload:
         return {"required": {
             "model": ("MODEL", {"tooltip": "The diffusion model to stream."}),
             "resident_blocks": ("INT", {
-                "default": -1, "min": -1, "max": 4096,
+                "default": -1, "min": -1, "max": MAX_RESIDENT_BLOCKS,
                 "tooltip": "Blocks kept on the GPU, spread evenly through the stack. -1 derives "
                            "the number from vram_budget_gb."}),
             "vram_budget_gb": ("FLOAT", {
-                "default": 0.0, "min": 0.0, "max": 1024.0, "step": 0.25,
+                "default": 0.0, "min": 0.0, "max": MAX_VRAM_BUDGET_GB, "step": 0.25,
                 "tooltip": "GPU memory in GiB for the model's blocks (resident blocks plus "
                            "streaming slots) when resident_blocks is -1. 0 is auto: whatever the "
                            "card has free once ComfyUI has made room for the rest of the run "
                            "(other weights, activations, its reserve). A larger budget than that "
                            "is lowered to it, with a log line."}),
             "prefetch": ("INT", {
-                "default": 2, "min": 1, "max": 16,
+                "default": 2, "min": 1, "max": MAX_PREFETCH,
                 "tooltip": "How many streamed blocks are copied ahead of the one computing. "
                            "Each adds one block-sized GPU slot."}),
             "pin": ("BOOLEAN", {
@@ -379,12 +408,12 @@ class ApplyLayerwiseOffload:
                            "that costs a second copy of the model in RAM and one reload from "
                            "disk (logged and shown in the Offload panel)."}),
             "host_cache_gb": ("FLOAT", {
-                "default": 0.0, "min": 0.0, "max": 4096.0, "step": 0.25,
+                "default": 0.0, "min": 0.0, "max": MAX_HOST_CACHE_GB, "step": 0.25,
                 "tooltip": "RAM in GiB for the streamed weights. 0 keeps every block packed in "
                            "RAM. When the blocks do not fit, they are written once to a spill "
                            "file and read from it through a cache of this size, ahead of need."}),
             "disk_workers": ("INT", {
-                "default": 2, "min": 1, "max": 16,
+                "default": 2, "min": 1, "max": MAX_DISK_WORKERS,
                 "tooltip": "Threads reading blocks from disk ahead of need (disk streaming)."}),
             "granularity": (list(GRANULARITIES), {
                 "default": "block",

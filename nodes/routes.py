@@ -302,9 +302,8 @@ def policy_fields(body: dict[str, Any]) -> tuple[bool | None, int | None]:
     keep, priority = body.get("keep_in_ram"), body.get("priority")
     if "keep_in_ram" in body and not isinstance(keep, bool):
         raise ValueError("keep_in_ram must be true or false")
-    if "priority" in body and (isinstance(priority, bool) or not isinstance(priority, int)
-                               or not -100 <= priority <= 100):
-        raise ValueError("priority must be a whole number from -100 to 100")
+    if "priority" in body:
+        budgets.whole_number("priority", priority, -100, 100)
     return keep, priority
 
 

@@ -442,6 +442,9 @@ class VRAMTierManager:
     def apply(self, ram_budget_gb, ram_reserve_gb, vram_reserve_gb, disk_tier, keep_in_ram,
               priority, model=None, clip=None, vae=None):
         try:
+            budgets.whole_number("priority", priority, -100, 100)
+            if not isinstance(keep_in_ram, bool):
+                raise ValueError("keep_in_ram must be true or false")
             MANAGER.set_budgets(**budgets.budget_kwargs({
                 "ram_budget_gb": ram_budget_gb, "ram_reserve_gb": ram_reserve_gb,
                 "vram_reserve_gb": vram_reserve_gb, "disk_tier": disk_tier}))

@@ -33,29 +33,17 @@ from collections.abc import Mapping
 import torch
 
 from .packing import PackedBlock, PackedTensor
+from .units import size_text
 
 log = logging.getLogger(__name__)
 
 PAGE = 4096  # direct reads need offsets, lengths and addresses in multiples of the logical block
 SPILL_ALIGN = 64 << 10  # a multiple of PAGE and of Windows' mmap granularity
-_KiB = 1 << 10
-_MiB = 1 << 20
-_GiB = 1 << 30
 _IOV_MAX = 512
 
 
 def align_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
-
-
-def size_text(n: float) -> str:
-    """Bytes in binary units for log lines and messages: GiB, MiB or KiB, bytes below 1 KiB, so
-    two figures a message compares never both read 0.00."""
-    if n >= _GiB:
-        return f"{n / _GiB:.2f} GiB"
-    if n >= _MiB:
-        return f"{n / _MiB:.1f} MiB"
-    return f"{n / _KiB:.0f} KiB" if n >= _KiB else f"{int(n)} bytes"
 
 
 class DiskReadError(OSError):

@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 
-from .disk import PAGE, DiskStore, align_up, size_text
+from .disk import PAGE, DiskStore, align_up
 from .host_cache import CacheTooSmallError, DiskTelemetry, HostCache
 from .packing import PackedBlock
 from .pinned import HostStorage
+from .units import size_text
 
 log = logging.getLogger(__name__)
 

@@ -27,8 +27,9 @@ from typing import Any, Protocol
 
 import torch
 
-from .disk import PAGE, DiskStore, align_up, size_text
+from .disk import PAGE, DiskStore, align_up
 from .pinned import HostStorage
+from .units import size_text
 
 log = logging.getLogger(__name__)
 

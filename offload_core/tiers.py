@@ -43,9 +43,10 @@ from typing import Any, Protocol
 import psutil
 import torch
 
+from .units import size_text
+
 logger = logging.getLogger(__name__)
 
-MiB = 1 << 20
 GiB = 1 << 30
 DEFAULT_RAM_RESERVE_BYTES = 2 << 30  # the OS, ComfyUI's own tensors, activations
 DEFAULT_VRAM_RESERVE_BYTES = 1 << 30  # latents, VAE decode, attention workspace
@@ -234,14 +235,6 @@ def cuda_free_bytes() -> int | None:
     return free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
 
 
-def _mib(n: int) -> str:
-    return f"{n / MiB:.1f} MiB"
-
-
-def _gib(n: int) -> str:
-    return f"{n / GiB:.1f} GiB"
-
-
 def _check_bytes(name: str, value: object, *, allow_none: bool = False,
                  limit: int | None = None) -> None:
     """Refuse anything but a whole number of bytes in [0, limit]; messages never echo a huge value."""
@@ -253,7 +246,7 @@ def _check_bytes(name: str, value: object, *, allow_none: bool = False,
     if value < 0:
         raise ValueError(f"{name} must be >= 0")
     if limit is not None and value > limit:
-        raise ValueError(f"{name} must be at most {limit} bytes ({_gib(limit)})")
+        raise ValueError(f"{name} must be at most {limit} bytes ({size_text(limit)})")
 
 
 def ram_total_bytes() -> int:
@@ -339,7 +332,7 @@ class TierManager:
             self._touch(entry)
             self._announce("register", entry, reason="register")
             logger.info("registered %s '%s' (%s) in %s, %s", kind, name, key, tier.value,
-                        _mib(entry.total_bytes))
+                        size_text(entry.total_bytes))
             return entry
 
     def get(self, key: str) -> Entry:
@@ -527,14 +520,14 @@ class TierManager:
         if ram_reserve_bytes is not _UNSET:
             _check_bytes("ram_reserve_bytes", ram_reserve_bytes, limit=MAX_BUDGET_BYTES)
             if ram_reserve_bytes > ram_total_bytes():
-                raise ValueError(f"ram_reserve_bytes ({_gib(ram_reserve_bytes)}) is more than this "
-                                 f"machine's RAM ({_gib(ram_total_bytes())})")
+                raise ValueError(f"ram_reserve_bytes ({size_text(ram_reserve_bytes)}) is more than this "
+                                 f"machine's RAM ({size_text(ram_total_bytes())})")
         if vram_reserve_bytes is not _UNSET:
             _check_bytes("vram_reserve_bytes", vram_reserve_bytes, limit=MAX_BUDGET_BYTES)
             vram_total = vram_total_bytes()
             if vram_total is not None and vram_reserve_bytes > vram_total:
-                raise ValueError(f"vram_reserve_bytes ({_gib(vram_reserve_bytes)}) is more than "
-                                 f"the GPU's memory ({_gib(vram_total)})")
+                raise ValueError(f"vram_reserve_bytes ({size_text(vram_reserve_bytes)}) is more than "
+                                 f"the GPU's memory ({size_text(vram_total)})")
         if disk_tier is not _UNSET and not isinstance(disk_tier, bool):
             raise ValueError(f"disk_tier must be true or false, got {type(disk_tier).__name__}")
         with self._locked():
@@ -581,7 +574,7 @@ class TierManager:
             dropped, excess = self._drop_over_budget(0, None, strict=False)
             if excess > 0:
                 logger.warning("models hold %s more RAM than the budget; the rest are in use, "
-                               "pinned, or the disk tier is off", _mib(excess))
+                               "pinned, or the disk tier is off", size_text(excess))
             return dropped
 
     # ----------------------------------------------------------------------------------------
@@ -742,7 +735,7 @@ class TierManager:
             entry.total_bytes = int(entry.backend.nbytes())
         self._record(entry, to, reason)
         logger.info("%s '%s' (%s) %s (%s, %s, %.2fs)", entry.kind, entry.name, entry.id, verb,
-                    reason, _mib(entry.total_bytes), seconds)
+                    reason, size_text(entry.total_bytes), seconds)
 
     def _announce(self, kind: str, entry: Entry | None, *, reason: str, **fields: Any) -> None:
         """Queue an event for the listeners, delivered when the outermost lock level ends."""
@@ -850,8 +843,8 @@ class TierManager:
 
     def _ram_refusal(self, entry: Entry | None, need: int, budget: int, used: int) -> str:
         what = f"'{entry.name}' ({entry.id})" if entry is not None else "the request"
-        head = (f"{what} needs {_mib(need)} of RAM; the budget is {_mib(budget)} and models "
-                f"hold {_mib(used)}")
+        head = (f"{what} needs {size_text(need)} of RAM; the budget is {size_text(budget)} and models "
+                f"hold {size_text(used)}")
         if need > budget:
             return f"{head}: it is larger than the whole RAM budget"
         if not self._disk_tier:
@@ -884,8 +877,8 @@ class TierManager:
             busy = [f"'{e.name}'" for e in self._entries.values()
                     if e is not exclude and e.tier is Tier.VRAM and e.in_use]
             raise TierCapacityError(
-                f"{what} needs {_mib(need)} of VRAM plus a {_mib(self._vram_reserve)} reserve; "
-                f"{_mib(free)} is free and parking idle models frees only {_mib(freed)}"
+                f"{what} needs {size_text(need)} of VRAM plus a {size_text(self._vram_reserve)} reserve; "
+                f"{size_text(free)} is free and parking idle models frees only {size_text(freed)}"
                 + (f" (in use: {', '.join(busy)})" if busy else ""))
         for victim in victims:
             self._step(victim, Tier.RAM, "vram_pressure")

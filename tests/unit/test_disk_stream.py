@@ -13,7 +13,7 @@ import torch
 from toy_models import ToyDiT, assert_restored, bits, inputs, snapshot
 from torch import nn
 
-from offload_core.disk import DiskStore, size_text
+from offload_core.disk import DiskStore
 from offload_core.disk_tier import DiskOptions
 from offload_core.host_cache import CacheTooSmallError, DiskTelemetry, HostCache
 from offload_core.packing import PackedBlock, tensor_refs
@@ -85,11 +85,6 @@ def test_a_failed_write_gives_the_pack_its_values_back(tmp_path):
         assert_restored(m, before, list(before))
     store.close()
     store.close()  # once: a second close gives back nothing
-
-
-def test_sizes_in_messages_switch_units():
-    assert [size_text(n) for n in (0, 1023, 1024, 1536 << 10, 3 << 30)] == \
-        ["0 bytes", "1023 bytes", "1 KiB", "1.5 MiB", "3.00 GiB"]
 
 
 @pytest.mark.skipif(os.name == "nt", reason="Windows keeps an open file's name")
