@@ -15,7 +15,7 @@ from torch import nn
 
 from offload_core.disk import DiskStore
 from offload_core.disk_tier import DiskOptions
-from offload_core.host_cache import CacheTooSmallError, DiskTelemetry, HostCache
+from offload_core.host_cache import CacheTooSmallError, DiskTelemetry, HostCache, _union
 from offload_core.packing import PackedBlock, tensor_refs
 from offload_core.pinned import HostStorage
 from offload_core.streamer import LayerwiseStreamer
@@ -139,6 +139,23 @@ def test_cache_keeps_units_needed_soon_and_hits_on_a_cyclic_order(tmp_path, n, e
     finally:
         cache.close()
         store.close()
+
+
+def test_a_read_in_flight_at_a_reset_counts_whole_in_the_window_where_it_ends():
+    """Read-ahead runs across passes, so a run's counters are reset while reads are in flight.
+    Such a read counts whole, bytes and time, where it ends; parallel reads count their time once."""
+    tel = DiskTelemetry()
+    first, second = tel.read_started(), tel.read_started()
+    tel.reset()
+    tel.read_ended(first, PAGE, True)
+    tel.read_ended(second, PAGE, True)
+    third = tel.read_started()
+    tel.read_ended(third, PAGE, True)
+    figures = tel.snapshot()
+    assert figures["disk_reads"] == 3 and figures["disk_bytes_read"] == 3 * PAGE
+    assert 0 < figures["disk_read_busy_s"] and figures["disk_read_gibps"] > 0
+    # Reads side by side are busy time once: the union of their intervals.
+    assert _union([(20.0, 21.0), (10.0, 11.0), (10.5, 11.5), (11.5, 12.0)]) == [(10.0, 12.0), (20.0, 21.0)]
 
 
 def test_a_request_waits_while_every_entry_is_held(tmp_path):
