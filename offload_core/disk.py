@@ -241,18 +241,31 @@ class DiskStore:
 
     def bind(self, packs: Mapping[int, PackedBlock]) -> None:
         """Hand the tensors of written packs copy-on-write maps of their bytes, all from one map
-        of the spill file (one descriptor and one mapping, however many packs)."""
+        of the spill file (one descriptor and one mapping, however many packs). Where the file
+        cannot be mapped (no address space, too many maps), the packs are read back into RAM
+        instead, so the module is whole either way."""
         if not packs:
             return
-        region = mmap.mmap(self._spill.fd, self._spill_end, access=mmap.ACCESS_COPY)
+        try:
+            region = mmap.mmap(self._spill.fd, self._spill_end, access=mmap.ACCESS_COPY)
+        except (OSError, ValueError) as e:
+            log.warning("disk stream: the spill file cannot be mapped (%s); its packs are read back into RAM", e)
+            for i, pack in packs.items():
+                buf = torch.empty(self._places[i][1], dtype=torch.uint8)
+                self.read(i, buf)
+                self._bind_pack(i, pack, buf, 0)
+            return
         with torch.inference_mode(False):
             whole = torch.frombuffer(region, dtype=torch.uint8)
         for i, pack in packs.items():
-            offset, _ = self._places[i]
-            for e in pack.entries:
-                if e.original is None:
-                    e.original = _typed(whole, offset + e.offset, e)
-            pack.restore(keep_host=False)
+            self._bind_pack(i, pack, whole, self._places[i][0])
+
+    @staticmethod
+    def _bind_pack(i: int, pack: PackedBlock, buf: torch.Tensor, offset: int) -> None:
+        for e in pack.entries:
+            if e.original is None:
+                e.original = _typed(buf, offset + e.offset, e)
+        pack.restore(keep_host=False)
 
     def finish(self) -> None:
         """Log what placing cost on disk."""

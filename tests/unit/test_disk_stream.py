@@ -65,6 +65,28 @@ def test_store_spills_every_pack_and_hands_back_maps_of_it(tmp_path):
     store.close()
 
 
+def test_a_spill_file_that_cannot_be_mapped_is_read_back_into_ram(tmp_path, monkeypatch):
+    """The failure is forced (mmap refusing, as it does without address space or with too many
+    maps): the module must be whole, with RAM copies of what was written."""
+    import mmap
+    import types
+
+    import offload_core.disk as disk
+
+    def refuse(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    torch.manual_seed(3)
+    modules = [nn.Linear(24, 24) for _ in range(2)]
+    want = [snapshot(m) for m in modules]
+    store = DiskStore(str(tmp_path / "spill"))
+    monkeypatch.setattr(disk, "mmap", types.SimpleNamespace(mmap=refuse, ACCESS_COPY=mmap.ACCESS_COPY))
+    _place(store, modules)
+    for m, before in zip(modules, want):
+        assert_restored(m, before, list(before))
+    store.close()
+
+
 def test_a_failed_write_gives_the_pack_its_values_back(tmp_path):
     torch.manual_seed(1)
     modules = [nn.Linear(40, 40), nn.Linear(40, 8)]
