@@ -5,7 +5,7 @@ and only the Tiered loaders (which resolve names inside ComfyUI's model folders)
 
 Every state-changing route is for this server's own page and for clients that are no web page
 (scripts, curl): it takes only `Content-Type: application/json` and refuses a request whose
-`Origin` is another site's or `null` (`state_changing`). ComfyUI's own origin check lets `null`
+`Origin` is another origin's or `null` (`state_changing`). ComfyUI's own origin check lets `null`
 through (the origin of a sandboxed iframe, a `data:` page, a local file) and looks only at loopback
 hosts; without ours a page on any site could change the budgets with a `text/plain` form post.
 A JSON body from another origin needs a CORS preflight, which ComfyUI does not grant unless it
@@ -96,12 +96,12 @@ def _foreign_origin(request: web.Request) -> str | None:
         own.add(forwarded.split(",")[0].strip().lower())
     if netloc in own or origin.strip().rstrip("/").lower() == _cors_origin():
         return None
-    return f"a request from another site ({budgets.shorten(netloc)}) is refused"
+    return f"a request from another origin ({budgets.shorten(netloc)}) is refused"
 
 
 def state_changing(handler: Callable[[web.Request], Awaitable[web.Response]]):
-    """Refuse, before ``handler`` runs, a request from another site's page or a sandboxed one (403)
-    and one that is not sent as application/json (415), with or without a body."""
+    """Refuse, before ``handler`` runs, a request from another origin's page or a sandboxed one
+    (403) and one that is not sent as application/json (415), with or without a body."""
     @functools.wraps(handler)
     async def guarded(request: web.Request) -> web.Response:
         why = _foreign_origin(request)

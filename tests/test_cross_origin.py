@@ -1,17 +1,20 @@
 """Only the ComfyUI page itself changes the pack's state from a browser, in real headless Chromium.
 
-Three kinds of page send the same requests to every state-changing route of the pack (budgets, a
+Pages of three kinds send the same requests to every state-changing route of the pack (budgets, a
 model's policy, pin, evict, core's unload):
-  * a page of another site (evil.test);
-  * a sandboxed iframe inside it (its requests carry `Origin: null`, which ComfyUI's own origin
-    check lets through);
+  * pages of other origins: another site (evil.test) and another host of the server's own site
+    (evil.comfy.test);
+  * a sandboxed iframe in the other site's page (its requests carry `Origin: null`, which ComfyUI
+    0.3.75's own origin check lets through);
   * the ComfyUI page itself.
 Each sends them the two ways a page can: a `no-cors` fetch with a text/plain body (a "simple"
 request, which a browser sends without asking: what a form post does too), and a fetch with a JSON
-body (which needs a CORS preflight first). Chromium maps evil.test and comfy.test to the loopback;
-the pages reach the server as comfy.test, a host name ComfyUI's own check does not look at (it
-guards only loopback names), so nothing but the pack's own check stands in the way. What changed
-is read on the server with urllib, which no page sees.
+body (which needs a CORS preflight first). Chromium maps every *.test name to the loopback; the
+pages reach the server as comfy.test, a host name ComfyUI's own Host/Origin check does not look at
+(it guards only loopback names). ComfyUI 0.33 also refuses requests a browser marks cross-site
+(`Sec-Fetch-Site`), which covers another site and the sandboxed iframe there, but not another host
+of the same site: that one only the pack's own check stops, on both versions. What changed is read
+on the server with urllib, which no page sees.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import threading
 import pytest
 
 from browser import LAUNCH_ARGS, chromium_path
+from comfy_server import COMFY_ROOT
 from conftest import ARTIFACTS
 from workflows import sample_workflow
 
@@ -30,7 +34,7 @@ CHROMIUM = chromium_path()
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Chromium (make test installs it)")
 
 WAN_FILE = "tiny_wan21_t2v.safetensors"
-HOSTS = "MAP evil.test 127.0.0.1, MAP comfy.test 127.0.0.1"
+HOSTS = "MAP *.test 127.0.0.1"
 
 # Sends every request both ways, then reports what each answered (an opaque no-cors answer is 0).
 ATTACK = """
@@ -96,6 +100,11 @@ class _Site(http.server.ThreadingHTTPServer):
         self.thread.start()
 
 
+PAGES = {"other site": "http://evil.test:{port}/attack",
+         "sandboxed iframe": "http://evil.test:{port}/framed",
+         "other host of the same site": "http://evil.comfy.test:{port}/attack"}
+
+
 def _state(comfy, key: str) -> dict:
     tiers = comfy.get("/offload/tiers")
     model = next(m for m in tiers["models"] if m["id"] == key)
@@ -130,8 +139,8 @@ def test_only_the_comfyui_page_changes_state_cross_origin_pages_change_nothing(c
                                          args=[*LAUNCH_ARGS, f"--host-resolver-rules={HOSTS}"])
             try:
                 page = browser.new_page()
-                for kind in ("attack", "framed"):
-                    page.goto(f"http://evil.test:{site.server_address[1]}/{kind}")
+                for kind, url in PAGES.items():
+                    page.goto(url.format(port=site.server_address[1]))
                     answers[kind] = page.evaluate("window.answers")
                     assert _state(comfy, key) == before, (kind, answers[kind])
                 # The ComfyUI page itself: the same script, the same requests.
@@ -149,17 +158,20 @@ def test_only_the_comfyui_page_changes_state_cross_origin_pages_change_nothing(c
         comfy.post("/offload/budgets", {"ram_budget_gb": None})
         comfy.post(f"/offload/policy/{key}", {"priority": 0, "keep_in_ram": False})
     # The simple requests reached the server (a browser sends them without asking) and were
-    # refused by the pack, each with a log line; the JSON ones never got past the preflight.
-    for kind in ("attack", "framed"):
+    # refused, each by the pack with a log line unless ComfyUI refused it first; the JSON ones
+    # never got past the preflight.
+    for kind in PAGES:
         for path, how, status in answers[kind]:
             if how == "JSON":
                 assert str(status).startswith("blocked"), (kind, path, status)
             else:
                 assert status == 0, (kind, path, status)  # opaque: the page cannot read it
     log = comfy.log_text()
-    assert f"a request from another site (comfy.test:{comfy.port})" not in log
-    assert "a request from another site (evil.test:" in log
-    assert "a request from a page with no origin of its own (Origin: null) is refused" in log
+    assert f"a request from another origin (comfy.test:{comfy.port})" not in log
+    assert "a request from another origin (evil.comfy.test:" in log
+    if "Sec-Fetch-Site" not in (COMFY_ROOT / "server.py").read_text():  # ComfyUI lets them through
+        assert "a request from another origin (evil.test:" in log
+        assert "a request from a page with no origin of its own (Origin: null) is refused" in log
     # The ComfyUI page: text/plain is refused, JSON does what it says.
     for path, how, status in answers["comfyui"]:
         assert status == (200 if how == "JSON" else 415), (path, how, status)
