@@ -251,17 +251,18 @@ class DiskStore:
         except (OSError, ValueError) as e:
             log.warning("disk stream: the spill file cannot be mapped (%s); its packs are read back into RAM", e)
             for i, pack in packs.items():
-                buf = torch.empty(self._places[i][1], dtype=torch.uint8)
+                with torch.inference_mode(False):
+                    buf = torch.empty(self._places[i][1], dtype=torch.uint8)
                 self.read(i, buf)
-                self._bind_pack(i, pack, buf, 0)
+                self._bind_pack(pack, buf, 0)
             return
         with torch.inference_mode(False):
             whole = torch.frombuffer(region, dtype=torch.uint8)
         for i, pack in packs.items():
-            self._bind_pack(i, pack, whole, self._places[i][0])
+            self._bind_pack(pack, whole, self._places[i][0])
 
     @staticmethod
-    def _bind_pack(i: int, pack: PackedBlock, buf: torch.Tensor, offset: int) -> None:
+    def _bind_pack(pack: PackedBlock, buf: torch.Tensor, offset: int) -> None:
         for e in pack.entries:
             if e.original is None:
                 e.original = _typed(buf, offset + e.offset, e)

@@ -8,7 +8,6 @@ uploaded to the device in cache-entry-sized pieces, so host RAM never holds more
 """
 from __future__ import annotations
 
-import logging
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -20,13 +19,9 @@ from .disk import PAGE, DiskStore, align_up
 from .host_cache import CacheTooSmallError, DiskTelemetry, HostCache
 from .packing import PackedBlock
 from .pinned import HostStorage
-from .units import size_text
-
-log = logging.getLogger(__name__)
 
 # Entry size when no unit is streamed: the cache then only stages resident uploads.
 STAGING_BYTES = 64 << 20
-CPU_ALIGN = 64  # torch's CPU allocator alignment
 
 
 @dataclass(frozen=True)
@@ -63,7 +58,6 @@ class DiskTier:
         self.telemetry = DiskTelemetry()
         self.store: DiskStore | None = None
         self.cache: HostCache | None = None
-        self.placed_bytes = 0
 
     @property
     def placed(self) -> bool:
@@ -128,7 +122,6 @@ class DiskTier:
                 if p.entries:
                     store.write(i, p, buf)
                     written[i] = p
-                    self.placed_bytes += p.nbytes
                 if progress is not None:
                     progress(i + 1, len(packs))
         finally:
@@ -174,7 +167,6 @@ class DiskTier:
         """Free the cache and close the store, once; module tensors keep their maps of the bytes."""
         cache, store = self.cache, self.store
         self.cache = self.store = None
-        self.placed_bytes = 0
         try:
             if cache is not None:
                 cache.close()

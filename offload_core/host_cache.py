@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .disk import PAGE, DiskStore, align_up
+from .disk import PAGE, DiskStore
 from .pinned import HostStorage
 from .units import size_text
 
