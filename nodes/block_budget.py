@@ -23,16 +23,10 @@ from dataclasses import dataclass
 import comfy.model_management
 
 from ..offload_core.residency import fit_budget
+from ..offload_core.units import size_text
 from .core_models import loaded_entries
 
 log = logging.getLogger(__name__)
-
-GIB = 1024 ** 3
-
-
-def gib(n: float) -> str:
-    return f"{n / GIB:.2f} GiB"
-
 
 @dataclass(frozen=True)
 class DeviceRoom:
@@ -56,18 +50,18 @@ def choose_budget(model_name: str, requested: int | None, room: DeviceRoom, leas
     said in the node's own terms."""
     budget = fit_budget(requested, room.for_blocks, least, most)
     if budget is None:
-        merge = f", {gib(room.merge)} for merging its LoRA" if room.merge else ""
+        merge = f", {size_text(room.merge)} for merging its LoRA" if room.merge else ""
         raise ValueError(
-            f"Apply Layerwise Offload: {model_name} needs at least {gib(least)} of GPU memory to "
+            f"Apply Layerwise Offload: {model_name} needs at least {size_text(least)} of GPU memory to "
             f"stream its blocks (prefetch + 1 slots of its largest block), but only "
-            f"{gib(max(room.for_blocks, 0))} is left: ComfyUI would let the model's weights take "
-            f"{gib(room.weights)} ({gib(room.free)} free after it made room, "
-            f"{gib(room.loaded)} already loaded, less {gib(room.kept)} it keeps for activations "
-            f"and its reserve), less {gib(room.rest)} for the model's other weights{merge}. "
-            "Lower prefetch or the resolution, or free GPU memory.")
+            f"{size_text(max(room.for_blocks, 0))} is left: ComfyUI would let the model's weights "
+            f"take {size_text(room.weights)} ({size_text(room.free)} free after it made room, "
+            f"{size_text(room.loaded)} already loaded, less {size_text(room.kept)} it keeps for "
+            f"activations and its reserve), less {size_text(room.rest)} for the model's other "
+            f"weights{merge}. Lower prefetch or the resolution, or free GPU memory.")
     if requested is not None and budget < requested:
         log.info("Apply Layerwise Offload: %s: vram_budget_gb %s lowered to %s, what is left on "
-                 "the card for its blocks", model_name, gib(requested), gib(budget))
+                 "the card for its blocks", model_name, size_text(requested), size_text(budget))
     return budget
 
 

@@ -1,12 +1,13 @@
-"""What the tier manager's GiB budget fields mean, for the VRAM Tier Manager node and REST alike.
+"""What a number a user gives the pack means, for every node input and REST field alike.
 
-One meaning everywhere: `ram_budget_gb` 0 (or null) means no cap, so only the available RAM less
-the reserve limits the models, exactly as the node's widget documents it. Every field is a finite
-number of GiB (1 GiB = 1024³ bytes) from 0 to the manager's sane maximum, and a reserve is at most
-what the machine has (RAM, or the GPU's memory where there is one). Both ways in refuse the same
-values with the same message, in the names the user typed. Messages never echo a value that is
-not already known to be small: a request can be made of a 10 MB field name or a number with
-thousands of digits.
+GiB fields (1 GiB = 1024³ bytes): a finite number from 0 to the field's maximum, where 0 has the
+field's own meaning (no cap, auto, no disk) and any other value is at least one byte, so a tiny
+number never becomes a silent 0-byte cap. Counts: whole numbers in the field's range. NaN, the
+infinities, booleans and strings are refused, with a message that names the field and its range.
+The tier manager's budgets (`ram_budget_gb` 0 or null: no cap) mean the same through the VRAM Tier
+Manager node and `POST /offload/budgets`, and a reserve is at most what the machine has (RAM, or
+the GPU's memory where there is one). Messages never echo a value that is not already known to be
+small: a request can be made of a 10 MB field name or a number with thousands of digits.
 """
 from __future__ import annotations
 
@@ -15,11 +16,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..offload_core.tiers import MAX_BUDGET_BYTES, ram_total_bytes, vram_total_bytes
+from ..offload_core.units import size_text
 
 GIB = 1024 ** 3
+ONE_BYTE_GIB = 1 / GIB
 MAX_GIB = MAX_BUDGET_BYTES // GIB
 FIELDS = {"ram_budget_gb": "ram_budget_bytes", "ram_reserve_gb": "ram_reserve_bytes",
           "vram_reserve_gb": "vram_reserve_bytes"}
+ZERO_MEANS = {"ram_budget_gb": "0 or null (no cap)", "ram_reserve_gb": "0 (no reserve)",
+              "vram_reserve_gb": "0 (no reserve)"}
 ALLOWED = (*FIELDS, "disk_tier")
 
 
@@ -29,27 +34,50 @@ def shorten(text: str, limit: int = 48) -> str:
     return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
 
 
+def gib_range(zero_means: str, maximum: float) -> str:
+    return f"{zero_means}, or from {ONE_BYTE_GIB:.2g} GiB (one byte) to {maximum:g} GiB"
+
+
+def gib_bytes(field: str, value: Any, *, maximum: float, zero_means: str) -> int:
+    """Bytes for a GiB field (0 for 0); ValueError naming the field and its range for anything
+    that is not a finite number in it, and for a positive value under one byte."""
+    allowed = gib_range(zero_means, maximum)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{field} must be a number of GiB: {allowed}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{field} must be a finite number of GiB, not NaN or Infinity: {allowed}")
+    if not 0 <= value <= maximum:
+        raise ValueError(f"{field} is out of range: {allowed}")
+    nbytes = int(value * GIB)
+    if value > 0 and nbytes < 1:
+        raise ValueError(f"{field} is less than one byte: {allowed}")
+    return nbytes
+
+
+def whole_number(field: str, value: Any, lowest: int, highest: int) -> int:
+    """A count in [lowest, highest]; ValueError naming the field and its range otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or not lowest <= value <= highest:
+        raise ValueError(f"{field} must be a whole number from {lowest} to {highest}")
+    return value
+
+
 def gib_to_bytes(field: str, value: Any) -> int | None:
-    """Bytes for one GiB field; None for "no cap". Raises ValueError naming the field."""
+    """Bytes for one of the tier manager's GiB fields; None for "no cap". Raises ValueError naming
+    the field."""
     no_cap = field == "ram_budget_gb"
     if no_cap and value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{field} must be a number of GiB" + (" or null" if no_cap else ""))
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"{field} must be a finite number of GiB, not NaN or Infinity")
-    if not 0 <= value <= MAX_GIB:
-        raise ValueError(f"{field} must be from 0 to {MAX_GIB} GiB")
-    if no_cap and value == 0:
+    if value is None:
+        raise ValueError(f"{field} must be a number of GiB: {gib_range(ZERO_MEANS[field], MAX_GIB)}")
+    nbytes = gib_bytes(field, value, maximum=MAX_GIB, zero_means=ZERO_MEANS[field])
+    if no_cap and nbytes == 0:
         return None
-    nbytes = int(value * GIB)
     machine = {"ram_reserve_gb": ("this machine's RAM", ram_total_bytes),
                "vram_reserve_gb": ("the GPU's memory", vram_total_bytes)}.get(field)
     if machine is not None:
         what, total = machine[0], machine[1]()
         if total is not None and nbytes > total:
-            raise ValueError(f"{field} ({value:g} GiB) is more than {what} "
-                             f"({total / GIB:.1f} GiB)")
+            raise ValueError(f"{field} ({size_text(nbytes)}) is more than {what} ({size_text(total)})")
     return nbytes
 
 

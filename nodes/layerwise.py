@@ -40,7 +40,9 @@ from ..offload_core.per_module import PerModule
 from ..offload_core.phases import GRANULARITIES
 from ..offload_core.streamer import LayerwiseStreamer
 from ..offload_core.telemetry import overlap_efficiency
-from . import block_budget, comfy_weights, disk_source, dynamic_cooperation, dynamic_vram, host_moves
+from ..offload_core.units import size_text
+from . import (block_budget, budgets, comfy_weights, dynamic_cooperation, dynamic_vram, host_moves,
+               spill_folder)
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,13 @@ WRAPPER_KEY = "tiered_offload.layerwise"
 # The key of core's TorchCompileModel wrapper (comfy_api.torch_helpers.torch_compile.COMPILE_KEY).
 _COMPILE_KEY = "torch.compile"
 GIB = 1024 ** 3
+# The inputs' ranges, for the node's widgets and for the checks of values that reach the node
+# through a link (ComfyUI checks the range of a widget's value only) or as NaN (which passes it).
+MAX_RESIDENT_BLOCKS = 4096
+MAX_VRAM_BUDGET_GB = 1024.0
+MAX_PREFETCH = 16
+MAX_HOST_CACHE_GB = 4096.0
+MAX_DISK_WORKERS = 16
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,26 @@ class LayerwiseSettings:
     disk_workers: int = 2
     granularity: str = "block"
     spill_dir: str = ""
+
+    def __post_init__(self) -> None:
+        """Refuse, naming the input and its range, a value no setting means: another type, NaN,
+        an infinity, out of range, or a budget of less than one byte (which would read as 0)."""
+        try:
+            budgets.whole_number("resident_blocks", self.resident_blocks, -1, MAX_RESIDENT_BLOCKS)
+            budgets.gib_bytes("vram_budget_gb", self.vram_budget_gb, maximum=MAX_VRAM_BUDGET_GB,
+                              zero_means="0 (auto)")
+            budgets.whole_number("prefetch", self.prefetch, 1, MAX_PREFETCH)
+            if not isinstance(self.pin, bool):
+                raise ValueError("pin must be true or false")
+            budgets.gib_bytes("host_cache_gb", self.host_cache_gb, maximum=MAX_HOST_CACHE_GB,
+                              zero_means="0 (every block in RAM)")
+            budgets.whole_number("disk_workers", self.disk_workers, 1, MAX_DISK_WORKERS)
+            if self.granularity not in GRANULARITIES:
+                raise ValueError(f"granularity must be one of {', '.join(GRANULARITIES)}")
+            if not isinstance(self.spill_dir, str):
+                raise ValueError("spill_dir must be a folder path, or empty")
+        except ValueError as e:
+            raise ValueError(f"Apply Layerwise Offload: {e}") from None
 
     def streamer_kwargs(self) -> dict[str, Any]:
         """The residency settings as the streamer takes them (an auto budget plans no resident
@@ -99,15 +128,16 @@ class LayerwiseSession:
         self.streamer = LayerwiseStreamer(list(self.blocks), self.device, resident=resident,
                                           prefetch=settings.prefetch, pin=settings.pin,
                                           granularity=settings.granularity,
-                                          disk=self._disk_options(patcher, settings))
+                                          disk=self._disk_options(settings))
         least, _ = self.streamer.bound_range()
         requested = settings.requested_budget
         if resident is None and requested is not None and requested < least:
             raise ValueError(
                 f"Apply Layerwise Offload: vram_budget_gb={settings.vram_budget_gb:g} GiB is too "
-                f"small for {self.model_class}: streaming every block needs "
-                f"{block_budget.gib(least)} (prefetch + 1 = {settings.prefetch + 1} slots of its "
-                "largest block). Raise vram_budget_gb, lower prefetch, or set 0 for auto.")
+                f"small for {self.model_class}: streaming every block needs {size_text(least)} "
+                f"(prefetch + 1 = {settings.prefetch + 1} slots of its largest block), and the "
+                f"budget leaves {size_text(requested)} for them. Raise vram_budget_gb, lower "
+                "prefetch, or set 0 for auto.")
         self.module_id = id(diffusion_model)
         self.accounted_bytes = 0
         self.budget_bytes: int | None = None
@@ -126,16 +156,14 @@ class LayerwiseSession:
         self._root = weakref.ref(patcher.model)
         host_moves.watch(patcher.model, WRAPPER_KEY, self._reclaim_before_host_move)
 
-    def _disk_options(self, patcher, settings: LayerwiseSettings) -> DiskOptions | None:
-        """The disk tier when host_cache_gb caps the RAM for blocks; the model's own file is
-        looked for when the blocks are first placed, once they hold their base weights."""
+    @staticmethod
+    def _disk_options(settings: LayerwiseSettings) -> DiskOptions | None:
+        """The disk tier when host_cache_gb caps the RAM for blocks."""
         if settings.host_cache_gb <= 0:
             return None
-        prefixes, blocks = self.prefixes, self.blocks
-        return DiskOptions(cap_bytes=max(1, int(settings.host_cache_gb * GIB)),
+        return DiskOptions(cap_bytes=int(settings.host_cache_gb * GIB),
                            workers=settings.disk_workers,
-                           spill_dir=disk_source.spill_folder(settings.spill_dir),
-                           model_file=lambda: disk_source.model_file(patcher, prefixes, blocks))
+                           spill_dir=spill_folder.spill_folder(settings.spill_dir))
 
     def begin(self, patcher, noise_shape=None, conds=None, model_options=None) -> None:
         """Plan, hand the blocks over from core, pack and attach. Called before core's load; if
@@ -435,18 +463,18 @@ class ApplyLayerwiseOffload:
         return {"required": {
             "model": ("MODEL", {"tooltip": "The diffusion model to stream."}),
             "resident_blocks": ("INT", {
-                "default": -1, "min": -1, "max": 4096,
+                "default": -1, "min": -1, "max": MAX_RESIDENT_BLOCKS,
                 "tooltip": "Blocks kept on the GPU, spread evenly through the stack. -1 derives "
                            "the number from vram_budget_gb."}),
             "vram_budget_gb": ("FLOAT", {
-                "default": 0.0, "min": 0.0, "max": 1024.0, "step": 0.25,
+                "default": 0.0, "min": 0.0, "max": MAX_VRAM_BUDGET_GB, "step": 0.25,
                 "tooltip": "GPU memory in GiB for the model's blocks (resident blocks plus "
                            "streaming slots) when resident_blocks is -1. 0 is auto: whatever the "
                            "card has free once ComfyUI has made room for the rest of the run "
                            "(other weights, activations, its reserve). A larger budget than that "
                            "is lowered to it, with a log line."}),
             "prefetch": ("INT", {
-                "default": 2, "min": 1, "max": 16,
+                "default": 2, "min": 1, "max": MAX_PREFETCH,
                 "tooltip": "How many streamed blocks are copied ahead of the one computing. "
                            "Each adds one block-sized GPU slot."}),
             "pin": ("BOOLEAN", {
@@ -465,13 +493,12 @@ class ApplyLayerwiseOffload:
                            "weights, with no reload (its cost is logged and shown in the "
                            "Offload panel)."}),
             "host_cache_gb": ("FLOAT", {
-                "default": 0.0, "min": 0.0, "max": 4096.0, "step": 0.25,
+                "default": 0.0, "min": 0.0, "max": MAX_HOST_CACHE_GB, "step": 0.25,
                 "tooltip": "RAM in GiB for the streamed weights. 0 keeps every block packed in "
-                           "RAM. When the blocks do not fit, they are read from disk (the "
-                           "model's own file, or a spill file) through a cache of this size, "
-                           "ahead of need."}),
+                           "RAM. When the blocks do not fit, they are written once to a spill "
+                           "file and read from it through a cache of this size, ahead of need."}),
             "disk_workers": ("INT", {
-                "default": 2, "min": 1, "max": 16,
+                "default": 2, "min": 1, "max": MAX_DISK_WORKERS,
                 "tooltip": "Threads reading blocks from disk ahead of need (disk streaming)."}),
             "granularity": (list(GRANULARITIES), {
                 "default": "block",
@@ -480,9 +507,9 @@ class ApplyLayerwiseOffload:
                            "slot, at more and smaller copies."}),
             "spill_dir": ("STRING", {
                 "default": "",
-                "tooltip": "Folder for the spill file, written when blocks are streamed from "
-                           "disk and the loaded weights are not the model file's bytes (a "
-                           "cast, a conversion). Empty: ComfyUI's temp folder."}),
+                "tooltip": "Folder for the spill file that blocks are streamed from when they "
+                           "do not fit host_cache_gb: as large as the streamed blocks, written "
+                           "once, gone with the engine. Empty: ComfyUI's temp folder."}),
         }}
 
     RETURN_TYPES = ("MODEL",)

@@ -138,9 +138,11 @@ def report() -> list[dict[str, Any]]:
 def unload(card_id: str) -> dict[str, Any]:
     """Core's own unload of one loaded model, between prompts only.
 
-    Raises LookupError (unknown id) or TierError (a prompt runs: PromptRunningError; or the
-    tier manager owns the model).
+    Raises LookupError (unknown id, whether a prompt runs or not) or TierError (a prompt runs:
+    PromptRunningError; or the tier manager owns the model).
     """
+    if not _find(card_id):
+        raise LookupError(card_id)
     with prompt_lifecycle.between_prompts("core's unload"):
         for lm in _find(card_id):
             patcher = lm.model

@@ -3,6 +3,14 @@
 Nothing here takes a filesystem path from a request: models are addressed by the manager's id,
 and only the Tiered loaders (which resolve names inside ComfyUI's model folders) register them.
 
+Every state-changing route is for this server's own page and for clients that are no web page
+(scripts, curl): it takes only `Content-Type: application/json` and refuses a request whose
+`Origin` is another origin's or `null` (`state_changing`). ComfyUI's own origin check lets `null`
+through (the origin of a sandboxed iframe, a `data:` page, a local file) and looks only at loopback
+hosts; without ours a page on any site could change the budgets with a `text/plain` form post.
+A JSON body from another origin needs a CORS preflight, which ComfyUI does not grant unless it
+was started with `--enable-cors-header`; an origin named there is taken, `*` names none.
+
 The aiohttp event loop serves every route of ComfyUI, `/interrupt` included, so nothing here may
 block it: status routes read the manager's published copy and never wait for its lock, and every
 action that may move bytes (load, park, evict, budgets that evict) runs in a worker thread, and
@@ -17,7 +25,9 @@ import contextlib
 import functools
 import json
 import logging
-from typing import Any, Callable
+import threading
+import urllib.parse
+from typing import Any, Awaitable, Callable
 
 import psutil
 import torch
@@ -60,6 +70,50 @@ class BadRequest(Exception):
 
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
+
+
+def _cors_origin() -> str | None:
+    """The one origin ComfyUI was told to allow (`--enable-cors-header ORIGIN`); `*` is none."""
+    from comfy.cli_args import args
+
+    origin = getattr(args, "enable_cors_header", None)
+    return origin.rstrip("/").lower() if isinstance(origin, str) and origin not in ("", "*") else None
+
+
+def _foreign_origin(request: web.Request) -> str | None:
+    """Why the request's Origin is not this server's own page, or None when it is (or when there
+    is no Origin: a client that is no web page)."""
+    origin = request.headers.get("Origin")
+    if origin is None:
+        return None
+    parsed = urllib.parse.urlsplit(origin.strip())
+    netloc = parsed.netloc.lower()
+    if not netloc or parsed.scheme not in ("http", "https"):
+        return "a request from a page with no origin of its own (Origin: null) is refused"
+    own = {request.host.lower()}
+    forwarded = request.headers.get("X-Forwarded-Host")  # a browser page cannot set it cross-site
+    if forwarded:
+        own.add(forwarded.split(",")[0].strip().lower())
+    if netloc in own or origin.strip().rstrip("/").lower() == _cors_origin():
+        return None
+    return f"a request from another origin ({budgets.shorten(netloc)}) is refused"
+
+
+def state_changing(handler: Callable[[web.Request], Awaitable[web.Response]]):
+    """Refuse, before ``handler`` runs, a request from another origin's page or a sandboxed one
+    (403) and one that is not sent as application/json (415), with or without a body."""
+    @functools.wraps(handler)
+    async def guarded(request: web.Request) -> web.Response:
+        why = _foreign_origin(request)
+        if why is not None:
+            log.warning("tiered offload: %s %s: %s", request.method, budgets.shorten(request.path, 100), why)
+            return _error(403, f"{why}: the pack's settings change only from this server's own page "
+                               "or a client that is no web page")
+        if request.content_type != "application/json":
+            return _error(415, "send the request as JSON: Content-Type: application/json")
+        return await handler(request)
+
+    return guarded
 
 
 class _NotANumber(ValueError):
@@ -146,13 +200,38 @@ async def get_swap(request: web.Request) -> web.Response:
 
 
 MOVES = {"load", "park", "evict"}  # actions that move bytes through core's model management
+# An unpin while a prompt ran left RAM over budget: the drops wait for the prompt's end.
+_DROPS_AFTER_PROMPT = threading.Event()
 
 
 def _act(action: str, model: str) -> dict[str, Any]:
-    with prompt_lifecycle.between_prompts(action) if action in MOVES else contextlib.nullcontext():
-        entry = ACTIONS[action](model)
+    MANAGER.get(model)  # an unknown id is a 404, whether a prompt runs or not
+    if action == "unpin":
+        entry = _unpin(model)
+    else:
+        with prompt_lifecycle.between_prompts(action) if action in MOVES else contextlib.nullcontext():
+            entry = ACTIONS[action](model)
     sync_tiers()
     return entry.to_dict()
+
+
+def _unpin(key: str):
+    """Unpin at once. The drops to disk it may make necessary run through core's unload, which is
+    the prompt worker's: now when no prompt runs, else when the running prompt ends."""
+    try:
+        with prompt_lifecycle.between_prompts("a drop to disk"):
+            return MANAGER.unpin(key)
+    except prompt_lifecycle.PromptRunningError:
+        entry = MANAGER.unpin(key, drop=False)
+        _DROPS_AFTER_PROMPT.set()
+        return entry
+
+
+def _drops_after_prompt() -> None:
+    """On the prompt worker, as a prompt ends: the drops an unpin during it left to now."""
+    if _DROPS_AFTER_PROMPT.is_set():
+        _DROPS_AFTER_PROMPT.clear()
+        MANAGER.enforce_ram_budget()
 
 
 def _set_budgets(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -161,6 +240,7 @@ def _set_budgets(kwargs: dict[str, Any]) -> dict[str, Any]:
         return MANAGER.set_budgets(**kwargs)
 
 
+@state_changing
 async def post_action(request: web.Request) -> web.Response:
     model, action = request.match_info["model"], request.match_info["action"]
     if action not in ACTIONS:
@@ -178,6 +258,7 @@ async def post_action(request: web.Request) -> web.Response:
         return _error(status, str(e))
 
 
+@state_changing
 async def post_budgets(request: web.Request) -> web.Response:
     """Change the budgets: GiB fields as `budgets.py` defines them, and disk_tier."""
     try:
@@ -198,6 +279,7 @@ async def post_budgets(request: web.Request) -> web.Response:
         return _error(409, str(e))
 
 
+@state_changing
 async def post_unload(request: web.Request) -> web.Response:
     """Core's own unload of a model in the panel's list of loaded models, between prompts."""
     card = request.match_info["card"]
@@ -220,21 +302,21 @@ def policy_fields(body: dict[str, Any]) -> tuple[bool | None, int | None]:
     keep, priority = body.get("keep_in_ram"), body.get("priority")
     if "keep_in_ram" in body and not isinstance(keep, bool):
         raise ValueError("keep_in_ram must be true or false")
-    if "priority" in body and (isinstance(priority, bool) or not isinstance(priority, int)
-                               or not -100 <= priority <= 100):
-        raise ValueError("priority must be a whole number from -100 to 100")
+    if "priority" in body:
+        budgets.whole_number("priority", priority, -100, 100)
     return keep, priority
 
 
 def _policy(key: str, keep_in_ram: bool | None, priority: int | None) -> dict[str, Any]:
     entry = MANAGER.get(key)
     if keep_in_ram is not None:
-        (MANAGER.pin if keep_in_ram else MANAGER.unpin)(key)
+        MANAGER.pin(key) if keep_in_ram else _unpin(key)
     if priority is not None:
         MANAGER.set_priority(key, priority)
     return entry.to_dict()
 
 
+@state_changing
 async def post_policy(request: web.Request) -> web.Response:
     """A managed model's keep-in-RAM (never dropped to disk) and eviction priority."""
     key = request.match_info["model"]
@@ -285,7 +367,7 @@ def register() -> None:
     # Core's own loads and unloads raise no event: the panel hears of them after each prompt
     # (the prompt's models are released first, so the figures no longer show them in use).
     prompt_lifecycle.on_prompt_end(lambda prompt_id: (PROMPT_USES.release_prompt(prompt_id),
-                                                      push_tiers()))
+                                                      _drops_after_prompt(), push_tiers()))
     LAYERWISE.subscribe(lambda report: _send(
         server, LAYERWISE_EVENT,
         {"model_id": _model_id_of_module(report["module_id"]), "layerwise": report}))

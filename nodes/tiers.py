@@ -7,10 +7,11 @@ The tiered loaders subclass the core loader nodes, take exactly the same inputs 
 own loading code, so swapping a loader for its tiered twin is the only change a workflow needs,
 and its results are identical.
 
-Each tiered loader returns the manager's object for its (file, mtime, options) identity, so a
+Each tiered loader returns the manager's object for its (file, version, options) identity, so a
 workflow run again after another one gets its models from RAM instead of disk. A model is in use
 from the start of any prompt whose graph contains its loader until that prompt ends. A newer
-version of a file (another mtime) supersedes the old entry, which is then forgotten.
+version of a file (`file_version`: another inode, size or time stamp) supersedes the old entry,
+which is then forgotten.
 
 Dropping a model to disk frees its weights even though ComfyUI's output cache still holds the
 loader's objects: the objects are emptied (moved to the meta device), and the loader's
@@ -19,7 +20,6 @@ runs again and reloads, or fails the prompt with the manager's clear refusal.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -34,8 +34,8 @@ import nodes as core_nodes
 
 from ..offload_core.tiers import (
     DEFAULT_RAM_RESERVE_BYTES, DEFAULT_VRAM_RESERVE_BYTES, SourceChangedError, SourceGoneError, SourceUnreadableError, Tier, TierError, TierManager,
-    model_id, source_key)
-from . import budgets, prompt_lifecycle
+    file_version, model_id, source_key)
+from . import budgets, prompt_lifecycle, settings_file
 from .core_models import loaded_entries, unload_from_core
 from .layerwise import REGISTRY as LAYERWISE
 from .swap import MEMBERS as SWAP_MEMBERS
@@ -77,12 +77,12 @@ def _release_engines(module: torch.nn.Module) -> None:
 
 @dataclass(frozen=True)
 class Source:
-    """A loader's file as registered: its manager id, source key, path, mtime and size."""
+    """A loader's file as registered: its manager id, source key, path, version and size."""
     key: str
     source: str
     name: str
     path: str
-    mtime_ns: int
+    version: tuple[int, ...]
     size: int
 
 
@@ -105,12 +105,13 @@ class ComfyModelBackend:
         self.generation = 0
 
     def _check_source(self) -> None:
-        """Refuse to load anything but the registered version of the file."""
+        """Refuse to load anything but the registered version of the file (checked before and
+        after each load, so bytes written meanwhile never get the old id)."""
         try:
-            mtime_ns = os.stat(self.source.path).st_mtime_ns
+            version = file_version(os.stat(self.source.path))
         except FileNotFoundError:
             raise SourceGoneError(f"the file of '{self.source.name}' is gone") from None
-        if mtime_ns != self.source.mtime_ns:
+        if version != self.source.version:
             raise SourceChangedError(
                 f"the file of '{self.source.name}' changed on disk since it was registered as "
                 f"{self.source.key}; its loader registers the new version under a new id")
@@ -278,15 +279,16 @@ def _identity(kind: str, folder: str, name: str, options: dict[str, Any]) -> Sou
     path = folder_paths.get_full_path_or_raise(folder, name)
     stat = os.stat(path)
     options = {"kind": kind, **options}
-    return Source(key=model_id(path, stat.st_mtime_ns, options), source=source_key(path, options),
-                  name=name, path=path, mtime_ns=stat.st_mtime_ns, size=stat.st_size)
+    version = file_version(stat)
+    return Source(key=model_id(path, version, options), source=source_key(path, options),
+                  name=name, path=path, version=version, size=stat.st_size)
 
 
 def register_model(kind: str, folder: str, name: str, options: dict[str, Any],
                    load: Callable[[], tuple]) -> str:
     """Make the manager know this loader identity (on disk until first use); return its id.
 
-    A new version of the file (another mtime) supersedes the entry of the old one.
+    A new version of the file (see `file_version`) supersedes the entry of the old one.
     """
     source = _identity(kind, folder, name, options)
     MANAGER.register(source.key, name, ComfyModelBackend(load, source), kind=kind,
@@ -440,6 +442,9 @@ class VRAMTierManager:
     def apply(self, ram_budget_gb, ram_reserve_gb, vram_reserve_gb, disk_tier, keep_in_ram,
               priority, model=None, clip=None, vae=None):
         try:
+            budgets.whole_number("priority", priority, -100, 100)
+            if not isinstance(keep_in_ram, bool):
+                raise ValueError("keep_in_ram must be true or false")
             MANAGER.set_budgets(**budgets.budget_kwargs({
                 "ram_budget_gb": ram_budget_gb, "ram_reserve_gb": ram_reserve_gb,
                 "vram_reserve_gb": vram_reserve_gb, "disk_tier": disk_tier}))
@@ -457,18 +462,6 @@ class VRAMTierManager:
             (MANAGER.pin if keep_in_ram else MANAGER.unpin)(key)
             MANAGER.set_priority(key, priority)
         return (model, clip, vae)
-
-
-PRELOAD_FILE = "tiered_offload.json"
-
-
-def _read_preload_config(path: str) -> list:
-    with open(path, encoding="utf-8") as f:
-        config = json.load(f)
-    items = config.get("preload") if isinstance(config, dict) else None
-    if not isinstance(items, list):
-        raise ValueError('expected {"preload": [...]}')
-    return items
 
 
 def _register_preload_entry(item: Any) -> tuple[str, str]:
@@ -490,19 +483,18 @@ def _register_preload_entry(item: Any) -> tuple[str, str]:
 
 
 def _preload_from_config() -> None:
-    """Register and warm the models named in <user dir>/tiered_offload.json, in the background.
+    """Register and warm the models named in the settings file, in the background.
 
     Format: {"preload": [{"loader": "TieredUNETLoader", "inputs": {...}, "tier": "ram"}]}.
     A bad file or entry, whatever its content, is logged and skipped; start-up never waits for
     or fails on the warm-up.
     """
-    path = os.path.join(folder_paths.get_user_directory(), PRELOAD_FILE)
-    if not os.path.exists(path):
-        return
     try:
-        items = _read_preload_config(path)
-    except (OSError, ValueError, RecursionError) as e:
-        log.error("tiered offload: cannot read %s: %s", path, budgets.shorten(e, 300))
+        items = settings_file.read().get("preload", [])
+        if not isinstance(items, list):
+            raise ValueError('expected {"preload": [...]}')
+    except (OSError, ValueError) as e:
+        log.error("tiered offload: cannot read %s: %s", settings_file.path(), budgets.shorten(e, 300))
         return
     by_tier: dict[str, list[str]] = {}
     for item in items:

@@ -1,15 +1,13 @@
 """The disk tier of one streamer: its settings, and the steps the streamer takes through it.
 
 When the host RAM the engine may use for weights (``cap_bytes``) is smaller than the packed
-model, every pack lives on disk (the model's own file where its bytes match, else a spill file:
-see disk.py) and the streamed units come in through a host cache of at most ``cap_bytes`` (see
+model, every pack lives on disk, in a spill file of the engine's own (disk.py says why never the
+model's file), and the streamed units come in through a host cache of at most ``cap_bytes`` (see
 host_cache.py). Resident units and the tensors every block shares are read once per attach and
 uploaded to the device in cache-entry-sized pieces, so host RAM never holds more than the cache.
 """
 from __future__ import annotations
 
-import logging
-import os
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -17,28 +15,23 @@ from typing import Any
 
 import torch
 
-from .disk import PAGE, DiskStore, ModelFile, align_up, size_text
+from .disk import PAGE, DiskStore, align_up
 from .host_cache import CacheTooSmallError, DiskTelemetry, HostCache
 from .packing import PackedBlock
 from .pinned import HostStorage
 
-log = logging.getLogger(__name__)
-
 # Entry size when no unit is streamed: the cache then only stages resident uploads.
 STAGING_BYTES = 64 << 20
-CPU_ALIGN = 64  # torch's CPU allocator alignment
 
 
 @dataclass(frozen=True)
 class DiskOptions:
     """``cap_bytes``: host RAM for the streamed weights (the cache); ``workers``: read threads;
-    ``spill_dir``: where the spill file goes; ``model_file``: the model's own file, or a callable
-    that finds it when the packs are first placed (then the tensors hold their base weights)."""
+    ``spill_dir``: where the spill file goes."""
 
     cap_bytes: int
     workers: int = 2
     spill_dir: str = field(default_factory=tempfile.gettempdir)
-    model_file: ModelFile | Callable[[], ModelFile | None] | None = None
 
     def __post_init__(self) -> None:
         for name in ("cap_bytes", "workers"):
@@ -50,7 +43,11 @@ class DiskOptions:
 
 
 class DiskTier:
-    """The store and cache of one streamer, created at its first attach over the cap."""
+    """The store and cache of one streamer, created at its first attach over the cap.
+
+    ``close()`` stops the cache's readers, frees its memory and gives the store's descriptors back;
+    it runs once for every placement, whatever retires the engine (see LayerwiseStreamer.detach).
+    """
 
     def __init__(self, options: DiskOptions, device: torch.device, pin: bool,
                  ram_budget_bytes: int | None) -> None:
@@ -61,9 +58,6 @@ class DiskTier:
         self.telemetry = DiskTelemetry()
         self.store: DiskStore | None = None
         self.cache: HostCache | None = None
-        self.placed_from_file = 0
-        self.placed_spilled = 0
-        self.model_file: ModelFile | None = None  # found at the first placement
 
     @property
     def placed(self) -> bool:
@@ -114,37 +108,29 @@ class DiskTier:
 
     # ---------------------------------------------------------------- placing
     def place(self, packs: Sequence[PackedBlock], progress: Callable[[int, int], None] | None) -> int:
-        """Put every pack on disk (see DiskStore.place); returns how many packs held tensors."""
-        src = self.options.model_file
-        if callable(src) and not isinstance(src, ModelFile):
-            src = src()
-        self.model_file = src
-        # A CPU device computes on the host maps between runs: they must be aligned like the
-        # allocator's memory (64 bytes) for the same results. A GPU copies them first.
-        store = DiskStore(self.options.spill_dir, src, align=CPU_ALIGN if self.device.type == "cpu" else 1)
+        """Write every pack to the spill file, then bind the module tensors to maps of it (also
+        when a write or the progress callback raises: what was written is bound, the pack being
+        written gets its values back); returns how many packs held tensors."""
+        store = DiskStore(self.options.spill_dir)
         self.store = store
         largest = align_up(max((p.nbytes for p in packs), default=0), PAGE)
-        scratch = HostStorage([largest, largest], pin=False, ram_budget_bytes=0)
-        count = 0
+        scratch = HostStorage([largest], pin=False, ram_budget_bytes=0)
+        written: dict[int, PackedBlock] = {}
         try:
-            a, b = scratch.buffer(0), scratch.buffer(1)
+            buf = scratch.buffer(0)
             for i, p in enumerate(packs):
                 if p.entries:
-                    kind = store.place(i, p, a, b)
-                    count += 1
-                    if kind == "file":
-                        self.placed_from_file += p.nbytes
-                    else:
-                        self.placed_spilled += p.nbytes
+                    store.write(i, p, buf)
+                    written[i] = p
                 if progress is not None:
                     progress(i + 1, len(packs))
         finally:
-            scratch.release()
+            try:
+                store.bind(written)
+            finally:
+                scratch.release()
         store.finish()
-        log.info("disk stream: %s of blocks read from the model's own file%s, %s spilled",
-                 size_text(self.placed_from_file), f" ({os.path.basename(src.path)})" if src else "",
-                 size_text(self.placed_spilled))
-        return count
+        return len(written)
 
     def upload(self, index: int, nbytes: int, dst: torch.Tensor) -> None:
         """Copy pack ``index`` from disk into device memory ``dst`` through one cache entry."""
@@ -165,15 +151,11 @@ class DiskTier:
 
     def figures(self) -> dict[str, Any]:
         store, cache = self.store, self.cache
-        model = self.model_file
         return {
             "active": store is not None,
             "cap_bytes": self.options.cap_bytes,
             "workers": self.options.workers,
             "spill_dir": self.options.spill_dir,
-            "model_file": model.path if model is not None else None,
-            "model_file_error": store.model_file_error if store is not None else None,
-            "file_bytes": self.placed_from_file,
             "spill_bytes": store.spill_bytes if store is not None else 0,
             "cache_bytes": cache.nbytes if cache is not None else 0,
             "cache_entries": cache.count if cache is not None else 0,
@@ -181,15 +163,10 @@ class DiskTier:
             "cache_pinned_bytes": cache.pinned_bytes if cache is not None else 0,
         }
 
-    def source_of(self, index: int) -> str | None:
-        return self.store.source_of(index) if self.store is not None else None
-
     def close(self) -> None:
-        """Free the cache and close the store; module tensors keep their maps of the bytes."""
+        """Free the cache and close the store, once; module tensors keep their maps of the bytes."""
         cache, store = self.cache, self.store
         self.cache = self.store = None
-        self.model_file = None
-        self.placed_from_file = self.placed_spilled = 0
         try:
             if cache is not None:
                 cache.close()

@@ -27,8 +27,9 @@ from typing import Any, Protocol
 
 import torch
 
-from .disk import PAGE, DiskStore, align_up, size_text
+from .disk import PAGE, DiskStore
 from .pinned import HostStorage
+from .units import size_text
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,15 @@ class CacheTooSmallError(ValueError):
 
 
 class DiskTelemetry:
-    """What the disk tier cost in a run: reads, hit rate, read rate and time compute waited."""
+    """What the disk tier cost in a run: reads, hit rate, read rate and time compute waited.
+
+    The read rate is the bytes of the reads that ended since the last reset over the wall time
+    those reads were in flight (the union of their intervals, so parallel reads count once). Each
+    read brings its own start: read-ahead runs across passes, so a run's counters are reset while
+    reads are in flight, and a read counts whole in the window where it ends.
+    """
+
+    _COMPACT_AT = 1024  # intervals kept before they are merged into their union
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -62,26 +71,23 @@ class DiskTelemetry:
             self.hits = 0  # of those, served by bytes read in an earlier pass
             self.reads = 0
             self.bytes_read = 0
-            self.read_busy_s = 0.0  # wall time with at least one read in flight
             self.wait_s = 0.0  # time the sampling thread waited for a read
             self.read_errors = 0
-            self._active = 0
-            self._since = 0.0
+            self._intervals: list[tuple[float, float]] = []  # (start, end) of each read ended
 
-    def read_started(self) -> None:
-        with self._lock:
-            if self._active == 0:
-                self._since = time.perf_counter()
-            self._active += 1
+    @staticmethod
+    def read_started() -> float:
+        """The start of a read, for ``read_ended``."""
+        return time.perf_counter()
 
-    def read_ended(self, nbytes: int, ok: bool) -> None:
+    def read_ended(self, started: float, nbytes: int, ok: bool) -> None:
         with self._lock:
-            self._active -= 1
-            if self._active == 0:
-                self.read_busy_s += time.perf_counter() - self._since
             if ok:
                 self.reads += 1
                 self.bytes_read += nbytes
+                self._intervals.append((started, time.perf_counter()))
+                if len(self._intervals) >= self._COMPACT_AT:
+                    self._intervals = _union(self._intervals)
             else:
                 self.read_errors += 1
 
@@ -91,7 +97,7 @@ class DiskTelemetry:
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
-            busy = self.read_busy_s
+            busy = sum(end - start for start, end in _union(self._intervals))
             return {
                 "cache_requests": self.requests,
                 "cache_hits": self.hits,
@@ -103,6 +109,17 @@ class DiskTelemetry:
                 "disk_wait_s": self.wait_s,
                 "disk_read_errors": self.read_errors,
             }
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The intervals merged where they overlap, in order."""
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
 
 
 @dataclass(eq=False)
@@ -316,7 +333,7 @@ class HostCache:
                 fence, e.fence = e.fence, None
             error = None
             nbytes = self._unit_bytes[unit]
-            self._tel.read_started()
+            started = self._tel.read_started()
             try:
                 if fence is not None:
                     fence.synchronize()  # the last copy out of this entry has run
@@ -325,7 +342,7 @@ class HostCache:
                 error = exc
                 log.error("disk stream: %s", exc)
             finally:
-                self._tel.read_ended(nbytes, error is None)
+                self._tel.read_ended(started, nbytes, error is None)
             with self._lock:
                 e.reading, e.error = False, error
                 if error is not None:

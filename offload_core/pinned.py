@@ -37,11 +37,11 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
+from .units import size_text
+
 log = logging.getLogger(__name__)
 
 ALIGN = 256
-_MiB = 1 << 20
-_GiB = 1 << 30
 DEFAULT_CHUNK_BYTES = 512 << 20
 DEFAULT_RESERVE_BYTES = 2 << 30
 # Share of physical RAM that may be page-locked process-wide when no explicit cap is
@@ -322,8 +322,8 @@ class HostStorage:
         headroom = available_ram_bytes() - self._reserve
         if span > headroom:
             raise MemoryError(
-                f"host storage chunk {ci} needs {span / _MiB:.1f} MiB but only {max(headroom, 0) / _MiB:.1f} MiB "
-                f"are available after keeping {self._reserve / _MiB:.1f} MiB in reserve; refusing to allocate"
+                f"host storage chunk {ci} needs {size_text(span)} but only {size_text(max(headroom, 0))} "
+                f"are available after keeping {size_text(self._reserve)} in reserve; refusing to allocate"
             )
         # An empty chunk (a block with no tensors) has nothing to map or register; both refuse size 0.
         if not span:
@@ -337,7 +337,7 @@ class HostStorage:
                 self._pinned_here += span
                 _count_pinned(span)
             else:
-                self._refuse_pin(f"cudaHostRegister failed for a {span / _MiB:.1f} MiB chunk")
+                self._refuse_pin(f"cudaHostRegister failed for a {size_text(span)} chunk")
 
     def _want_pin(self, span: int) -> bool:
         if not self._pin or self._pin_refused:
@@ -348,8 +348,8 @@ class HostStorage:
         cap = pin_cap(self._cap)
         if pinned_bytes() + span > cap:
             self._refuse_pin(
-                f"pinning {span / _MiB:.1f} MiB more would exceed the pinned-RAM cap of {cap / _GiB:.2f} GiB "
-                f"({pinned_bytes() / _GiB:.2f} GiB pinned by the engine)"
+                f"pinning {size_text(span)} more would exceed the pinned-RAM cap of {size_text(cap)} "
+                f"({size_text(pinned_bytes())} pinned by the engine)"
             )
             return False
         return True

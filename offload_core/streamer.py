@@ -240,10 +240,8 @@ class LayerwiseStreamer:
         return out
 
     def describe_units(self) -> list[dict]:
-        """Each unit: its block, name, bytes and (disk streaming) where its bytes are read from."""
-        return [{"block": u.block, "name": u.name, "bytes": p.nbytes,
-                 "source": self._disk.source_of(i) if self._disk is not None else None}
-                for i, (u, p) in enumerate(zip(self.units, self._packs))]
+        """Each unit: its block, name and bytes."""
+        return [{"block": u.block, "name": u.name, "bytes": p.nbytes} for u, p in zip(self.units, self._packs)]
 
     def host_bytes(self) -> dict[str, int]:
         """Host master size, the tensors in it without alignment padding (a quantized weight's
@@ -386,12 +384,14 @@ class LayerwiseStreamer:
         """Remove hooks, free device memory, give every tensor back bit-for-bit.
 
         ``keep_pack`` keeps the host master for the next ``attach`` (unchanged CPU
-        tensors then alias it); otherwise it is freed and tensors get fresh memory.
+        tensors then alias it); otherwise it is freed and tensors get fresh memory, or, for packs
+        on disk, keep their maps of the spill file while the disk tier's readers, cache and
+        descriptors are released.
         """
         if self._attached:
             self._teardown(keep_pack)
             log.info("detached (%s the host pack)", "keeping" if keep_pack else "freeing")
-        elif not keep_pack and self._host is not None:
+        elif not keep_pack and self._has_pack():
             self._free_pack()
 
     def close(self) -> None:

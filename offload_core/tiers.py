@@ -18,7 +18,8 @@ A backend must therefore never call back into the manager. Listeners are called 
 released, and ``snapshot`` reads a copy published when a move starts and when each change ends, so
 a status request never waits for a load and can see which model is moving.
 
-Identity: a model file that changed on disk is a different model (``model_id`` covers its mtime).
+Identity: a model file that changed on disk is a different model (``model_id`` covers its
+``file_version``: inode, size and time stamps, the change time included, which no one can put back).
 Entries registered with the same ``source`` supersede each other: the older one is forgotten as
 soon as no job uses it, so RAM never holds two versions of one file and new bytes never appear
 under an old id.
@@ -42,9 +43,10 @@ from typing import Any, Protocol
 import psutil
 import torch
 
+from .units import size_text
+
 logger = logging.getLogger(__name__)
 
-MiB = 1 << 20
 GiB = 1 << 30
 DEFAULT_RAM_RESERVE_BYTES = 2 << 30  # the OS, ComfyUI's own tensors, activations
 DEFAULT_VRAM_RESERVE_BYTES = 1 << 30  # latents, VAE decode, attention workspace
@@ -107,22 +109,30 @@ class SourceUnreadableError(TierError):
     """The source file exists but is not a model the backend can read (corrupt, wrong kind) (422)."""
 
 
-def model_id(source_path: str | os.PathLike[str], mtime_ns: int, options: Mapping[str, Any]) -> str:
+def file_version(st: os.stat_result) -> tuple[int, ...]:
+    """What moves on whenever a file's bytes may have changed: its device and inode (a new file
+    renamed over the name), its size, its modification time, and its inode change time. The last
+    is why a version cannot be faked: a write moves it on, and so does putting the modification
+    time back (``touch -d``, ``cp -p``), since that changes the inode too."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def model_id(source_path: str | os.PathLike[str], version: tuple[int, ...], options: Mapping[str, Any]) -> str:
     """A short stable id for a model file loaded with given options.
 
-    The id covers the resolved path, the modification time and the load options (JSON with sorted
-    keys, non-JSON values by ``str``), so a re-saved file or a different dtype is a different model
-    and never reuses a stale parked copy.
+    The id covers the resolved path, the file's version (``file_version``) and the load options
+    (JSON with sorted keys, non-JSON values by ``str``), so a re-saved file or a different dtype is
+    a different model and never reuses a stale parked copy.
     """
     identity = json.dumps(
-        {"path": os.path.realpath(os.fspath(source_path)), "mtime_ns": int(mtime_ns),
+        {"path": os.path.realpath(os.fspath(source_path)), "version": [int(v) for v in version],
          "options": dict(options)},
         sort_keys=True, default=str)
     return hashlib.sha256(identity.encode()).hexdigest()[:16]
 
 
 def source_key(source_path: str | os.PathLike[str], options: Mapping[str, Any]) -> str:
-    """What ``model_id`` covers except the modification time: one key for every version of a file
+    """What ``model_id`` covers except the file's version: one key for every version of a file
     loaded with the same options, so a newer version can supersede the older one."""
     identity = json.dumps(
         {"path": os.path.realpath(os.fspath(source_path)), "options": dict(options)},
@@ -225,14 +235,6 @@ def cuda_free_bytes() -> int | None:
     return free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
 
 
-def _mib(n: int) -> str:
-    return f"{n / MiB:.1f} MiB"
-
-
-def _gib(n: int) -> str:
-    return f"{n / GiB:.1f} GiB"
-
-
 def _check_bytes(name: str, value: object, *, allow_none: bool = False,
                  limit: int | None = None) -> None:
     """Refuse anything but a whole number of bytes in [0, limit]; messages never echo a huge value."""
@@ -244,7 +246,7 @@ def _check_bytes(name: str, value: object, *, allow_none: bool = False,
     if value < 0:
         raise ValueError(f"{name} must be >= 0")
     if limit is not None and value > limit:
-        raise ValueError(f"{name} must be at most {limit} bytes ({_gib(limit)})")
+        raise ValueError(f"{name} must be at most {limit} bytes ({size_text(limit)})")
 
 
 def ram_total_bytes() -> int:
@@ -330,7 +332,7 @@ class TierManager:
             self._touch(entry)
             self._announce("register", entry, reason="register")
             logger.info("registered %s '%s' (%s) in %s, %s", kind, name, key, tier.value,
-                        _mib(entry.total_bytes))
+                        size_text(entry.total_bytes))
             return entry
 
     def get(self, key: str) -> Entry:
@@ -444,15 +446,18 @@ class TierManager:
                 logger.info("pinned '%s' (%s)", entry.name, key)
             return entry
 
-    def unpin(self, key: str) -> Entry:
-        """Let this model be dropped to disk again; drops at once if RAM is over budget."""
+    def unpin(self, key: str, *, drop: bool = True) -> Entry:
+        """Let this model be dropped to disk again. With ``drop``, idle models over the RAM budget
+        go at once; without it they stay until the next ``enforce_ram_budget`` or release (a
+        caller outside the host's model-management thread leaves the drop to it)."""
         with self._locked():
             entry = self.get(key)
             if entry.policy.pinned:
                 entry.policy.pinned = False
                 self._announce("policy", entry, reason="unpin")
                 logger.info("unpinned '%s' (%s)", entry.name, key)
-            self._drop_over_budget(0, None, strict=False)
+            if drop:
+                self._drop_over_budget(0, None, strict=False)
             return entry
 
     def set_priority(self, key: str, priority: int) -> Entry:
@@ -515,14 +520,14 @@ class TierManager:
         if ram_reserve_bytes is not _UNSET:
             _check_bytes("ram_reserve_bytes", ram_reserve_bytes, limit=MAX_BUDGET_BYTES)
             if ram_reserve_bytes > ram_total_bytes():
-                raise ValueError(f"ram_reserve_bytes ({_gib(ram_reserve_bytes)}) is more than this "
-                                 f"machine's RAM ({_gib(ram_total_bytes())})")
+                raise ValueError(f"ram_reserve_bytes ({size_text(ram_reserve_bytes)}) is more than this "
+                                 f"machine's RAM ({size_text(ram_total_bytes())})")
         if vram_reserve_bytes is not _UNSET:
             _check_bytes("vram_reserve_bytes", vram_reserve_bytes, limit=MAX_BUDGET_BYTES)
             vram_total = vram_total_bytes()
             if vram_total is not None and vram_reserve_bytes > vram_total:
-                raise ValueError(f"vram_reserve_bytes ({_gib(vram_reserve_bytes)}) is more than "
-                                 f"the GPU's memory ({_gib(vram_total)})")
+                raise ValueError(f"vram_reserve_bytes ({size_text(vram_reserve_bytes)}) is more than "
+                                 f"the GPU's memory ({size_text(vram_total)})")
         if disk_tier is not _UNSET and not isinstance(disk_tier, bool):
             raise ValueError(f"disk_tier must be true or false, got {type(disk_tier).__name__}")
         with self._locked():
@@ -569,7 +574,7 @@ class TierManager:
             dropped, excess = self._drop_over_budget(0, None, strict=False)
             if excess > 0:
                 logger.warning("models hold %s more RAM than the budget; the rest are in use, "
-                               "pinned, or the disk tier is off", _mib(excess))
+                               "pinned, or the disk tier is off", size_text(excess))
             return dropped
 
     # ----------------------------------------------------------------------------------------
@@ -730,7 +735,7 @@ class TierManager:
             entry.total_bytes = int(entry.backend.nbytes())
         self._record(entry, to, reason)
         logger.info("%s '%s' (%s) %s (%s, %s, %.2fs)", entry.kind, entry.name, entry.id, verb,
-                    reason, _mib(entry.total_bytes), seconds)
+                    reason, size_text(entry.total_bytes), seconds)
 
     def _announce(self, kind: str, entry: Entry | None, *, reason: str, **fields: Any) -> None:
         """Queue an event for the listeners, delivered when the outermost lock level ends."""
@@ -838,8 +843,8 @@ class TierManager:
 
     def _ram_refusal(self, entry: Entry | None, need: int, budget: int, used: int) -> str:
         what = f"'{entry.name}' ({entry.id})" if entry is not None else "the request"
-        head = (f"{what} needs {_mib(need)} of RAM; the budget is {_mib(budget)} and models "
-                f"hold {_mib(used)}")
+        head = (f"{what} needs {size_text(need)} of RAM; the budget is {size_text(budget)} and models "
+                f"hold {size_text(used)}")
         if need > budget:
             return f"{head}: it is larger than the whole RAM budget"
         if not self._disk_tier:
@@ -872,8 +877,8 @@ class TierManager:
             busy = [f"'{e.name}'" for e in self._entries.values()
                     if e is not exclude and e.tier is Tier.VRAM and e.in_use]
             raise TierCapacityError(
-                f"{what} needs {_mib(need)} of VRAM plus a {_mib(self._vram_reserve)} reserve; "
-                f"{_mib(free)} is free and parking idle models frees only {_mib(freed)}"
+                f"{what} needs {size_text(need)} of VRAM plus a {size_text(self._vram_reserve)} reserve; "
+                f"{size_text(free)} is free and parking idle models frees only {size_text(freed)}"
                 + (f" (in use: {', '.join(busy)})" if busy else ""))
         for victim in victims:
             self._step(victim, Tier.RAM, "vram_pressure")

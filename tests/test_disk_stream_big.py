@@ -7,8 +7,9 @@ Asserted here:
     the device is the CPU, so the engine's device memory (two phase slots, the tensors the blocks
     use themselves) is host RAM too and must fit in the 25%; on a CUDA server it is VRAM.
     The peak is VmHWM of /proc/<pid>/status, reset (clear_refs 5) after the first prompt, which
-    loads the model (core's loader holds all of it in RAM once) and places the blocks on disk; the
-    second prompt is a whole sampling run from disk. Where the reset is refused, VmRSS is sampled.
+    loads the model (core's loader holds all of it in RAM once) and writes the blocks to the
+    engine's spill file; the second prompt is a whole sampling run from disk. Where the reset is
+    refused, VmRSS is sampled.
 The figures are written to tests/artifacts/disk_stream_big.json.
 """
 from __future__ import annotations
@@ -20,12 +21,11 @@ import time
 import pytest
 
 import tiny_models
-from aligned_safetensors import save_aligned
 from comfy_server import ComfyServer
 from conftest import ARTIFACTS
 from workflows import latent_sha, sample_workflow
 
-MODEL = "disk_wan26_1gb_aligned.safetensors"
+MODEL = "disk_wan26_1gb.safetensors"
 LORA = "disk_wan26_lora.safetensors"
 DIM, FFN, LAYERS = 768, 3072, 26  # 26 blocks of 37.7 MB and 32 MB outside them, in fp32
 CACHE_GB = 200 / 1024  # 200 MiB
@@ -37,9 +37,8 @@ SLACK = 1.25
 def big_wan(comfy_base):
     models = comfy_base / "models"
     if not (models / "diffusion_models" / MODEL).exists():
-        sd = tiny_models.build_tiny_wan21(layers=LAYERS, dim=DIM, ffn_dim=FFN, seed=26)
-        save_aligned(sd, models / "diffusion_models" / MODEL, {"fixture": "disk_wan26"})
-        del sd
+        tiny_models.write_tiny_wan21(models / "diffusion_models" / MODEL, layers=LAYERS, dim=DIM, ffn_dim=FFN,
+                                     seed=26)
     if not (models / "loras" / LORA).exists():
         tiny_models.write_tiny_wan_lora(models / "loras" / LORA, model_layers=LAYERS, dim=DIM, ffn_dim=FFN, seed=27)
     return MODEL
@@ -114,7 +113,7 @@ def test_big_wan_from_disk_is_bit_identical_and_bounds_rss(tmp_path, comfy_base,
         peak_rss = peak.stop()
         state = _engine(server)
         disk, tel = state["disk"], state["telemetry"]
-        assert disk["active"] and disk["model_file"].endswith(big_wan) and disk["spill_bytes"] == 0, disk
+        assert disk["active"] and disk["spill_bytes"] >= state["block_bytes"], disk
         assert tel["disk_reads"] > 0 and tel["order_misses"] == 0 and tel["sync_fallbacks"] == 0, tel
         assert tel["blocks_packed"] == 0, "the second run placed blocks again"
         rest, cache, device = state["rest_bytes"], disk["cache_bytes"], state["bound_bytes"]

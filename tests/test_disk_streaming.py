@@ -3,24 +3,24 @@
 Each test compares the latent sha256 of a workflow with Apply Layerwise Offload against the same
 workflow without it (core's full load), LoRA included, and reads what the engine did from
 `GET /offload/layerwise`. A host cache is made to hold fewer units than the model has, so the
-blocks really come from disk: the model's own file where its bytes are the loaded tensors (a
-64-byte aligned file: on a CPU device only aligned tensors are read in place), a spill file where
-they are not (a bf16 file that the CPU loads as fp32).
+blocks really come from disk: from the engine's own spill file, whether the loaded tensors are the
+model file's bytes (an fp32 file) or not (a bf16 file that the CPU loads as fp32).
 """
 from __future__ import annotations
 
+import json
+import os
 import time
 
 import pytest
 import torch
 
 import tiny_models
-from aligned_safetensors import save_aligned
 from workflows import latent_sha, sample_workflow, with_inputs
 
 PAGE = 4096
 GIB = 1 << 30
-ALIGNED_WAN = "disk_wan6_aligned.safetensors"
+FP32_WAN = "disk_wan6_fp32.safetensors"
 BF16_WAN = "disk_wan6_bf16.safetensors"
 WAN6_LORA = "disk_wan6_lora.safetensors"
 PHASE = {"resident_blocks": 0, "prefetch": 1, "granularity": "phase"}
@@ -29,13 +29,12 @@ BLOCK = {"resident_blocks": 0, "prefetch": 1, "granularity": "block"}
 
 @pytest.fixture(scope="module")
 def wan6(comfy_base):
-    """Six-block tiny Wans (so a cache can hold fewer blocks than the model): one saved 64-byte
-    aligned in fp32 (its bytes are what ComfyUI loads), one in bf16 (loaded as fp32 on a CPU, so
-    the engine spills), and a LoRA on all six blocks."""
+    """Six-block tiny Wans (so a cache can hold fewer blocks than the model): one in fp32 (its
+    bytes are what ComfyUI loads), one in bf16 (loaded as fp32 on a CPU), and a LoRA on all six
+    blocks."""
     models = comfy_base / "models" / "diffusion_models"
-    if not (models / ALIGNED_WAN).exists():
-        save_aligned(tiny_models.build_tiny_wan21(layers=6, seed=61), models / ALIGNED_WAN,
-                     {"fixture": "disk_wan6_aligned"})
+    if not (models / FP32_WAN).exists():
+        tiny_models.write_tiny_wan21(models / FP32_WAN, layers=6, seed=61)
     if not (models / BF16_WAN).exists():
         tiny_models.write_tiny_wan21(models / BF16_WAN, layers=6, seed=62, dtype=torch.bfloat16)
     lora = comfy_base / "models" / "loras" / WAN6_LORA
@@ -66,10 +65,10 @@ def wan6_workflow(unet, lora=None, layerwise=None, **kw):
     return wf
 
 
-def assert_streamed_from_disk(state, source):
+def assert_streamed_from_disk(state):
     disk, tel = state["disk"], state["telemetry"]
     assert disk["active"], disk
-    assert {u["source"] for u in state["units"]} == {source}, state["units"]
+    assert disk["spill_bytes"] >= sum(u["bytes"] for u in state["units"]), disk
     assert 0 < disk["cache_bytes"] < state["block_bytes"], "the cache held every block"
     assert tel["disk_reads"] > 0 and tel["disk_bytes_read"] > 0 and tel["disk_read_errors"] == 0, tel
     assert tel["cache_requests"] == tel["copies"] and 0 <= tel["cache_hits"] <= tel["cache_requests"], tel
@@ -95,7 +94,7 @@ def test_tiny_models_as_phases_and_from_disk_are_bit_identical(comfy, kind, mode
     disk = dict(PHASE, host_cache_gb=cache_gb(phases, 3))
     assert latent_sha(comfy.run(sample_workflow(kind, layerwise=disk))) == baseline
     state = engine(comfy, model_class)
-    assert_streamed_from_disk(state, "spill")  # the fixture files are not 64-byte aligned
+    assert_streamed_from_disk(state)
     assert set(state["unit_states"]) <= {"in_flight", "cached", "disk"}
     # From disk as blocks, all but one kept on the device: one cached block serves every pass.
     one = dict(BLOCK, resident_blocks=blocks["blocks"] - 1, host_cache_gb=cache_gb(blocks, 1))
@@ -106,26 +105,28 @@ def test_tiny_models_as_phases_and_from_disk_are_bit_identical(comfy, kind, mode
 
 
 @pytest.mark.parametrize("layerwise,entries", [(PHASE, 6), (BLOCK, 4)])
-def test_lora_from_the_models_own_file_is_bit_identical(comfy, wan6, layerwise, entries):
-    plain = latent_sha(comfy.run(wan6_workflow(ALIGNED_WAN)))
-    full = latent_sha(comfy.run(wan6_workflow(ALIGNED_WAN, lora=1.0)))
-    half = latent_sha(comfy.run(wan6_workflow(ALIGNED_WAN, lora=0.5)))
+def test_lora_from_disk_is_bit_identical_and_never_reads_the_models_file(comfy, wan6, layerwise, entries):
+    """The loaded tensors are the aligned file's bytes, and still the engine streams from a spill
+    file of its own: the model's file is never mapped or read, so nothing done to it can reach the
+    engine or the weights it hands back (tests/test_disk_file_changes.py)."""
+    plain = latent_sha(comfy.run(wan6_workflow(FP32_WAN)))
+    full = latent_sha(comfy.run(wan6_workflow(FP32_WAN, lora=1.0)))
+    half = latent_sha(comfy.run(wan6_workflow(FP32_WAN, lora=0.5)))
     assert len({plain, full, half}) == 3, "the LoRA must change the result"
-    assert latent_sha(comfy.run(wan6_workflow(ALIGNED_WAN, layerwise=layerwise))) == plain
+    assert latent_sha(comfy.run(wan6_workflow(FP32_WAN, layerwise=layerwise))) == plain
     sizes = engine(comfy, "WanModel", blocks=6)
     disk = dict(layerwise, host_cache_gb=cache_gb(sizes, entries))
-    assert latent_sha(comfy.run(wan6_workflow(ALIGNED_WAN, lora=1.0, layerwise=disk))) == full
+    assert latent_sha(comfy.run(wan6_workflow(FP32_WAN, lora=1.0, layerwise=disk))) == full
     state = engine(comfy, "WanModel", blocks=6)
-    assert_streamed_from_disk(state, "file")
-    assert state["disk"]["model_file"].endswith(ALIGNED_WAN) and state["disk"]["spill_bytes"] == 0
-    assert state["disk"]["file_bytes"] == state["host"]["packed"]
+    assert_streamed_from_disk(state)
+    assert state["disk"]["spill_bytes"] >= state["host"]["packed"]
     assert state["telemetry"]["transforms"] > 0, "the LoRA was not merged into the device copies"
     assert state["telemetry"]["cache_hits"] > 0, "a cache of several units never hit"
     # Base bytes on disk, LoRA merged on the device: a strength change places nothing again.
-    assert latent_sha(comfy.run(wan6_workflow(ALIGNED_WAN, lora=0.5, layerwise=disk))) == half
+    assert latent_sha(comfy.run(wan6_workflow(FP32_WAN, lora=0.5, layerwise=disk))) == half
     assert engine(comfy, "WanModel", blocks=6)["telemetry"]["blocks_packed"] == 0
-    assert latent_sha(comfy.run(wan6_workflow(ALIGNED_WAN, lora=1.0))) == full
-    assert latent_sha(comfy.run(wan6_workflow(ALIGNED_WAN))) == plain
+    assert latent_sha(comfy.run(wan6_workflow(FP32_WAN, lora=1.0))) == full
+    assert latent_sha(comfy.run(wan6_workflow(FP32_WAN))) == plain
 
 
 def test_cast_weights_are_spilled_and_stay_bit_identical(comfy, wan6):
@@ -137,8 +138,7 @@ def test_cast_weights_are_spilled_and_stay_bit_identical(comfy, wan6):
     disk = dict(PHASE, host_cache_gb=cache_gb(engine(comfy, "WanModel", blocks=6), 4))
     assert latent_sha(comfy.run(wan6_workflow(BF16_WAN, lora=1.0, layerwise=disk))) == full
     state = engine(comfy, "WanModel", blocks=6)
-    assert_streamed_from_disk(state, "spill")
-    assert state["disk"]["model_file"] is None and state["disk"]["file_bytes"] == 0
+    assert_streamed_from_disk(state)
     assert state["disk"]["spill_bytes"] >= state["host"]["packed"]
     assert latent_sha(comfy.run(wan6_workflow(BF16_WAN, layerwise=disk))) == plain
     assert latent_sha(comfy.run(wan6_workflow(BF16_WAN))) == plain
@@ -147,17 +147,17 @@ def test_cast_weights_are_spilled_and_stay_bit_identical(comfy, wan6):
 def test_tier_manager_counts_disk_streamed_blocks(comfy, wan6):
     """A Tiered loader's model streamed from disk: the manager's bytes per tier say which bytes
     only the disk holds, and RAM counts the rest (the model outside its blocks, and the cache)."""
-    wf = wan6_workflow(ALIGNED_WAN, layerwise=PHASE)
+    wf = wan6_workflow(FP32_WAN, layerwise=PHASE)
     wf["load"]["class_type"] = "TieredUNETLoader"
-    plain = wan6_workflow(ALIGNED_WAN)
+    plain = wan6_workflow(FP32_WAN)
     plain["load"]["class_type"] = "TieredUNETLoader"
     reference = latent_sha(comfy.run(plain))
     assert latent_sha(comfy.run(wf)) == reference
     disk = with_inputs(wf, "offload", host_cache_gb=cache_gb(engine(comfy, "WanModel", blocks=6), 3))
     assert latent_sha(comfy.run(disk)) == reference
     state = engine(comfy, "WanModel", blocks=6)
-    assert_streamed_from_disk(state, "file")
-    model = next(m for m in comfy.get("/offload/tiers")["models"] if m["name"] == ALIGNED_WAN)
+    assert_streamed_from_disk(state)
+    model = next(m for m in comfy.get("/offload/tiers")["models"] if m["name"] == FP32_WAN)
     on_disk = model["bytes"]["disk"]
     assert on_disk == state["host"]["disk"] > 0
     assert model["bytes"]["vram"] + model["bytes"]["ram"] + on_disk == model["total_bytes"]
@@ -165,30 +165,31 @@ def test_tier_manager_counts_disk_streamed_blocks(comfy, wan6):
     assert latent_sha(comfy.run(plain)) == reference
 
 
-def test_bad_disk_settings_fail_clearly_and_the_server_keeps_serving(comfy, wan6, tmp_path):
-    wf = wan6_workflow(ALIGNED_WAN, layerwise=dict(PHASE, host_cache_gb=0.001, spill_dir=str(tmp_path / "nope")))
+def test_bad_disk_settings_fail_clearly_and_the_server_keeps_serving(comfy, wan6):
+    missing = comfy.base / "temp" / "no such folder"
+    wf = wan6_workflow(FP32_WAN, layerwise=dict(PHASE, host_cache_gb=0.001, spill_dir=str(missing)))
     error = comfy.run_expect_error(wf)
     assert error["node_type"] == "ApplyLayerwiseOffload"
     assert "spill_dir" in error["exception_message"] and "not an existing folder" in error["exception_message"]
-    tiny = wan6_workflow(ALIGNED_WAN, layerwise=dict(BLOCK, host_cache_gb=0.0001))
+    tiny = wan6_workflow(FP32_WAN, layerwise=dict(BLOCK, host_cache_gb=0.0001))
     error = comfy.run_expect_error(tiny)
     assert "host_cache_gb=0.0001 GiB is too small" in error["exception_message"], error
     assert "disk streaming needs 3 at once" in error["exception_message"]
     assert "granularity 'phase'" in error["exception_message"]
-    error = comfy.run_expect_error(wan6_workflow(ALIGNED_WAN, layerwise=dict(PHASE, host_cache_gb=0.000001)))
+    error = comfy.run_expect_error(wan6_workflow(FP32_WAN, layerwise=dict(PHASE, host_cache_gb=0.000001)))
     assert "host_cache_gb=1e-06 GiB is too small" in error["exception_message"], error
     assert "granularity" not in error["exception_message"], "phase units are already the smallest"
-    plain = latent_sha(comfy.run(wan6_workflow(ALIGNED_WAN)))
-    assert latent_sha(comfy.run(wan6_workflow(ALIGNED_WAN, layerwise=PHASE))) == plain
+    plain = latent_sha(comfy.run(wan6_workflow(FP32_WAN)))
+    assert latent_sha(comfy.run(wan6_workflow(FP32_WAN, layerwise=PHASE))) == plain
 
 
 def test_interrupt_while_streaming_from_disk_then_rerun_is_identical(comfy, wan6):
-    slow_plain = wan6_workflow(ALIGNED_WAN, lora=1.0, steps=200)
+    slow_plain = wan6_workflow(FP32_WAN, lora=1.0, steps=200)
     reference = latent_sha(comfy.run(slow_plain))
-    assert latent_sha(comfy.run(wan6_workflow(ALIGNED_WAN, layerwise=PHASE))) == \
-        latent_sha(comfy.run(wan6_workflow(ALIGNED_WAN)))
+    assert latent_sha(comfy.run(wan6_workflow(FP32_WAN, layerwise=PHASE))) == \
+        latent_sha(comfy.run(wan6_workflow(FP32_WAN)))
     disk = dict(PHASE, host_cache_gb=cache_gb(engine(comfy, "WanModel", blocks=6), 3))
-    slow = wan6_workflow(ALIGNED_WAN, lora=1.0, steps=200, layerwise=disk)
+    slow = wan6_workflow(FP32_WAN, lora=1.0, steps=200, layerwise=disk)
     prompt_id = comfy.queue(slow)
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -204,3 +205,49 @@ def test_interrupt_while_streaming_from_disk_then_rerun_is_identical(comfy, wan6
     assert not engine(comfy, "WanModel", blocks=6)["active"]
     assert latent_sha(comfy.run(slow)) == reference
     assert latent_sha(comfy.run(slow_plain)) == reference
+
+
+def _spill_dir_of_last_engine(comfy) -> str:
+    return engine(comfy, "WanModel", blocks=6)["disk"]["spill_dir"]
+
+
+def test_spill_files_go_only_to_the_temp_folder_and_folders_the_settings_file_lists(comfy, wan6, tmp_path):
+    """Any API client can queue a workflow, so spill_dir may name only ComfyUI's temp folder (or a
+    folder inside it) and the folders listed under "spill_dirs" in <user dir>/tiered_offload.json.
+    Every other spelling is refused before anything is written, and names the allowed folders."""
+    reference = latent_sha(comfy.run(wan6_workflow(BF16_WAN)))
+    assert latent_sha(comfy.run(wan6_workflow(BF16_WAN, layerwise=PHASE))) == reference
+    disk = dict(PHASE, host_cache_gb=cache_gb(engine(comfy, "WanModel", blocks=6), 3))
+    temp = os.path.realpath(comfy.base / "temp")
+    escape = tmp_path / "escape"
+    escape.mkdir()
+    inside = comfy.base / "temp" / "spill_link"
+    inside.parent.mkdir(exist_ok=True)
+    if not inside.exists():
+        inside.symlink_to(escape, target_is_directory=True)  # inside the temp folder by name only
+    outside = ["/", "/etc", "/dev/shm", "~", "$HOME", str(comfy.base / "temp" / ".." / ".."), str(inside),
+               str(escape), "../../..", "temp"]
+    for spill_dir in outside:
+        error = comfy.run_expect_error(wan6_workflow(BF16_WAN, layerwise=dict(disk, spill_dir=spill_dir)))
+        message = error["exception_message"]
+        assert error["node_type"] == "ApplyLayerwiseOffload" and "spill_dir" in message, (spill_dir, message)
+        assert ("outside the folders a spill file may go to" in message and temp in message
+                and "spill_dirs" in message) or "not an absolute folder path" in message, (spill_dir, message)
+    assert list(escape.iterdir()) == []
+    # A folder inside the temp folder, and one the settings file lists (read at each new engine).
+    sub = comfy.base / "temp" / "spill_sub"
+    sub.mkdir(exist_ok=True)
+    assert latent_sha(comfy.run(wan6_workflow(BF16_WAN, layerwise=dict(disk, spill_dir=str(sub))))) == reference
+    assert _spill_dir_of_last_engine(comfy) == os.path.realpath(sub)
+    settings = comfy.base / "user" / "tiered_offload.json"
+    settings.write_text(json.dumps({"spill_dirs": [str(escape)]}))
+    try:
+        assert latent_sha(comfy.run(wan6_workflow(BF16_WAN, layerwise=dict(disk, spill_dir=str(inside))))) == reference
+        assert _spill_dir_of_last_engine(comfy) == os.path.realpath(escape)
+        settings.write_text("{not json")
+        error = comfy.run_expect_error(wan6_workflow(BF16_WAN, layerwise=dict(disk, spill_dir="/etc")))
+        assert "cannot be read" in error["exception_message"], error
+    finally:
+        settings.unlink()
+    assert latent_sha(comfy.run(wan6_workflow(BF16_WAN, layerwise=disk))) == reference
+    assert _spill_dir_of_last_engine(comfy) == temp

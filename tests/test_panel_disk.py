@@ -12,7 +12,6 @@ import re
 import pytest
 
 import tiny_models
-from aligned_safetensors import save_aligned
 from test_panel import CHROMIUM, PanelPage, browser, sync_api  # noqa: F401  (browser is a fixture)
 from workflows import sample_workflow
 
@@ -27,7 +26,7 @@ pytestmark = pytest.mark.skipif(not __import__("pathlib").Path(CHROMIUM).exists(
 def model(comfy_base):
     path = comfy_base / "models" / "diffusion_models" / MODEL
     if not path.exists():
-        save_aligned(tiny_models.build_tiny_wan21(layers=6, seed=64), path, {"fixture": "panel_disk"})
+        tiny_models.write_tiny_wan21(path, layers=6, seed=64)
     return MODEL
 
 

@@ -3,14 +3,14 @@
 ComfyUI runs in a subprocess (tests/fixtures/phase_families.py), as for the discovery tests. Per
 family it builds the real ComfyUI class at tiny widths with random weights on the CPU and compares
 a plain forward bit for bit with the layerwise engine streaming every unit: as phases from RAM,
-as phases from disk and as whole blocks from disk (the blocks' own safetensors file, 64-byte
-aligned as a CPU device needs, with a host cache too small for the model). It also splits the
+as phases from disk and as whole blocks from disk (the engine's spill file, with a host cache too
+small for the model). It also splits the
 family's blocks at realistic widths (meta tensors) and reports the largest phase's share.
 
 Per family this asserts: every streamed forward equals the reference (two passes, the second
 wraps around the ring) and so does a plain forward after the engine let go; phases run in the
 order the table or discovery gave (no order miss, no unit loaded late); the disk runs really
-read from the model's own file through the cache; each DiT block splits into at least two phases
+read from the spill file through the cache; each DiT block splits into at least two phases
 whose largest is smaller than the block.
 """
 from __future__ import annotations
@@ -68,14 +68,13 @@ def test_phase_units_are_finer_than_blocks(families, name):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_disk_runs_read_the_models_own_file_through_the_cache(families, name):
+def test_disk_runs_read_the_spill_file_through_the_cache(families, name):
     res = _case(families, name)
     for mode in ("phase_disk", "block_disk"):
         run = res[mode]
         assert run["disk"]["active"], (mode, run["disk"])
-        assert run["sources"] == ["file"], (mode, run["sources"])
-        assert run["disk"]["spill_bytes"] == 0 and run["disk"]["file_bytes"] > 0
-        assert 0 < run["disk"]["cache_bytes"] < run["disk"]["file_bytes"], "the cache held the whole model"
+        assert run["disk"]["spill_bytes"] >= run["block_bytes"] > 0, (mode, run)
+        assert 0 < run["disk"]["cache_bytes"] < run["block_bytes"], "the cache held the whole model"
         tel = run["telemetry"]
         assert tel["disk_reads"] > 0 and tel["cache_requests"] == tel["copies"], (mode, tel)
 

@@ -134,6 +134,42 @@ def test_moves_from_the_api_are_refused_while_a_prompt_runs_and_work_after_it(ti
     assert latent_sha(s.run(tiered("wan21", steps=2))) == reference
 
 
+def test_an_unpin_while_a_prompt_runs_drops_nothing_until_the_prompt_ends(tier_server):
+    """Unpin (the action, and keep_in_ram false) is taken at once, but the drop to disk it makes
+    necessary goes through core's unload, which belongs to the prompt worker: it waits for the
+    running prompt's end. Unknown ids get 404 meanwhile, not "a prompt is running"."""
+    s = tier_server
+    s.run(tiered("sd3", steps=2))
+    sd3 = model(s, SD3)["id"]
+    unknown = "0123456789abcdef"
+    for how in ("unpin", "policy"):
+        if model(s, SD3)["tier"] == "disk":
+            assert s.request("POST", f"/offload/models/{sd3}/park")[0] == 200
+        s.post(f"/offload/models/{sd3}/pin")
+        s.post("/offload/budgets", {"ram_budget_gb": 1 / 1024 ** 2})  # 1 KiB: only its pin keeps it
+        assert model(s, SD3)["tier"] != "disk"
+        slow = s.queue(sample_workflow("wan21", steps=400))  # core's loader: nothing of the manager's
+        try:
+            wait_until(lambda: s.get("/queue")["queue_running"], what="the prompt to start")
+            if how == "unpin":
+                status, reply = s.request("POST", f"/offload/models/{sd3}/unpin")
+            else:
+                status, reply = s.request("POST", f"/offload/policy/{sd3}", {"keep_in_ram": False})
+            assert status == 200 and reply["model"]["policy"]["pinned"] is False, (how, status, reply)
+            assert model(s, SD3)["tier"] != "disk", "dropped through core's unload while a prompt runs"
+            for path, body in ((f"/offload/models/{unknown}/park", None), (f"/offload/models/{unknown}/unpin", None),
+                               (f"/offload/policy/{unknown}", {"priority": 1}),
+                               ("/offload/loaded/core-999999/unload", None)):
+                status, reply = s.request("POST", path, body)
+                assert status == 404, (path, status, reply)
+            assert s.get("/queue")["queue_running"], "the prompt ended before the checks: not a deferral test"
+        finally:
+            s.interrupt()
+            s.wait(slow, timeout=120)
+        wait_until(lambda: model(s, SD3)["tier"] == "disk", what="the drop when the prompt ended")
+        s.post("/offload/budgets", {"ram_budget_gb": None})
+
+
 def test_rest_actions_move_models_and_bad_requests_get_clear_4xx(tier_server):
     s = tier_server
     s.run(tiered("wan21"))

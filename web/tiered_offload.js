@@ -98,11 +98,10 @@ async function postNow(id, action, path, body) {
   panel.update();
   let failure = null;
   try {
-    const init = { method: "POST" };
-    if (body !== undefined) {
-      init.body = JSON.stringify(body);
-      init.headers = { "Content-Type": "application/json" };
-    }
+    // Every POST says it is JSON, body or not: the pack refuses anything else (no simple
+    // cross-site request can change its state).
+    const init = { method: "POST", headers: { "Content-Type": "application/json" } };
+    if (body !== undefined) init.body = JSON.stringify(body);
     const res = await api.fetchApi(path, init);
     if (!res.ok) failure = `${await errorText(res)} (HTTP ${res.status})`;
   } catch (e) {

@@ -1,7 +1,7 @@
 """bench/disk_stream.py --smoke runs end to end and writes the documented JSON.
 
-It checks that the benchmark runs and that its disk runs really streamed from the model's own file
-and matched the resident reference; it asserts no timing.
+It checks that the benchmark runs and that its disk runs really streamed from the spill file and
+matched the resident reference; it asserts no timing.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def test_disk_stream_smoke_writes_json(tmp_path):
         assert row["ram"]["step_s"] > 0
         disk = row["disk"]
         assert disk["matches_reference"] is True, name
-        assert disk["file_bytes"] >= data["block_bytes"] and disk["spill_bytes"] == 0, disk  # packed layout
+        assert disk["spill_bytes"] >= data["block_bytes"], disk  # the packed layout, padded
         assert 0 < disk["cache_bytes"] < data["block_bytes"]
         for state in ("warm", "cold"):
             figures = disk[state]

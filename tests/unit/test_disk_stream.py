@@ -1,95 +1,61 @@
-"""The disk tier on the CPU: the store (model file or spill), the host cache, and the streamer
-running real torch modules from disk."""
+"""The disk tier on the CPU: the store (a spill file of the engine's own), the host cache, and the
+streamer running real torch modules from disk."""
 
 from __future__ import annotations
 
 import copy
 import os
-import sys
 import threading
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 from toy_models import ToyDiT, assert_restored, bits, inputs, snapshot
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
-from aligned_safetensors import save_aligned  # noqa: E402
-
-from offload_core.disk import DiskStore, ModelFile, read_safetensors_index  # noqa: E402
-from offload_core.disk_tier import DiskOptions  # noqa: E402
-from offload_core.host_cache import CacheTooSmallError, DiskTelemetry, HostCache  # noqa: E402
-from offload_core.packing import PackedBlock, tensor_refs  # noqa: E402
-from offload_core.pinned import HostStorage  # noqa: E402
-from offload_core.streamer import LayerwiseStreamer  # noqa: E402
+from offload_core.disk import DiskStore
+from offload_core.disk_tier import DiskOptions
+from offload_core.host_cache import CacheTooSmallError, DiskTelemetry, HostCache, _union
+from offload_core.packing import PackedBlock, tensor_refs
+from offload_core.pinned import HostStorage
+from offload_core.streamer import LayerwiseStreamer
 
 PAGE = 4096
 
 
-def _scratch(nbytes: int) -> tuple[HostStorage, torch.Tensor, torch.Tensor]:
+def _scratch(nbytes: int) -> tuple[HostStorage, torch.Tensor]:
     size = -(-nbytes // PAGE) * PAGE
-    storage = HostStorage([size, size], pin=False)
-    return storage, storage.buffer(0), storage.buffer(1)
+    storage = HostStorage([size], pin=False)
+    return storage, storage.buffer(0)
 
 
-def _linear_file(tmp_path: Path, modules: list[nn.Module], name: str, aligned: bool = True) -> Path:
-    sd = {f"m.{i}.{k}": t for i, m in enumerate(modules) for k, t in m.state_dict().items()}
-    path = tmp_path / name
-    if aligned:
-        save_aligned(sd, path)
-    else:
-        save_file({k: v.contiguous() for k, v in sd.items()}, str(path))
-    return path
-
-
-def _place(store: DiskStore, modules: list[nn.Module]) -> list[tuple[PackedBlock, str]]:
+def _place(store: DiskStore, modules: list[nn.Module]) -> list[PackedBlock]:
     packs = [PackedBlock(tensor_refs(m, i), index=i) for i, m in enumerate(modules)]
-    storage, a, b = _scratch(max(p.nbytes for p in packs))
+    storage, buf = _scratch(max(p.nbytes for p in packs))
     try:
-        return [(p, store.place(i, p, a, b)) for i, p in enumerate(packs)]
+        for i, p in enumerate(packs):
+            store.write(i, p, buf)
     finally:
+        store.bind(dict(enumerate(packs)))
         storage.release()
+    return packs
 
 
-def test_safetensors_index_gives_each_tensors_bytes(tmp_path):
-    torch.manual_seed(0)
-    sd = {"a": torch.randn(3, 5), "b": torch.randn(7).to(torch.bfloat16), "c": torch.arange(4)}
-    path = tmp_path / "x.safetensors"
-    save_file(sd, str(path))
-    index = read_safetensors_index(str(path))
-    raw = path.read_bytes()
-    for key, t in sd.items():
-        found = index[key]
-        assert found.dtype == t.dtype and found.shape == tuple(t.shape)
-        assert raw[found.offset : found.offset + found.nbytes] == t.reshape(-1).view(torch.uint8).numpy().tobytes()
-    with pytest.raises(ValueError, match="not a safetensors file"):
-        (tmp_path / "bad.safetensors").write_bytes(b"\xff" * 16)
-        read_safetensors_index(str(tmp_path / "bad.safetensors"))
-
-
-def test_store_reads_the_models_own_file_only_where_its_bytes_match(tmp_path):
+def test_store_spills_every_pack_and_hands_back_maps_of_it(tmp_path):
     torch.manual_seed(0)
     modules = [nn.Linear(32, 48) for _ in range(3)]
-    path = _linear_file(tmp_path, modules, "model.safetensors")
-    with torch.no_grad():
-        modules[1].weight[0, 0] += 1  # loaded bytes that are not the file's: that pack is spilled
     want = [snapshot(m) for m in modules]
-    store = DiskStore(str(tmp_path / "spill"), ModelFile(str(path), lambda b, p: f"m.{b}.{p}"), align=64)
-    placed = _place(store, modules)
-    assert [kind for _, kind in placed] == ["file", "spill", "file"]
-    assert store.file_bytes == placed[0][0].nbytes + placed[2][0].nbytes and store.spill_bytes >= placed[1][0].nbytes
+    store = DiskStore(str(tmp_path / "spill"))
+    packs = _place(store, modules)
+    assert store.spill_bytes >= sum(p.nbytes for p in packs)
     for m, before in zip(modules, want):  # the same objects, values, dtypes and strides, now maps
         assert_restored(m, before, list(before))
-    # A write into the map stays in memory: the file keeps the bytes it had.
-    before = path.read_bytes()
+    # A write into the map stays in memory: the spill file keeps the bytes placed.
     with torch.no_grad():
         modules[0].weight.mul_(2)
-    assert path.read_bytes() == before
     # Each pack reads back in its packed layout, whole or by page-aligned ranges.
-    for i, (pack, _) in enumerate(placed):
-        storage, dst, _ = _scratch(pack.nbytes)
+    for i, pack in enumerate(packs):
+        storage, dst = _scratch(pack.nbytes)
         assert store.read(i, dst) == pack.nbytes
         for e, view in zip(pack.entries, pack.views(dst)):
             assert torch.equal(bits(view), want[i][e.owner[1]][1]), (i, e.label)  # the values placed
@@ -99,38 +65,48 @@ def test_store_reads_the_models_own_file_only_where_its_bytes_match(tmp_path):
     store.close()
 
 
-def test_read_back_bytes_equal_the_tensors(tmp_path):
+def test_a_spill_file_that_cannot_be_mapped_is_read_back_into_ram(tmp_path, monkeypatch):
+    """The failure is forced (mmap refusing, as it does without address space or with too many
+    maps): the module must be whole, with RAM copies of what was written."""
+    import mmap
+    import types
+
+    import offload_core.disk as disk
+
+    def refuse(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    torch.manual_seed(3)
+    modules = [nn.Linear(24, 24) for _ in range(2)]
+    want = [snapshot(m) for m in modules]
+    store = DiskStore(str(tmp_path / "spill"))
+    monkeypatch.setattr(disk, "mmap", types.SimpleNamespace(mmap=refuse, ACCESS_COPY=mmap.ACCESS_COPY))
+    _place(store, modules)
+    for m, before in zip(modules, want):
+        assert_restored(m, before, list(before))
+    store.close()
+
+
+def test_a_failed_write_gives_the_pack_its_values_back(tmp_path):
     torch.manual_seed(1)
     modules = [nn.Linear(40, 40), nn.Linear(40, 8)]
-    values = [{k: v.clone() for k, v in m.state_dict().items()} for m in modules]
-    path = _linear_file(tmp_path, modules, "model.safetensors")
-    for source in (ModelFile(str(path), lambda b, p: f"m.{b}.{p}"), None):
-        mods = copy.deepcopy(modules)
-        store = DiskStore(str(tmp_path / "spill"), source, align=64)
-        placed = _place(store, mods)
-        assert {kind for _, kind in placed} == {"file" if source else "spill"}
-        for i, (pack, _) in enumerate(placed):
-            storage, dst, _ = _scratch(pack.nbytes)
-            store.read(i, dst)
-            got = dict(zip([e.owner[1] for e in pack.entries], pack.views(dst)))
-            for name, v in values[i].items():
-                assert torch.equal(bits(got[name]), bits(v)), (source, i, name)
-            storage.release()
-        store.close()
-
-
-def test_a_cpu_device_reads_only_aligned_tensors_from_the_file(tmp_path):
-    torch.manual_seed(2)
-    modules = [nn.Linear(24, 24) for _ in range(2)]
-    path = _linear_file(tmp_path, modules, "plain.safetensors", aligned=False)  # 8-byte aligned data
-    index = read_safetensors_index(str(path))
-    assert any(t.offset % 64 for t in index.values()), "the file happens to be aligned: this shows nothing"
-    cpu = DiskStore(str(tmp_path / "s1"), ModelFile(str(path), lambda b, p: f"m.{b}.{p}"), align=64)
-    assert {kind for _, kind in _place(cpu, copy.deepcopy(modules))} == {"spill"}
-    gpu = DiskStore(str(tmp_path / "s2"), ModelFile(str(path), lambda b, p: f"m.{b}.{p}"), align=1)
-    assert {kind for _, kind in _place(gpu, copy.deepcopy(modules))} == {"file"}
-    cpu.close()
-    gpu.close()
+    want = [snapshot(m) for m in modules]
+    store = DiskStore(str(tmp_path / "spill"))
+    packs = [PackedBlock(tensor_refs(m, i), index=i) for i, m in enumerate(modules)]
+    storage, buf = _scratch(max(p.nbytes for p in packs))
+    store.write(0, packs[0], buf)
+    store._spill.fd, real = os.open(os.devnull, os.O_RDONLY), store._spill.fd  # writes now fail
+    direct, store._spill.direct_fd = store._spill.direct_fd, None
+    with pytest.raises(OSError):
+        store.write(1, packs[1], buf)
+    os.close(store._spill.fd)
+    store._spill.fd, store._spill.direct_fd = real, direct
+    store.bind({0: packs[0]})
+    storage.release()
+    for m, before in zip(modules, want):  # the written pack as maps, the failed one as fresh memory
+        assert_restored(m, before, list(before))
+    store.close()
+    store.close()  # once: a second close gives back nothing
 
 
 @pytest.mark.skipif(os.name == "nt", reason="Windows keeps an open file's name")
@@ -138,8 +114,8 @@ def test_the_spill_file_has_no_name_once_open(tmp_path):
     spill = tmp_path / "spill"
     store = DiskStore(str(spill))
     modules = [nn.Linear(16, 16) for _ in range(2)]
-    placed = _place(store, modules)
-    assert {kind for _, kind in placed} == {"spill"} and store.spill_bytes > 0
+    _place(store, modules)
+    assert store.spill_bytes > 0
     assert list(spill.iterdir()) == []
     store.close()
     x = torch.randn(2, 16)
@@ -150,7 +126,7 @@ def _cache(n: int, entries: int, depth: int, tmp_path: Path):
     modules = [nn.Linear(64, 64) for _ in range(n)]
     store = DiskStore(str(tmp_path / "spill"))
     placed = _place(store, modules)
-    sizes = {i: p.nbytes for i, (p, _) in enumerate(placed)}
+    sizes = {i: p.nbytes for i, p in enumerate(placed)}
     tel = DiskTelemetry()
     entry = -(-max(sizes.values()) // PAGE) * PAGE
     cache = HostCache(store, sizes, list(range(n)), entry_bytes=entry, count=entries, workers=2, depth=depth,
@@ -170,7 +146,7 @@ def test_cache_keeps_units_needed_soon_and_hits_on_a_cyclic_order(tmp_path, n, e
             for u in range(n):
                 lease = cache.acquire(u)
                 buf = lease.wait()
-                pack = placed[u][0]
+                pack = placed[u]
                 for e, view in zip(pack.entries, pack.views(buf)):
                     assert torch.equal(bits(view), bits(e.original)), (p, u, e.label)
                 lease.release()
@@ -185,6 +161,23 @@ def test_cache_keeps_units_needed_soon_and_hits_on_a_cyclic_order(tmp_path, n, e
     finally:
         cache.close()
         store.close()
+
+
+def test_a_read_in_flight_at_a_reset_counts_whole_in_the_window_where_it_ends():
+    """Read-ahead runs across passes, so a run's counters are reset while reads are in flight.
+    Such a read counts whole, bytes and time, where it ends; parallel reads count their time once."""
+    tel = DiskTelemetry()
+    first, second = tel.read_started(), tel.read_started()
+    tel.reset()
+    tel.read_ended(first, PAGE, True)
+    tel.read_ended(second, PAGE, True)
+    third = tel.read_started()
+    tel.read_ended(third, PAGE, True)
+    figures = tel.snapshot()
+    assert figures["disk_reads"] == 3 and figures["disk_bytes_read"] == 3 * PAGE
+    assert 0 < figures["disk_read_busy_s"] and figures["disk_read_gibps"] > 0
+    # Reads side by side are busy time once: the union of their intervals.
+    assert _union([(20.0, 21.0), (10.0, 11.0), (10.5, 11.5), (11.5, 12.0)]) == [(10.0, 12.0), (20.0, 21.0)]
 
 
 def test_a_request_waits_while_every_entry_is_held(tmp_path):
@@ -216,10 +209,10 @@ GRID = [  # granularity, resident blocks, prefetch, cache entries
 ]
 
 
-def _disk_streamer(model, tmp_path, granularity, resident, prefetch, entries, model_file=None):
+def _disk_streamer(model, tmp_path, granularity, resident, prefetch, entries):
     probe = LayerwiseStreamer(model.blocks, "cpu", resident=resident, prefetch=prefetch, granularity=granularity)
     unit = -(-max(probe._packs[i].nbytes for i in probe.streamed_indices) // PAGE) * PAGE
-    disk = DiskOptions(cap_bytes=entries * unit, workers=2, spill_dir=str(tmp_path), model_file=model_file)
+    disk = DiskOptions(cap_bytes=entries * unit, workers=2, spill_dir=str(tmp_path))
     return LayerwiseStreamer(model.blocks, "cpu", resident=resident, prefetch=prefetch, granularity=granularity,
                              disk=disk)
 
@@ -286,32 +279,44 @@ def test_transform_on_device_copies_from_disk(tmp_path, granularity):
     st.close()
 
 
-def test_from_the_models_own_file(tmp_path):
-    model = ToyDiT(depth=6, shared=False)
+def _disk_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("offload-disk")]
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
+@pytest.mark.parametrize("retire", ["close", "detach"])
+def test_retiring_a_detached_disk_engine_releases_readers_cache_and_descriptors_once(tmp_path, retire):
+    """A disk-placed engine between runs (detached, keeping its pack) is retired by a settings
+    change or its model's end (close) or told to free its pack (detach): its readers stop, its
+    cache is freed and its descriptors are given back; the module keeps working on the one map of
+    the spill file, which is all it holds (its last descriptor goes with that map)."""
+    model = ToyDiT(depth=6)
     x, t = inputs()
     with torch.no_grad():
         ref = model(x, t)
-    sd = {f"blocks.{i}.{k}": v for i, b in enumerate(model.blocks) for k, v in b.state_dict(keep_vars=True).items()}
-    path = tmp_path / "toy.safetensors"
-    save_aligned({k: v.detach() for k, v in sd.items()}, path)
-    source = ModelFile(str(path), lambda b, p: f"blocks.{b}.{p}")
-    st = _disk_streamer(model, tmp_path / "spill", "phase", 0, 1, 4, model_file=source)
-    st.attach()
-    with torch.no_grad():
-        assert torch.equal(model(x, t), ref) and torch.equal(model(x, t), ref)
-    # Phases hold the plain layers, read in place; the tensors a ToyBlock uses itself (a transposed
-    # weight, an expanded buffer) cannot be, and are spilled with the other resident ones.
-    assert {u["source"] for u in st.describe_units()} == {"file"}
-    figures = st.disk_figures()
-    assert figures["model_file"] == str(path) and figures["file_bytes"] > 0 and figures["spill_bytes"] > 0
-    st.close()
-    # As whole blocks, every block holds such a tensor: every block is spilled.
-    st = _disk_streamer(model, tmp_path / "spill", "block", 0, 1, 4, model_file=source)
+    before_fds, before_threads = _fds(), len(_disk_threads())
+    st = _disk_streamer(model, tmp_path, "phase", 0, 1, 3)
     st.attach()
     with torch.no_grad():
         assert torch.equal(model(x, t), ref)
-    assert {u["source"] for u in st.describe_units()} == {"spill"}
-    st.close()
+    st.detach(keep_pack=True)
+    assert len(_disk_threads()) == before_threads + 2 and st.host_bytes()["cache"] > 0
+    getattr(st, retire)() if retire == "close" else st.detach(keep_pack=False)
+    assert len(_disk_threads()) == before_threads and st.host_bytes()["cache"] == 0
+    assert _fds() <= before_fds + 1  # the whole-file map's own descriptor, held by the module's tensors
+    getattr(st, retire)() if retire == "close" else st.detach(keep_pack=False)  # nothing twice
+    with torch.no_grad():
+        assert torch.equal(model(x, t), ref)
+    if retire == "detach":  # placed again from the maps, into a new spill file
+        st.attach()
+        with torch.no_grad():
+            assert torch.equal(model(x, t), ref)
+        st.close()
+    assert len(_disk_threads()) == before_threads
 
 
 def test_a_read_error_fails_the_pass_clearly_and_the_model_stays_whole(tmp_path):

@@ -13,6 +13,7 @@ import logging
 import os
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -21,8 +22,8 @@ from safetensors.torch import load_file, save_file
 
 from offload_core.tiers import (
     MAX_BUDGET_BYTES, ModelInUseError, ModelPinnedError, Policy, SourceChangedError,
-    SourceGoneError, Tier, TierCapacityError, TierManager, UnknownModelError, model_id,
-    ram_total_bytes, source_key)
+    SourceGoneError, Tier, TierCapacityError, TierManager, UnknownModelError, file_version,
+    model_id, ram_total_bytes, source_key)
 
 WIDTH = 32
 DEPTH = 2
@@ -566,15 +567,35 @@ def test_snapshot_is_json_and_has_the_documented_shape(rig):
 def test_model_id_tracks_file_identity_and_options(tmp_path):
     path = tmp_path / "model.safetensors"
     save_file({"w": torch.zeros(2)}, str(path))
-    mtime = path.stat().st_mtime_ns
+    stat = path.stat()
+    version = file_version(stat)
     options = {"dtype": "fp16", "weight_dtype": torch.float8_e4m3fn}
-    base = model_id(path, mtime, options)
+    base = model_id(path, version, options)
     assert len(base) == 16
-    assert base == model_id(str(path), mtime, dict(reversed(options.items())))
-    os.utime(path, ns=(mtime + 10**9, mtime + 10**9))
-    assert model_id(path, path.stat().st_mtime_ns, options) != base
-    assert model_id(path, mtime, {**options, "dtype": "bf16"}) != base
-    assert model_id(tmp_path / "other.safetensors", mtime, options) != base
+    assert base == model_id(str(path), file_version(path.stat()), dict(reversed(options.items())))
+    os.utime(path, ns=(stat.st_mtime_ns + 10**9, stat.st_mtime_ns + 10**9))
+    assert model_id(path, file_version(path.stat()), options) != base
+    assert model_id(path, version, {**options, "dtype": "bf16"}) != base
+    assert model_id(tmp_path / "other.safetensors", version, options) != base
+
+
+def test_a_file_version_moves_on_with_every_write_even_with_its_time_stamp_put_back(tmp_path):
+    path = tmp_path / "model.safetensors"
+    save_file({"w": torch.zeros(64)}, str(path))
+    before = path.stat()
+    time.sleep(0.05)  # a coarse change-time clock must tick (no timing is asserted)
+    with open(path, "r+b") as f:  # the same size, in place
+        f.seek(-8, os.SEEK_END)
+        f.write(b"\x01" * 8)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = path.stat()
+    assert (after.st_size, after.st_mtime_ns, after.st_ino) == (before.st_size, before.st_mtime_ns, before.st_ino)
+    assert file_version(after) != file_version(before)
+    renamed = tmp_path / "new.safetensors"
+    save_file({"w": torch.zeros(64)}, str(renamed))
+    os.utime(renamed, ns=(before.st_atime_ns, before.st_mtime_ns))
+    os.replace(renamed, path)
+    assert file_version(path.stat()) not in (file_version(before), file_version(after))
 
 
 def test_a_newer_version_of_a_file_supersedes_the_old_entry(rig, tmp_path):

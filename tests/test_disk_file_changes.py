@@ -1,0 +1,217 @@
+"""A model file that changes under a disk-streaming server: never a dead server, never a mixed or
+stale image, only the images core gives for the same file state, or a clear error.
+
+Two real servers run side by side, as the issue's audit ran them: one with the pack, one without
+it, each on its own copy of the model files. Every file operation is done to both copies, every
+prompt is queued on both (the second without Apply Layerwise Offload), and the two outcomes must
+be the same: the same latent, or both a refusal of the same kind. The operations: truncate to
+half, overwrite in place with another model of the same size (what `cp other model` does), replace
+by rename, delete; done between prompts (after a disk-streamed run) and while one streams from
+disk; then a prompt without the node and one with it, in both orders; then `/free`, so both
+servers load the file again as it is now.
+
+A second test holds the Tiered loader to its promise that an old id never loads new bytes, also
+when an overwrite puts the file's modification time back.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import pytest
+
+import tiny_models
+from comfy_server import ComfyServer
+from workflows import sample_workflow
+
+PAGE = 4096
+GIB = 1 << 30
+OPS = ("truncate", "overwrite", "replace", "delete")
+LAYERS = 6
+PHASES = {"resident_blocks": 0, "prefetch": 1, "granularity": "phase"}
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """(with the pack, without it), each with its own base folder and model files."""
+    root = tmp_path_factory.mktemp("file_changes")
+    pair = []
+    try:
+        for name, with_pack in (("pack", True), ("core", False)):
+            pair.append(ComfyServer(root / name, with_pack=with_pack).start())
+        yield tuple(pair)
+    finally:
+        for server in pair:
+            server.stop()
+
+
+def _model_path(server: ComfyServer, name: str):
+    return server.base / "models" / "diffusion_models" / name
+
+
+def _write(servers, name: str, seed: int) -> None:
+    for server in servers:
+        tiny_models.write_tiny_wan21(_model_path(server, name), layers=LAYERS, seed=seed)
+
+
+def _change(servers, op: str, name: str, other_seed: int) -> None:
+    """Do ``op`` to the model file of both servers."""
+    for server in servers:
+        path = _model_path(server, name)
+        if op == "truncate":
+            os.truncate(path, path.stat().st_size // 2)
+        elif op == "overwrite":  # cp other model: the same inode, truncated and written again
+            other = path.with_suffix(".other")
+            tiny_models.write_tiny_wan21(other, layers=LAYERS, seed=other_seed)
+            assert other.stat().st_size == path.stat().st_size
+            shutil.copyfile(other, path)
+            other.unlink()
+        elif op == "replace":  # a new file renamed over the old name: a new inode
+            new = path.with_name(path.name + ".part")
+            tiny_models.write_tiny_wan21(new, layers=LAYERS, seed=other_seed)
+            os.replace(new, path)
+        elif op == "delete":
+            path.unlink()
+
+
+def _workflow(name: str, layerwise: dict | None, seed: int, steps: int = 2) -> dict:
+    wf = sample_workflow("wan21", layerwise=layerwise, seed=seed, steps=steps)
+    wf["load"]["inputs"]["unet_name"] = name
+    return wf
+
+
+def _strip(wf: dict) -> dict:
+    """The same workflow without Apply Layerwise Offload (for the server without the pack)."""
+    out = {k: dict(v, inputs=dict(v["inputs"])) for k, v in wf.items() if k != "offload"}
+    out["sample"]["inputs"]["model"] = ["load", 0]
+    return out
+
+
+def _outcome(server: ComfyServer, wf: dict, prompt_id: str | None = None) -> tuple:
+    """("latent", sha256), ("refused", node error types) at queueing, or ("error", exception
+    type, message) at execution; the server must still be up afterwards."""
+    if prompt_id is None:
+        status, body = server.request("POST", "/prompt", {"prompt": wf, "client_id": "file-changes"})
+        if status != 200:
+            errors = sorted({e["type"] for node in body.get("node_errors", {}).values() for e in node["errors"]})
+            assert server.alive()
+            return ("refused", tuple(errors) or body.get("error", {}).get("type"))
+        prompt_id = body["prompt_id"]
+    entry = server.wait(prompt_id)
+    assert server.alive(), server.log_tail()
+    if entry["status"]["status_str"] == "success":
+        return ("latent", entry["outputs"]["stats"]["latent_stats"][0]["sha256"])
+    error = next(data for kind, data in entry["status"]["messages"] if kind == "execution_error")
+    return ("error", error["exception_type"], error["exception_message"])
+
+
+def _same(pack_outcome: tuple, core_outcome: tuple, pack: ComfyServer, core: ComfyServer) -> None:
+    if pack_outcome[0] == "error":  # messages may name each server's own copy of the file
+        pack_outcome = pack_outcome[:2] + (pack_outcome[2].replace(str(pack.base), "<base>"),)
+        core_outcome = core_outcome[:2] + (core_outcome[2].replace(str(core.base), "<base>"),)
+    assert pack_outcome == core_outcome
+
+
+def _engine(pack: ComfyServer) -> dict:
+    """The engine of the last sampling run (every case has a model of its own)."""
+    return max((m for m in pack.get("/offload/layerwise")["models"] if m["blocks"] == LAYERS),
+               key=lambda m: m["finished_at"] or 0)
+
+
+def _host_cache_gb(pack: ComfyServer) -> float:
+    engine = _engine(pack)
+    unit = max(engine["units"][i]["bytes"] for i in engine["streamed_indices"])
+    return 3 * (-(-unit // PAGE) * PAGE) / GIB
+
+
+def _wait_streaming(pack: ComfyServer) -> None:
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if any(m["active"] and (m["telemetry"] or {}).get("disk_reads")
+               for m in pack.get("/offload/layerwise")["models"] if m["blocks"] == LAYERS):
+            return
+        time.sleep(0.02)
+    pytest.fail("the disk-streamed prompt never started sampling")
+
+
+@pytest.mark.parametrize("next_first", ["plain", "node"])
+@pytest.mark.parametrize("when", ["between prompts", "while streaming"])
+@pytest.mark.parametrize("op", OPS)
+def test_a_changed_model_file_gives_cores_images_or_a_clear_error(servers, op, when, next_first):
+    pack, core = servers
+    case = OPS.index(op) * 4 + (when == "while streaming") * 2 + (next_first == "node")
+    name = f"changing_wan_{case}.safetensors"
+    _write(servers, name, seed=100 + case)
+    # The engine is built and its blocks are placed on disk: the handed-back weights are what a
+    # later plain prompt runs on.
+    _same(_outcome(pack, _workflow(name, PHASES, seed=1)), _outcome(core, _workflow(name, None, seed=1)),
+          pack, core)
+    disk = dict(PHASES, host_cache_gb=_host_cache_gb(pack))
+    first = _workflow(name, disk, seed=2)
+    reference = _outcome(core, _strip(first))
+    assert reference[0] == "latent"
+    _same(_outcome(pack, first), reference, pack, core)
+    assert _engine(pack)["disk"]["active"]
+    if when == "while streaming":
+        slow = _workflow(name, disk, seed=3, steps=100)
+        queued = pack.queue(slow), core.queue(_strip(slow))  # both queued before the change
+        _wait_streaming(pack)
+        _change(servers, op, name, other_seed=200 + case)
+        assert _engine(pack)["active"], "the streamed run ended before the file changed: it proves nothing"
+        _same(_outcome(pack, slow, queued[0]), _outcome(core, _strip(slow), queued[1]), pack, core)
+    else:
+        _change(servers, op, name, other_seed=200 + case)
+    order = [None, disk] if next_first == "plain" else [disk, None]
+    for seed, layerwise in enumerate(order, start=4):
+        wf = _workflow(name, layerwise, seed=seed)
+        _same(_outcome(pack, wf), _outcome(core, _strip(wf)), pack, core)
+    # Both servers load the file again as it is now.
+    pack.free()
+    core.free()
+    for seed, layerwise in enumerate(order, start=6):
+        wf = _workflow(name, layerwise, seed=seed)
+        got = _outcome(pack, wf)
+        _same(got, _outcome(core, _strip(wf)), pack, core)
+        if op == "truncate":  # core's own loader refuses the shrunk file (with core's message)
+            assert got[0] == "error", got
+        elif op == "delete":
+            assert got[0] == "refused", got
+        else:
+            assert got[0] == "latent", got
+
+
+def test_tiered_loader_never_loads_new_bytes_under_an_old_id(tmp_path):
+    """An overwrite in place that puts the modification time back is still a new version: the old
+    id refuses to load (409, and is forgotten), and the loader registers the file under a new id,
+    whose model is core's for the new bytes. A truncated file is an error that names it."""
+    server = ComfyServer(tmp_path / "base").start()
+    try:
+        name = "tiered_overwritten.safetensors"
+        path = _model_path(server, name)
+        tiny_models.write_tiny_wan21(path, layers=LAYERS, seed=301)
+        other = path.with_suffix(".other")
+        tiny_models.write_tiny_wan21(other, layers=LAYERS, seed=302)
+        tiered = _workflow(name, None, seed=1)
+        tiered["load"]["class_type"] = "TieredUNETLoader"
+        old = server.run(tiered)["stats"]["latent_stats"][0]["sha256"]
+        key = next(m["id"] for m in server.get("/offload/tiers")["models"] if m["name"] == name)
+        status, body = server.request("POST", f"/offload/models/{key}/evict")
+        assert status == 200, body
+        stamp = path.stat()
+        shutil.copyfile(other, path)
+        os.utime(path, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+        assert path.stat().st_mtime_ns == stamp.st_mtime_ns and path.stat().st_size == stamp.st_size
+        status, body = server.request("POST", f"/offload/models/{key}/load")
+        assert status == 409 and "changed on disk" in body["error"], (status, body)
+        assert key not in {m["id"] for m in server.get("/offload/tiers")["models"]}
+        new = server.run(tiered)["stats"]["latent_stats"][0]["sha256"]
+        server.free()
+        assert new != old
+        assert new == server.run(_workflow(name, None, seed=1))["stats"]["latent_stats"][0]["sha256"]
+        os.truncate(path, path.stat().st_size // 2)
+        error = server.run_expect_error(tiered)
+        assert name in error["exception_message"] and "cannot be read" in error["exception_message"], error
+        assert server.alive()
+    finally:
+        server.stop()
