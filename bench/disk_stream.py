@@ -41,9 +41,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 from layerwise import Spec, Stack, build_blocks, timed, write_result  # noqa: E402
 
-from offload_core.disk import PAGE, align_up  # noqa: E402
-from offload_core.disk_tier import DiskOptions  # noqa: E402
-from offload_core.streamer import LayerwiseStreamer  # noqa: E402
+from offload_core.disk.store import PAGE, align_up  # noqa: E402
+from offload_core.disk.tier import DiskOptions  # noqa: E402
+from offload_core.layerwise.streamer import LayerwiseStreamer  # noqa: E402
 
 GIB = 1 << 30
 READ_PIECE = 16 << 20

@@ -1,8 +1,8 @@
 """Thin ComfyUI adapters over offload_core."""
 from . import tiers
+from .core_pins import install as share_pinned_budget_with_core
 from .layerwise import ApplyLayerwiseOffload
 from .swap import ModelLevelSwap
-from .core_pins import install as share_pinned_budget_with_core
 
 share_pinned_budget_with_core()
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import comfy.model_management
 
-from ..offload_core.residency import fit_budget
+from ..offload_core.device.residency import fit_budget
 from ..offload_core.units import size_text
 from .core_models import loaded_entries
 

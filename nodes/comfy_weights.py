@@ -30,7 +30,7 @@ import comfy.model_patcher
 import comfy.utils
 import comfy.weight_adapter
 
-from ..offload_core.side_tensors import SideTensors
+from ..offload_core.host.side_tensors import SideTensors
 
 log = logging.getLogger(__name__)
 

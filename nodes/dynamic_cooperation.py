@@ -40,8 +40,8 @@ import torch
 import comfy.model_management
 import comfy.patcher_extension
 
+from ..offload_core.device.residency import fit_budget, plan_residency, slot_count, spread_evenly
 from ..offload_core.per_module import PerModule
-from ..offload_core.residency import fit_budget, plan_residency, slot_count, spread_evenly
 from . import block_budget, vbar_layout
 from .core_models import loaded_entries
 from .dynamic_vram import UNITS_ATTR, BlockPlan, binary_bytes, is_dynamic, plan_blocks

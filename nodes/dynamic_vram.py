@@ -38,9 +38,9 @@ import torch
 
 import comfy.model_patcher
 
-from ..offload_core.discovery import find_blocks
+from ..offload_core.blocks.discovery import find_blocks
+from ..offload_core.layerwise.streamer import LayerwiseStreamer
 from ..offload_core.per_module import PerModule
-from ..offload_core.streamer import LayerwiseStreamer
 
 log = logging.getLogger(__name__)
 

@@ -33,13 +33,13 @@ import comfy.model_management
 import comfy.patcher_extension
 import comfy.utils
 
-from ..offload_core.discovery import find_blocks
-from ..offload_core.disk_tier import DiskOptions
-from ..offload_core.host_cache import CacheTooSmallError
+from ..offload_core.blocks.discovery import find_blocks
+from ..offload_core.blocks.phases import GRANULARITIES
+from ..offload_core.device.telemetry import overlap_efficiency
+from ..offload_core.disk.host_cache import CacheTooSmallError
+from ..offload_core.disk.tier import DiskOptions
+from ..offload_core.layerwise.streamer import LayerwiseStreamer
 from ..offload_core.per_module import PerModule
-from ..offload_core.phases import GRANULARITIES
-from ..offload_core.streamer import LayerwiseStreamer
-from ..offload_core.telemetry import overlap_efficiency
 from ..offload_core.units import size_text
 from . import (block_budget, budgets, comfy_weights, dynamic_cooperation, dynamic_vram, host_moves,
                spill_folder)

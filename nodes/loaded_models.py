@@ -27,7 +27,7 @@ import comfy.model_base
 import comfy.model_management
 import comfy.sd1_clip
 
-from ..offload_core.tiers import TierError
+from ..offload_core.models.tiers import TierError
 from . import prompt_lifecycle
 from .core_models import unload_from_core
 from .layerwise import REGISTRY as LAYERWISE

@@ -35,8 +35,8 @@ from aiohttp import web
 
 import comfy.model_management
 
-from ..offload_core.pinned import pinned_bytes
-from ..offload_core.tiers import (
+from ..offload_core.host.pinned import pinned_bytes
+from ..offload_core.models.tiers import (
     ModelInUseError, ModelPinnedError, SourceChangedError, SourceGoneError, SourceUnreadableError,
     TierCapacityError, TierError, UnknownModelError)
 from . import budgets, loaded_models, prompt_lifecycle

@@ -35,8 +35,8 @@ import torch
 
 import comfy.patcher_extension
 
+from ..offload_core.models.swap import ModuleSwap
 from ..offload_core.per_module import PerModule
-from ..offload_core.swap import ModuleSwap
 from . import host_moves
 from .core_models import loaded_entries, unload_from_core
 from .layerwise import REGISTRY as LAYERWISE

@@ -32,7 +32,7 @@ import comfy.model_management
 import folder_paths
 import nodes as core_nodes
 
-from ..offload_core.tiers import (
+from ..offload_core.models.tiers import (
     DEFAULT_RAM_RESERVE_BYTES, DEFAULT_VRAM_RESERVE_BYTES, SourceChangedError, SourceGoneError, SourceUnreadableError, Tier, TierError, TierManager,
     file_version, model_id, source_key)
 from . import budgets, prompt_lifecycle, settings_file

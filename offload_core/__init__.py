@@ -1,8 +1,13 @@
-"""Weight offload engine: layerwise streaming and whole-module swap.
+"""Weight offload engine: layerwise streaming, whole-module swap and the tiers of whole models.
 
-Depends only on torch, safetensors, psutil and the standard library (never on
-ComfyUI).  Names are resolved lazily so importing the package costs nothing
-until something is used.
+Depends only on torch, safetensors, psutil and the standard library (never on ComfyUI). Its rooms,
+each importing only the ones listed after it: host/ (packs in host RAM: units), blocks/ (what a
+model's blocks and phases are: host), device/ (device slots, residency, hooks: host, units),
+disk/ (the spill file and its RAM cache: host, device, units), layerwise/ (the streamer: every room
+above), models/ (whole models: host, units). ARCHITECTURE.md at the pack's root draws the house.
+
+This module is the public API: the names below, resolved lazily so importing the package costs
+nothing until something is used.
 """
 
 from __future__ import annotations
@@ -11,40 +16,40 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "LayerwiseStreamer": "streamer",
-    "ModuleSwap": "swap",
-    "PackedBlock": "packing",
-    "PackedTensor": "packing",
-    "TensorRef": "packing",
-    "tensor_refs": "packing",
-    "check_packable": "packing",
-    "HostStorage": "pinned",
-    "pinned_bytes": "pinned",
-    "pin_cap": "pinned",
-    "set_pin_accounting": "pinned",
-    "available_ram_bytes": "pinned",
-    "Telemetry": "telemetry",
-    "BlockHooks": "hooks",
-    "spread_evenly": "residency",
-    "plan_residency": "residency",
+    "LayerwiseStreamer": "layerwise.streamer",
+    "ModuleSwap": "models.swap",
+    "PackedBlock": "host.packing",
+    "PackedTensor": "host.packing",
+    "TensorRef": "host.packing",
+    "tensor_refs": "host.packing",
+    "check_packable": "host.packing",
+    "HostStorage": "host.pinned",
+    "pinned_bytes": "host.pinned",
+    "pin_cap": "host.pinned",
+    "set_pin_accounting": "host.pinned",
+    "available_ram_bytes": "host.pinned",
+    "Telemetry": "device.telemetry",
+    "BlockHooks": "device.hooks",
+    "spread_evenly": "device.residency",
+    "plan_residency": "device.residency",
 }
 
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
-    from .hooks import BlockHooks
-    from .packing import PackedBlock, PackedTensor, TensorRef, check_packable, tensor_refs
-    from .pinned import (
+    from .device.hooks import BlockHooks
+    from .device.residency import plan_residency, spread_evenly
+    from .device.telemetry import Telemetry
+    from .host.packing import PackedBlock, PackedTensor, TensorRef, check_packable, tensor_refs
+    from .host.pinned import (
         HostStorage,
         available_ram_bytes,
         pin_cap,
         pinned_bytes,
         set_pin_accounting,
     )
-    from .residency import plan_residency, spread_evenly
-    from .streamer import LayerwiseStreamer
-    from .swap import ModuleSwap
-    from .telemetry import Telemetry
+    from .layerwise.streamer import LayerwiseStreamer
+    from .models.swap import ModuleSwap
 
 
 def __getattr__(name: str) -> Any:

@@ -2,7 +2,7 @@
 
 Run as `PYTHON core_pins_probe.py` with the ComfyUI root as the working directory; prints one
 JSON object. ComfyUI's real `comfy.model_management` is imported (with --cpu), the adapter is
-installed into it, and the engine's side is driven through offload_core.pinned.
+installed into it, and the engine's side is driven through offload_core.host.pinned.
 
 What a CPU cannot do is pin: core's cap is -1 here, and neither core's `pin_memory` nor a
 HostStorage registers anything without CUDA. So the probe sets core's cap and own count to what
@@ -30,7 +30,7 @@ from tree_probe import import_pack_module  # noqa: E402
 
 def main() -> None:
     core_pins = import_pack_module("nodes.core_pins")
-    pinned = import_pack_module("offload_core.pinned")
+    pinned = import_pack_module("offload_core.host.pinned")
     out: dict = {"core_cap_on_cpu": mm.MAX_PINNED_MEMORY, "own_cap": pinned.pin_cap()}
     discarded: list[bool] = []
     out["core_has_discard"] = hasattr(mm, "discard_cuda_async_error")

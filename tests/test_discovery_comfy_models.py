@@ -5,7 +5,7 @@ model_management, logging) leaks into this pytest process. That script builds ea
 from a detected unet_config (model_detection.model_config_from_unet_config -> model_config.get_model), with the
 released checkpoints' sizes, on "meta", and reports what find_blocks returns. It then runs one meta forward pass of
 the same class with fewer blocks, with a forward pre-hook on every returned block: the order those hooks fire in is
-the model's own run order as the layerwise engine's hooks (offload_core/hooks.py) see it.
+the model's own run order as the layerwise engine's hooks (offload_core/device/hooks.py) see it.
 
 Per model this asserts: the class ComfyUI builds, the layout name, the number of blocks, the exact paths in run order
 (all double then all single; Wan VACE interleaved by vace_layers_mapping; UNet input -> middle -> output), that every
@@ -20,7 +20,7 @@ import pytest
 import torch.nn as nn
 
 from comfy_server import run_tree_script
-from offload_core.discovery import LAYOUTS, UnsupportedModelError, find_blocks
+from offload_core.blocks.discovery import LAYOUTS, UnsupportedModelError, find_blocks
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "fixtures" / "discover_comfy_models.py"

@@ -23,8 +23,8 @@ from collections.abc import Callable, Hashable
 
 import torch
 
-from .pinned import HostStorage
-from .staging import Stager, Ticket
+from ..host.pinned import HostStorage
+from ..host.staging import Stager, Ticket
 from .telemetry import Telemetry
 
 log = logging.getLogger(__name__)

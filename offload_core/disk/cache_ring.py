@@ -18,10 +18,10 @@ from collections.abc import Callable
 
 import torch
 
+from ..device.slots import SlotRing
+from ..device.telemetry import Telemetry
+from ..host.staging import Ticket
 from .host_cache import DiskTelemetry, HostCache
-from .slots import SlotRing
-from .staging import Ticket
-from .telemetry import Telemetry
 
 
 class CacheRing(SlotRing):

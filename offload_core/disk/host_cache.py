@@ -27,9 +27,9 @@ from typing import Any, Protocol
 
 import torch
 
-from .disk import PAGE, DiskStore
-from .pinned import HostStorage
-from .units import size_text
+from ..host.pinned import HostStorage
+from ..units import size_text
+from .store import PAGE, DiskStore
 
 log = logging.getLogger(__name__)
 

@@ -32,8 +32,8 @@ from collections.abc import Mapping
 
 import torch
 
-from .packing import PackedBlock, PackedTensor
-from .units import size_text
+from ..host.packing import PackedBlock, PackedTensor
+from ..units import size_text
 
 log = logging.getLogger(__name__)
 

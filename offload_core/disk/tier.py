@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from .disk import PAGE, DiskStore, align_up
+from ..host.packing import PackedBlock
+from ..host.pinned import HostStorage
 from .host_cache import CacheTooSmallError, DiskTelemetry, HostCache
-from .packing import PackedBlock
-from .pinned import HostStorage
+from .store import PAGE, DiskStore, align_up
 
 # Entry size when no unit is streamed: the cache then only stages resident uploads.
 STAGING_BYTES = 64 << 20

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
-from .units import size_text
+from ..units import size_text
 
 log = logging.getLogger(__name__)
 

@@ -36,16 +36,16 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from .cache_ring import CacheRing
-from .disk_tier import DiskOptions, DiskTier
-from .hooks import BlockHooks
-from .packing import PackedBlock, Transform, alias_key, check_packable, tensor_refs
-from .phases import hooked_modules, own_refs, stream_units, unit_refs
-from .pinned import DEFAULT_CHUNK_BYTES, HostStorage, return_freed_ram
-from .residency import bound_bytes, plan_residency, slot_count
-from .slots import SlotRing, resolve_device
-from .staging import PIECE_BYTES
-from .telemetry import StallTimer, Telemetry
+from ..blocks.phases import hooked_modules, own_refs, stream_units, unit_refs
+from ..device.hooks import BlockHooks
+from ..device.residency import bound_bytes, plan_residency, slot_count
+from ..device.slots import SlotRing, resolve_device
+from ..device.telemetry import StallTimer, Telemetry
+from ..disk.cache_ring import CacheRing
+from ..disk.tier import DiskOptions, DiskTier
+from ..host.packing import PackedBlock, Transform, alias_key, check_packable, tensor_refs
+from ..host.pinned import DEFAULT_CHUNK_BYTES, HostStorage, return_freed_ram
+from ..host.staging import PIECE_BYTES
 
 log = logging.getLogger(__name__)
 

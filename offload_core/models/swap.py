@@ -18,9 +18,9 @@ import logging
 import torch
 from torch import nn
 
-from .packing import PackedBlock, alias_key, check_packable, tensor_refs
-from .subclass import tensor_nbytes
-from .pinned import DEFAULT_CHUNK_BYTES, HostStorage, return_freed_ram
+from ..host.packing import PackedBlock, alias_key, check_packable, tensor_refs
+from ..host.pinned import DEFAULT_CHUNK_BYTES, HostStorage, return_freed_ram
+from ..host.subclass import tensor_nbytes
 
 log = logging.getLogger(__name__)
 

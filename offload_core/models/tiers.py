@@ -43,7 +43,7 @@ from typing import Any, Protocol
 import psutil
 import torch
 
-from .units import size_text
+from ..units import size_text
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 import pytest
 import torch.nn as nn
 
-from offload_core.discovery import UnsupportedModelError, find_blocks
+from offload_core.blocks.discovery import UnsupportedModelError, find_blocks
 
 
 def _blocks(n, width=4):

@@ -13,12 +13,12 @@ import torch
 from toy_models import ToyDiT, assert_restored, bits, inputs, snapshot
 from torch import nn
 
-from offload_core.disk import DiskStore
-from offload_core.disk_tier import DiskOptions
-from offload_core.host_cache import CacheTooSmallError, DiskTelemetry, HostCache, _union
-from offload_core.packing import PackedBlock, tensor_refs
-from offload_core.pinned import HostStorage
-from offload_core.streamer import LayerwiseStreamer
+from offload_core.disk.store import DiskStore
+from offload_core.disk.tier import DiskOptions
+from offload_core.disk.host_cache import CacheTooSmallError, DiskTelemetry, HostCache, _union
+from offload_core.host.packing import PackedBlock, tensor_refs
+from offload_core.host.pinned import HostStorage
+from offload_core.layerwise.streamer import LayerwiseStreamer
 
 PAGE = 4096
 
@@ -71,7 +71,7 @@ def test_a_spill_file_that_cannot_be_mapped_is_read_back_into_ram(tmp_path, monk
     import mmap
     import types
 
-    import offload_core.disk as disk
+    import offload_core.disk.store as disk
 
     def refuse(*args, **kwargs):
         raise OSError(12, "Cannot allocate memory")

@@ -23,8 +23,8 @@ import torch
 from toy_models import ToyDiT, assert_restored, bits, inputs, snapshot
 
 from offload_core import HostStorage, LayerwiseStreamer, ModuleSwap, pinned_bytes, set_pin_accounting
-from offload_core.side_tensors import SideTensors
-from offload_core.staging import PIECE_BYTES
+from offload_core.host.side_tensors import SideTensors
+from offload_core.host.staging import PIECE_BYTES
 
 CUDA = torch.cuda.is_available()
 cuda_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
@@ -272,7 +272,7 @@ def test_pinned_storage_counts_and_budget_fallback(caplog):
     assert pinned_bytes() - base == hs.pinned_bytes <= 1.05 * (8 << 20)
     hs.release()
     assert pinned_bytes() == base
-    with caplog.at_level(logging.WARNING, logger="offload_core.pinned"):
+    with caplog.at_level(logging.WARNING, logger="offload_core.host.pinned"):
         capped = HostStorage([1 << 20], pin=True, ram_budget_bytes=0)
         assert not capped.buffer(0).is_pinned()
     assert "cap" in caplog.text
@@ -284,7 +284,7 @@ def test_pinned_storage_counts_and_budget_fallback(caplog):
 def test_a_failed_registration_leaves_no_error_for_the_next_kernel():
     """Registering a range twice fails (cudaErrorHostMemoryAlreadyRegistered) and leaves an error
     behind; the engine clears it, so the next kernel launch does not raise it."""
-    from offload_core.pinned import _cuda_register
+    from offload_core.host.pinned import _cuda_register
 
     hs = HostStorage([1 << 20], pin=True)
     buf = hs.buffer(0)

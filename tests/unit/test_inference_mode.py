@@ -6,7 +6,7 @@ work on them, outside inference mode raise "Inference tensors do not track versi
 import torch
 import torch.nn as nn
 
-from offload_core.streamer import LayerwiseStreamer
+from offload_core.layerwise.streamer import LayerwiseStreamer
 
 
 class ModulatedBlock(nn.Module):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from offload_core.phases import FAMILIES, find_phases, own_refs, stream_units, unit_refs
+from offload_core.blocks.phases import FAMILIES, find_phases, own_refs, stream_units, unit_refs
 
 
 def test_family_tables_never_nest_one_member_inside_another():

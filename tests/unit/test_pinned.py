@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from offload_core import HostStorage, available_ram_bytes, pin_cap, pinned_bytes, set_pin_accounting
-from offload_core.pinned import ALIGN, PAGE, PIN_FRACTION, _malloc_trim
+from offload_core.host.pinned import ALIGN, PAGE, PIN_FRACTION, _malloc_trim
 
 
 def test_exact_sizes_and_chunks_never_split_an_item():
@@ -51,7 +51,7 @@ def test_chunks_are_allocated_lazily():
 
 def test_pinning_impossible_falls_back_to_pageable_and_says_so(caplog):
     base = pinned_bytes()
-    with caplog.at_level(logging.INFO, logger="offload_core.pinned"):
+    with caplog.at_level(logging.INFO, logger="offload_core.host.pinned"):
         hs = HostStorage([1 << 16], pin=True)
         hs.buffer(0).fill_(7)
     if not torch.cuda.is_available():
@@ -153,7 +153,7 @@ def test_a_failed_registration_clears_the_cuda_error_the_host_application_way(mo
     """A failed cudaHostRegister leaves an error that torch's next kernel launch would raise: it is
     cleared through the host application's function (ComfyUI's discard_cuda_async_error) where
     one is set, and the chunk stays pageable."""
-    from offload_core.pinned import set_cuda_error_discard
+    from offload_core.host.pinned import set_cuda_error_discard
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: _FailingRuntime())
@@ -161,7 +161,7 @@ def test_a_failed_registration_clears_the_cuda_error_the_host_application_way(mo
     set_cuda_error_discard(lambda: discarded.append(True))
     base = pinned_bytes()
     try:
-        with caplog.at_level(logging.WARNING, logger="offload_core.pinned"):
+        with caplog.at_level(logging.WARNING, logger="offload_core.host.pinned"):
             hs = HostStorage([1 << 16, 1 << 16], pin=True, chunk_bytes=1 << 16)
             hs.buffer(0), hs.buffer(1)
         assert discarded == [True]  # once: after a refusal the rest stays pageable without trying

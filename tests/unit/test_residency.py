@@ -7,7 +7,7 @@ import torch
 from toy_models import ToyDiT, inputs
 
 from offload_core import LayerwiseStreamer
-from offload_core.residency import fit_budget
+from offload_core.device.residency import fit_budget
 
 LEAST, MOST = 100, 1000
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload_core.side_tensors import SideTensors
+from offload_core.host.side_tensors import SideTensors
 
 
 def _groups() -> list[list[torch.Tensor]]:

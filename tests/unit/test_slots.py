@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from offload_core import HostStorage
-from offload_core.slots import SlotRing
-from offload_core.staging import Stager
-from offload_core.telemetry import Telemetry
+from offload_core.device.slots import SlotRing
+from offload_core.host.staging import Stager
+from offload_core.device.telemetry import Telemetry
 
 CPU = torch.device("cpu")
 

@@ -604,7 +604,7 @@ def test_host_side_waits_are_counted_and_lower_the_overlap():
     it off like the GPU's own waits: a stalled host cannot read as full overlap."""
     import time
 
-    from offload_core.telemetry import overlap_efficiency
+    from offload_core.device.telemetry import overlap_efficiency
 
     model = ToyDiT(depth=4, shared=False)
     x, t = inputs()
