@@ -1,18 +1,46 @@
-"""Thin ComfyUI adapters over offload_core."""
-from . import tiers
+"""The pack's ComfyUI side: thin adapters over offload_core, the node mappings, and the server wiring.
+
+ARCHITECTURE.md at the pack's root says which module does what. Process-wide state lives in
+state.py; node modules import it, never each other's registries.
+"""
+import logging
+
+from . import managed_models, preload, prompt_lifecycle, routes, tiered_loaders
 from .core_pins import install as share_pinned_budget_with_core
 from .layerwise import ApplyLayerwiseOffload
 from .swap import ModelLevelSwap
+from .tier_manager_node import VRAMTierManager
+
+log = logging.getLogger(__name__)
 
 share_pinned_budget_with_core()
 
 NODE_CLASS_MAPPINGS = {
     "ApplyLayerwiseOffload": ApplyLayerwiseOffload,
     "ModelLevelSwap": ModelLevelSwap,
-    **tiers.NODE_CLASS_MAPPINGS,
+    **tiered_loaders.LOADERS,
+    "VRAMTierManager": VRAMTierManager,
 }
 NODE_DISPLAY_NAME_MAPPINGS = {
     "ApplyLayerwiseOffload": "Apply Layerwise Offload",
     "ModelLevelSwap": "Model-Level Swap",
-    **tiers.NODE_DISPLAY_NAME_MAPPINGS,
+    "TieredUNETLoader": "Tiered UNET Loader",
+    "TieredCheckpointLoader": "Tiered Checkpoint Loader",
+    "TieredCLIPLoader": "Tiered CLIP Loader",
+    "TieredVAELoader": "Tiered VAE Loader",
+    "VRAMTierManager": "VRAM Tier Manager",
 }
+
+
+def install() -> None:
+    """Server-side wiring, once at start-up: the REST routes and panel events, then a prompt's
+    models held from its start and released when it ends, then the preload (which never fails
+    the pack's import)."""
+    routes.register()
+    prompt_lifecycle.install()
+    prompt_lifecycle.on_prompt_start(tiered_loaders.hold_graph)
+    prompt_lifecycle.on_prompt_end(managed_models.release_prompt)
+    try:
+        preload.preload_from_settings()
+    except Exception:
+        log.exception("tiered offload: preload failed; the models load on first use instead")

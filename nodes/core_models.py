@@ -1,4 +1,5 @@
-"""Core's list of loaded models, seen and changed the way core itself does it.
+"""Core's models as core sees them: its list of loaded models, changed the way core itself does
+it, and whether it runs a model with Dynamic VRAM.
 
 Everything that moves a model out of VRAM goes through `LoadedModel.model_unload` and leaves
 `current_loaded_models`, so core's free-memory planning always matches what is really loaded.
@@ -22,3 +23,9 @@ def unload_from_core(module: torch.nn.Module) -> None:
         lm.model_unload()
         if lm in comfy.model_management.current_loaded_models:
             comfy.model_management.current_loaded_models.remove(lm)
+
+
+def is_dynamic(patcher) -> bool:
+    """Whether core runs this patcher with Dynamic VRAM (`is_dynamic()` exists from 0.15 on)."""
+    probe = getattr(patcher, "is_dynamic", None)
+    return bool(probe()) if callable(probe) else False

@@ -33,7 +33,7 @@ import logging
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -41,14 +41,13 @@ import comfy.model_management
 import comfy.patcher_extension
 
 from ..offload_core.device.residency import fit_budget, plan_residency, slot_count, spread_evenly
-from ..offload_core.per_module import PerModule
-from . import block_budget, vbar_layout
-from .core_models import loaded_entries
-from .dynamic_vram import UNITS_ATTR, BlockPlan, binary_bytes, is_dynamic, plan_blocks
+from . import block_budget, state, vbar_layout
+from .core_models import is_dynamic, loaded_entries
+from .dynamic_vram import UNITS_ATTR, BlockPlan, binary_bytes, plan_blocks
+from .state import DYNAMIC_ORDER_KEY
 
 log = logging.getLogger(__name__)
 
-WRAPPER_KEY = "tiered_offload.dynamic_order"
 RELOAD_HINT = ("takes effect after the model is reloaded: unload it and clear ComfyUI's cache "
                "(POST /free {\"unload_models\": true, \"free_memory\": true}, or ComfyUI's \"Unload "
                "Models and Execution Cache\"), then run again")
@@ -288,9 +287,6 @@ class Cooperation:
         pass
 
 
-COOPERATIONS: PerModule[Cooperation] = PerModule()
-
-
 def _vbar_loaded(model: torch.nn.Module, device: torch.device) -> int:
     vbar = vbar_layout.model_vbar(model, device)
     probe = getattr(vbar, "loaded_size", None)
@@ -325,7 +321,7 @@ def room_for_blocks(patcher, rest_bytes: int, least: int, noise_shape, conds) ->
     return free + evictable - int(others)
 
 
-def cooperate(model, streamer_kwargs: dict[str, Any], publish: Callable[[dict[str, Any]], None]):
+def cooperate(model, streamer_kwargs: dict[str, Any]):
     """`auto` on a dynamic model: a clone on which core streams in the node's order."""
     plan = plan_blocks(model, streamer_kwargs)
     patcher = model.clone()
@@ -336,13 +332,13 @@ def cooperate(model, streamer_kwargs: dict[str, Any], publish: Callable[[dict[st
         return patcher
     settings = OrderSettings.from_streamer_kwargs(streamer_kwargs)
     diffusion_model = patcher.get_model_object("diffusion_model")
-    coop = COOPERATIONS.get_or_create(diffusion_model, lambda: Cooperation(diffusion_model, plan))
+    coop = state.LAYERWISE.cooperations.get_or_create(diffusion_model, lambda: Cooperation(diffusion_model, plan))
     if coop.order is None and settings.resident is not None:
         coop.order = Order(plan.resident, plan.streamed, settings)
     patcher.add_object_patch(UNITS_ATTR, coop.units)
 
     def prepare_sampling(executor, model_patcher, noise_shape=None, conds=None, *args, **kwargs):
-        live = COOPERATIONS.get(model_patcher.get_model_object("diffusion_model"))
+        live = state.LAYERWISE.cooperations.get(model_patcher.get_model_object("diffusion_model"))
         if live is not None and is_dynamic(model_patcher):
             try:
                 live.before_load(model_patcher, settings, noise_shape, conds)
@@ -362,18 +358,18 @@ def cooperate(model, streamer_kwargs: dict[str, Any], publish: Callable[[dict[st
         try:
             return executor(*args, **kwargs)
         finally:
-            live = COOPERATIONS.get(current.get_model_object("diffusion_model"))
+            live = state.LAYERWISE.cooperations.get(current.get_model_object("diffusion_model"))
             if live is not None:
                 try:
                     live.after_run(current)
-                    publish(live.report())
+                    state.LAYERWISE.publish_report(live.report())
                 except Exception:
                     log.exception("Apply Layerwise Offload (auto): the run's report failed")
 
     for wrapper_type, fn in ((comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING, prepare_sampling),
                              (comfy.patcher_extension.WrappersMP.OUTER_SAMPLE, outer_sample)):
-        patcher.remove_wrappers_with_key(wrapper_type, WRAPPER_KEY)
-        patcher.add_wrapper_with_key(wrapper_type, WRAPPER_KEY, fn)
+        patcher.remove_wrappers_with_key(wrapper_type, DYNAMIC_ORDER_KEY)
+        patcher.add_wrapper_with_key(wrapper_type, DYNAMIC_ORDER_KEY, fn)
     what = (f"{settings.resident} resident block{'s' if settings.resident != 1 else ''}"
             if settings.resident is not None else
             f"the resident blocks a {binary_bytes(settings.budget_bytes)} budget allows"
@@ -383,6 +379,3 @@ def cooperate(model, streamer_kwargs: dict[str, Any], publish: Callable[[dict[st
              "load; %s", plan.model_class, what, prefetch_statement(plan.model_class, coop.prefetch))
     return patcher
 
-
-def reports() -> list[dict[str, Any]]:
-    return [c.report() for c in COOPERATIONS.values()]

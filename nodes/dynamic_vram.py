@@ -40,7 +40,7 @@ import comfy.model_patcher
 
 from ..offload_core.blocks.discovery import find_blocks
 from ..offload_core.layerwise.streamer import LayerwiseStreamer
-from ..offload_core.per_module import PerModule
+from . import state
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +48,6 @@ MODES = ("auto", "engine")
 UNITS_ATTR = "get_dynamic_vram__units"
 _MIB = 1 << 20
 _GIB = 1 << 30
-
-
-def is_dynamic(patcher) -> bool:
-    """Whether core runs this patcher with Dynamic VRAM (`is_dynamic()` exists from 0.15 on)."""
-    probe = getattr(patcher, "is_dynamic", None)
-    return bool(probe()) if callable(probe) else False
 
 
 def check_mode(mode: str) -> str:
@@ -121,9 +115,6 @@ class _Delegate:
 
     def close(self) -> None:
         self.override = None
-
-
-DELEGATES: PerModule[_Delegate] = PerModule()
 
 
 class TwinUnavailable(Exception):
@@ -241,7 +232,7 @@ def classic_delegate(model, streamer_kwargs: dict[str, Any]):
     if not (_clone_accepts(model, "disable_dynamic") and _clone_accepts(model, "model_override")):
         raise ValueError("Apply Layerwise Offload (engine): this ComfyUI runs the model with "
                          "Dynamic VRAM and offers no classic patcher for it; use mode auto.")
-    entry = DELEGATES.get(model.model)
+    entry = state.DYNAMIC_DELEGATES.get(model.model)
     if entry is not None and entry.override is not None:
         patcher = model.clone(disable_dynamic=True, model_override=entry.override)
     else:
@@ -251,7 +242,7 @@ def classic_delegate(model, streamer_kwargs: dict[str, Any]):
             log.warning("Apply Layerwise Offload (engine): no twin of %s over its own weights: %s; "
                         "falling back to a reload from disk", type(model.model).__name__, e)
             patcher, entry = _reload_delegate(model, f"no twin: {e}")
-        DELEGATES.get_or_create(model.model, lambda: entry, reuse=lambda _old: False)
+        state.DYNAMIC_DELEGATES.get_or_create(model.model, lambda: entry, reuse=lambda _old: False)
     patcher.weight_inplace_update = False  # never write into host tensors the twin shares
     entry.uses += 1
     log.log(logging.INFO if entry.path == "twin" else logging.WARNING,
@@ -261,7 +252,7 @@ def classic_delegate(model, streamer_kwargs: dict[str, Any]):
 
 def describe(diffusion_module_id: int) -> dict[str, Any] | None:
     """The cost entry of the twin (or reloaded copy) whose diffusion model has this id, if any."""
-    for entry in DELEGATES.values():
+    for entry in state.DYNAMIC_DELEGATES.values():
         override = entry.override
         if override is not None and id(override[0].diffusion_model) == diffusion_module_id:
             return entry.report()

@@ -1,443 +1,46 @@
-"""Apply Layerwise Offload: stream a DiT's blocks from pinned RAM during sampling.
+"""Apply Layerwise Offload, the node: stream a DiT's blocks from pinned RAM during sampling.
 
-How it cooperates with core's ModelPatcher (classic, as in 0.3.75):
-- A PREPARE_SAMPLING wrapper, inside the sampler's OUTER_SAMPLE, first decides the engine's
-  device budget (what is free once core has made room for the rest of the run), then hands the
-  blocks to the engine *before* core's `load_models_gpu`. The engine releases the streamed
-  tensors and hides the resident ones, so core sees those modules as empty: it never loads them
-  first, never merges a LoRA into them and counts only what it really placed. After core's load
-  the model's loaded-weight figure gets the engine's device bytes (resident blocks and slots), so
-  core plans the VAE and text encoders with true numbers; its size figure is the model less its
-  blocks plus the engine's bound, so core never unloads the model to find room for blocks it
-  does not load.
-- LoRA and other weight patches are merged with core's own arithmetic into the device copies:
-  the host pack holds base weights only (one host copy, LoRA or not).
-- After sampling, and whatever ends it (an error, an interrupt during packing or sampling, a
-  refusal), an OUTER_SAMPLE wrapper puts every tensor back and tells core the blocks hold base
-  weights again, so a later prompt without this node runs the model exactly as core would. The
-  pinned pack is kept for the next run and freed when the model is freed.
-- The engine hooks the block modules themselves, so dit block-replace patches of other nodes
-  (TeaCache and the like) keep working and chain naturally: they call the original block.
+It checks its inputs (layerwise_settings.py) and picks the path. On a model core runs with
+Dynamic VRAM, `auto` lets core stream it in the node's order (dynamic_cooperation.py); anywhere
+else the pack's engine streams, on a classic patcher (a twin for a Dynamic VRAM model in `engine`
+mode: dynamic_vram.py), through one session per diffusion model (layerwise_session.py), which two
+wrappers registered under the pack's key run inside core's sampling: PREPARE_SAMPLING hands the
+blocks over before core's load and corrects core's figures after it, OUTER_SAMPLE gives
+everything back however the run ends.
+
+The engine hooks the block modules themselves, so dit block-replace patches of other nodes
+(TeaCache and the like) keep working and chain naturally: they call the original block.
 """
 from __future__ import annotations
 
 import logging
-import time
-import weakref
-from dataclasses import asdict, dataclass
-from typing import Any, Callable
 
-import torch
-
-import comfy.model_management
 import comfy.patcher_extension
-import comfy.utils
 
-from ..offload_core.blocks.discovery import find_blocks
 from ..offload_core.blocks.phases import GRANULARITIES
-from ..offload_core.device.telemetry import overlap_efficiency
-from ..offload_core.disk.host_cache import CacheTooSmallError
-from ..offload_core.disk.tier import DiskOptions
-from ..offload_core.layerwise.streamer import LayerwiseStreamer
-from ..offload_core.per_module import PerModule
-from ..offload_core.units import size_text
-from . import (block_budget, budgets, comfy_weights, dynamic_cooperation, dynamic_vram, host_moves,
-               spill_folder)
+from . import dynamic_cooperation, dynamic_vram
+from .core_models import is_dynamic
+from .layerwise_session import LayerwiseSession
+from .layerwise_settings import (MAX_DISK_WORKERS, MAX_HOST_CACHE_GB, MAX_PREFETCH,
+                                 MAX_RESIDENT_BLOCKS, MAX_VRAM_BUDGET_GB, LayerwiseSettings)
+from .state import LAYERWISE, LAYERWISE_KEY, SWAP_KEY, SWAP_MEMBERS
 
 log = logging.getLogger(__name__)
 
-WRAPPER_KEY = "tiered_offload.layerwise"
-# The key of core's TorchCompileModel wrapper (comfy_api.torch_helpers.torch_compile.COMPILE_KEY).
-_COMPILE_KEY = "torch.compile"
-GIB = 1024 ** 3
-# The inputs' ranges, for the node's widgets and for the checks of values that reach the node
-# through a link (ComfyUI checks the range of a widget's value only) or as NaN (which passes it).
-MAX_RESIDENT_BLOCKS = 4096
-MAX_VRAM_BUDGET_GB = 1024.0
-MAX_PREFETCH = 16
-MAX_HOST_CACHE_GB = 4096.0
-MAX_DISK_WORKERS = 16
 
+def session_for(patcher, settings: LayerwiseSettings) -> LayerwiseSession:
+    """The engine session of this patcher's diffusion model (one per nn.Module, shared by all its
+    clones), built anew when the settings or the device changed."""
+    diffusion_model = patcher.get_model_object("diffusion_model")
 
-@dataclass(frozen=True)
-class LayerwiseSettings:
-    resident_blocks: int
-    vram_budget_gb: float  # 0: auto
-    prefetch: int
-    pin: bool
-    host_cache_gb: float = 0.0  # 0: every block packed in RAM; else the RAM cap, disk beyond it
-    disk_workers: int = 2
-    granularity: str = "block"
-    spill_dir: str = ""
-
-    def __post_init__(self) -> None:
-        """Refuse, naming the input and its range, a value no setting means: another type, NaN,
-        an infinity, out of range, or a budget of less than one byte (which would read as 0)."""
-        try:
-            budgets.whole_number("resident_blocks", self.resident_blocks, -1, MAX_RESIDENT_BLOCKS)
-            budgets.gib_bytes("vram_budget_gb", self.vram_budget_gb, maximum=MAX_VRAM_BUDGET_GB,
-                              zero_means="0 (auto)")
-            budgets.whole_number("prefetch", self.prefetch, 1, MAX_PREFETCH)
-            if not isinstance(self.pin, bool):
-                raise ValueError("pin must be true or false")
-            budgets.gib_bytes("host_cache_gb", self.host_cache_gb, maximum=MAX_HOST_CACHE_GB,
-                              zero_means="0 (every block in RAM)")
-            budgets.whole_number("disk_workers", self.disk_workers, 1, MAX_DISK_WORKERS)
-            if self.granularity not in GRANULARITIES:
-                raise ValueError(f"granularity must be one of {', '.join(GRANULARITIES)}")
-            if not isinstance(self.spill_dir, str):
-                raise ValueError("spill_dir must be a folder path, or empty")
-        except ValueError as e:
-            raise ValueError(f"Apply Layerwise Offload: {e}") from None
-
-    def streamer_kwargs(self) -> dict[str, Any]:
-        """The residency settings as the streamer takes them (an auto budget plans no resident
-        block here; it is decided from the free device memory when a run starts)."""
-        if self.resident_blocks >= 0:
-            return {"resident": self.resident_blocks, "prefetch": self.prefetch, "pin": self.pin}
-        return {"vram_budget_bytes": self.requested_budget, "prefetch": self.prefetch,
-                "pin": self.pin}
-
-    @property
-    def requested_budget(self) -> int | None:
-        """The budget in bytes, or None for auto."""
-        return int(self.vram_budget_gb * GIB) if self.vram_budget_gb > 0 else None
-
-
-class LayerwiseSession:
-    """The engine bound to one diffusion model (one nn.Module shared by all its clones)."""
-
-    def __init__(self, patcher, settings: LayerwiseSettings) -> None:
-        diffusion_model = patcher.get_model_object("diffusion_model")
-        found = find_blocks(diffusion_model)
-        self.model_class = type(diffusion_model).__name__
-        self.layout = found.layout
-        self.prefixes = tuple(f"diffusion_model.{p}" for p in found.paths)
-        self.blocks = found.blocks
-        if settings.resident_blocks > len(self.blocks):
-            raise ValueError(
-                f"Apply Layerwise Offload: resident_blocks={settings.resident_blocks}, but "
-                f"{self.model_class} has {len(self.blocks)} blocks; use at most "
-                f"{len(self.blocks)}, or -1 to derive it from vram_budget_gb")
-        # What the blocks weigh in core's own count of the model, and what the rest weighs.
-        self.block_bytes = sum(comfy.model_management.module_size(b) for b in self.blocks)
-        self.rest_bytes = max(0, comfy.model_management.module_size(patcher.model) - self.block_bytes)
-        self.device = patcher.load_device
-        self.settings = settings
-        resident = settings.resident_blocks if settings.resident_blocks >= 0 else None
-        self.streamer = LayerwiseStreamer(list(self.blocks), self.device, resident=resident,
-                                          prefetch=settings.prefetch, pin=settings.pin,
-                                          granularity=settings.granularity,
-                                          disk=self._disk_options(settings))
-        least, _ = self.streamer.bound_range()
-        requested = settings.requested_budget
-        if resident is None and requested is not None and requested < least:
-            raise ValueError(
-                f"Apply Layerwise Offload: vram_budget_gb={settings.vram_budget_gb:g} GiB is too "
-                f"small for {self.model_class}: streaming every block needs {size_text(least)} "
-                f"(prefetch + 1 = {settings.prefetch + 1} slots of its largest block), and the "
-                f"budget leaves {size_text(requested)} for them. Raise vram_budget_gb, lower "
-                "prefetch, or set 0 for auto.")
-        self.module_id = id(diffusion_model)
-        self.accounted_bytes = 0
-        self.budget_bytes: int | None = None
-        self.run_pending = False
-        self.begun = False
-        self.active = False
-        self.started = 0.0
-        self.attach_seconds = 0.0
-        self.runs = 0
-        self.finished_at: float | None = None  # unix time the last sampling run ended
-        self.last_run: dict[str, Any] | None = None
-        self.core_view: dict[str, int] | None = None
-        self.block_patches: comfy_weights.BlockPatches | None = None  # this run's, with patches
-        # Core's unload of the model (without this node) moves it to the host with its root's
-        # `.to()`: the kept pack takes its tensors back first, so nothing is copied back.
-        self._root = weakref.ref(patcher.model)
-        host_moves.watch(patcher.model, WRAPPER_KEY, self._reclaim_before_host_move)
-
-    @staticmethod
-    def _disk_options(settings: LayerwiseSettings) -> DiskOptions | None:
-        """The disk tier when host_cache_gb caps the RAM for blocks."""
-        if settings.host_cache_gb <= 0:
-            return None
-        return DiskOptions(cap_bytes=int(settings.host_cache_gb * GIB),
-                           workers=settings.disk_workers,
-                           spill_dir=spill_folder.spill_folder(settings.spill_dir))
-
-    def begin(self, patcher, noise_shape=None, conds=None, model_options=None) -> None:
-        """Plan, hand the blocks over from core, pack and attach. Called before core's load; if
-        anything here raises, `end()` (from the sampler's OUTER_SAMPLE) gives core its model back."""
-        self.run_pending = False
-        self._close_block_patches()
-        touched = any(key in patcher.patches for prefix, block in zip(self.prefixes, self.blocks)
-                      for key in comfy_weights.block_keys(prefix, block))
-        merge_bytes = 0
-        if touched:
-            # The patches' tensors go to the device with each block copy (no host wait in a
-            # merge); the device holds one block's at a time, beside the merge's workspace.
-            self.block_patches = comfy_weights.BlockPatches(patcher, self.prefixes, self.blocks,
-                                                            self.device)
-            merge_bytes = self.block_patches.device_bytes + comfy_weights.merge_workspace_bytes(
-                patcher, self.prefixes, self.blocks)
-        self._plan(patcher, noise_shape, conds, model_options, merge_bytes)
-        self._refuse_compiled(patcher)
-        self.begun = True
-        if hasattr(patcher, "size"):
-            # While core loads, the model it sees is the part outside the blocks, which it loads.
-            patcher.size = self.rest_bytes
-        comfy_weights.hand_over_from_core(patcher, self.prefixes, self.blocks, self.streamer.reclaim)
-        transform = comfy_weights.lora_transform(patcher, self.prefixes, self.block_patches) \
-            if touched else None
-        self.streamer.reset_figures()
-        start = time.perf_counter()
-        progress = comfy.utils.ProgressBar(len(self.streamer.units) + 1)
-        try:
-            self.streamer.attach(transform=transform,
-                                 progress=lambda done, total: progress.update_absolute(done, total))
-        except CacheTooSmallError as e:
-            remedies = "Raise host_cache_gb or lower prefetch"
-            if self.settings.granularity != "phase":
-                remedies += ", or use granularity 'phase' (smaller units)"
-            raise ValueError(
-                f"Apply Layerwise Offload: host_cache_gb={self.settings.host_cache_gb:g} GiB is too "
-                f"small for {self.model_class}: {e}. {remedies}.") from None
-        # Until account(), core's load() sees every block as empty: it neither counts nor moves
-        # them, and it merges no LoRA into resident blocks that already carry the engine's merge.
-        self.streamer.conceal_resident()
-        self.active = True
-        self.attach_seconds = time.perf_counter() - start
-        self.started = time.perf_counter()
-
-    def _refuse_compiled(self, patcher) -> None:
-        """Refuse, before anything moves, a run that torch.compile would trace over streamed
-        blocks: their weights move between device slots on every pass, and a compiled graph
-        follows none of that (the engine's hooks inside it become graph breaks, or errors that
-        do not name the cause). Resident blocks stay put for the run and may be compiled."""
-        if not self.streamer.streamed_indices:
-            return
-        how = compiled_by(patcher, self.blocks)
-        if how is not None:
-            raise ValueError(
-                f"Apply Layerwise Offload: {self.model_class} is compiled with torch.compile ({how}), "
-                f"but {len(self.streamer.streamed_indices)} of its {len(self.blocks)} blocks are "
-                "streamed: their weights move between GPU slots on every pass, which a compiled "
-                "graph cannot follow. Remove the torch.compile node, or keep every block resident "
-                f"(resident_blocks = {len(self.blocks)}, or a vram_budget_gb that holds them all).")
-
-    def _plan(self, patcher, noise_shape, conds, model_options, merge_bytes: int) -> None:
-        """Resident blocks for this run: the node's count, or the most its budget (or, in auto,
-        the card) allows."""
-        if self.settings.resident_blocks >= 0:
-            self.budget_bytes = None
-            return
-        least, most = self.streamer.bound_range()
-        requested = self.settings.requested_budget
-        if self.device.type == "cpu":
-            # The "device" is host RAM: nothing to clamp to. Auto keeps every block resident.
-            budget = most if requested is None else requested
-        else:
-            wanted = most if requested is None else min(requested, most)
-            room = block_budget.device_room(patcher, self.rest_bytes, wanted, noise_shape, conds,
-                                            model_options, merge_bytes)
-            budget = block_budget.choose_budget(self.model_class, requested, room, least, most)
-        self.streamer.replan(vram_budget_bytes=budget)
-        self.budget_bytes = budget
-
-    def account(self, patcher) -> None:
-        """Make core's figures for the model true, once core has loaded the rest.
-
-        Core counted none of the concealed blocks, except after a full load, where it counts
-        the size it was given. Its own share is at most the model less the blocks; the engine's
-        device bytes (resident blocks, slots) come on top of that, in the loaded figure and in
-        the size, so that between runs the model's offloaded part is exactly what the engine
-        will take again.
-        """
-        self.streamer.reveal_resident()
-        comfy_weights.settle_after_core_load(self.blocks)
-        model = patcher.model
-        self.accounted_bytes = self.streamer.bound_bytes()
-        model.model_loaded_weight_memory = min(model.model_loaded_weight_memory,
-                                               self.rest_bytes) + self.accounted_bytes
-        if hasattr(patcher, "size"):
-            patcher.size = self.rest_bytes + self.accounted_bytes
-
-    def end(self, patcher) -> None:
-        """Give everything back to core, however the run ended. Safe to call more than once."""
-        self.run_pending = False
-        if not self.begun:
-            self._close_block_patches()  # a refusal while planning
-            return
-        try:
-            if self.active:
-                self.last_run = run_figures(self.streamer.figures(wait=True),
-                                            time.perf_counter() - self.started,
-                                            self.attach_seconds, self.device)
-                self.runs += 1
-                self.finished_at = time.time()
-        finally:
-            self.active = False
-            self.begun = False
-            try:
-                self.streamer.detach(keep_pack=True)
-            finally:
-                self._close_block_patches()
-                model = patcher.model
-                model.model_loaded_weight_memory = max(
-                    0, model.model_loaded_weight_memory - self.accounted_bytes)
-                self.accounted_bytes = 0
-                comfy_weights.return_to_core(patcher, self.prefixes, self.blocks)
-                self.core_view = {"model_size": int(patcher.model_size()),
-                                  "loaded": int(model.model_loaded_weight_memory)}
-
-    def _reclaim_before_host_move(self) -> None:
-        if self.begun:  # the engine holds the blocks during a run
-            return
-        taken = self.streamer.reclaim()
-        if taken:
-            log.info("Apply Layerwise Offload: %s moves to the host: %d block tensors re-pointed "
-                     "at the kept pack, with no copy", self.model_class, taken)
-
-    def _close_block_patches(self) -> None:
-        if self.block_patches is not None:
-            self.block_patches.close()
-            self.block_patches = None
-
-    def close(self) -> None:
-        root = self._root()
-        if root is not None:
-            host_moves.unwatch(root, WRAPPER_KEY)
-        self._close_block_patches()
-        self.streamer.close()
-
-    def report(self) -> dict[str, Any]:
-        return {
-            "module_id": self.module_id,
-            "model_class": self.model_class,
-            "layout": self.layout,
-            "device": str(self.device),
-            "settings": asdict(self.settings),
-            "budget_bytes": self.budget_bytes,
-            "block_bytes": self.block_bytes,
-            "rest_bytes": self.rest_bytes,
-            "core_view": self.core_view,
-            "blocks": len(self.blocks),
-            "resident_indices": list(self.streamer.resident_indices),
-            "streamed_indices": list(self.streamer.streamed_indices),
-            "bound_bytes": self.streamer.bound_bytes(),
-            "block_states": self.streamer.block_states(),
-            "granularity": self.streamer.granularity,
-            "units": self.streamer.describe_units(),
-            "unit_states": self.streamer.unit_states(),
-            "host": self.streamer.host_bytes(),
-            "disk": self.streamer.disk_figures(),
-            "active": self.active,
-            "runs": self.runs,
-            "finished_at": self.finished_at,
-            "dynamic_vram": dynamic_vram.describe(self.module_id),
-            "telemetry": self.streamer.figures() if self.active else self.last_run,
-        }
-
-    def disk_bytes(self) -> int:
-        """Bytes of the model's blocks that are only on disk now (disk streaming), else 0."""
-        return self.streamer.host_bytes().get("disk", 0)
-
-
-def compiled_by(patcher, blocks) -> str | None:
-    """How torch.compile would run the diffusion model or its blocks in this patcher's sampling:
-    core's TorchCompileModel wrapper, a compiled module put in by an object patch (the way
-    per-block compile nodes do it), or a compiled block; None if it would not."""
-    if patcher.get_wrappers(comfy.patcher_extension.WrappersMP.APPLY_MODEL, _COMPILE_KEY):
-        return "ComfyUI's TorchCompileModel"
-    for key, value in getattr(patcher, "object_patches", {}).items():
-        if (key == "diffusion_model" or key.startswith("diffusion_model.")) and _is_compiled(value):
-            return f"a compiled module patched in at {key}"
-    if any(_is_compiled(b) for b in blocks):
-        return "compiled blocks"
-    return None
-
-
-def _is_compiled(module: object) -> bool:
-    """torch.compile's module wrapper (OptimizedModule, known by the module it wraps)."""
-    return isinstance(module, torch.nn.Module) and isinstance(getattr(module, "_orig_mod", None),
-                                                               torch.nn.Module)
-
-
-def run_figures(snapshot: dict[str, Any], seconds: float, attach_seconds: float,
-                device: torch.device) -> dict[str, Any]:
-    """The engine's counters plus what a person reads first: rate and overlap of the run.
-
-    `seconds` is sampling time only (from the end of the attach to the end of the run), so
-    `gibps` (streamed GiB over that time) and `overlap_efficiency` are not flattered by packing
-    and pinning, which `attach_seconds` shows on its own. Overlap is the share of the run in
-    which neither the GPU waited for a copy (`compute_wait_s`) nor the sampling thread sat in the
-    engine (`host_wait_s`: a host that waits queues no compute, which the GPU's own waits do
-    not show). On CPU copies are synchronous and part of the compute, so overlap is left out
-    there rather than shown as a meaningless figure.
-    """
-    figures = dict(snapshot, seconds=seconds, attach_seconds=attach_seconds)
-    figures["gibps"] = snapshot["bytes_copied"] / seconds / 2**30 if seconds > 0 else 0.0
-    if device.type != "cpu" and seconds > 0:
-        figures["overlap_efficiency"] = overlap_efficiency(snapshot, seconds)
-    return figures
-
-
-class _Registry:
-    """One session per diffusion nn.Module (shared by all its clones)."""
-
-    def __init__(self) -> None:
-        self._sessions: PerModule[LayerwiseSession] = PerModule()
-        self._listeners: list[Callable[[dict[str, Any]], None]] = []
-
-    def subscribe(self, fn: Callable[[dict[str, Any]], None]) -> None:
-        """Call fn(report) after every sampling run of a layerwise-offloaded model."""
-        self._listeners.append(fn)
-
-    def publish(self, session: LayerwiseSession) -> None:
-        self.publish_report(session.report())
-
-    def publish_report(self, report: dict[str, Any]) -> None:
-        for fn in list(self._listeners):
-            try:
-                fn(report)
-            except Exception:
-                log.exception("layerwise offload: report listener failed")
-
-    def session_for(self, patcher, settings: LayerwiseSettings) -> LayerwiseSession:
-        diffusion_model = patcher.get_model_object("diffusion_model")
-
-        def same(session: LayerwiseSession) -> bool:
-            if session.settings == settings and session.device == patcher.load_device:
-                return True
-            log.info("Layerwise offload: settings changed for %s, rebuilding the engine",
-                     session.model_class)
-            return False
-        return self._sessions.get_or_create(
-            diffusion_model, lambda: LayerwiseSession(patcher, settings), same)
-
-    def discard(self, diffusion_model: torch.nn.Module) -> LayerwiseSession | None:
-        """Close this model's engine (its pinned pack is freed, its tensors handed back)."""
-        return self._sessions.discard(diffusion_model)
-
-    def disk_bytes(self, diffusion_model: torch.nn.Module | None) -> int:
-        """Bytes of this model's blocks that only the disk holds now (0 without disk streaming)."""
-        session = self._sessions.get(diffusion_model) if diffusion_model is not None else None
-        return session.disk_bytes() if session is not None else 0
-
-    def is_active(self, diffusion_model: torch.nn.Module) -> bool:
-        """Whether the engine holds this model's blocks right now (a sampling run is on)."""
-        session = self._sessions.get(diffusion_model)
-        return session is not None and session.active
-
-    def report(self) -> list[dict[str, Any]]:
-        """The engine's models, then the Dynamic VRAM models core streams in the node's order."""
-        return [s.report() for s in self._sessions.values()] + dynamic_cooperation.reports()
-
-
-REGISTRY = _Registry()
-
-
-_is_dynamic = dynamic_vram.is_dynamic
+    def same(session: LayerwiseSession) -> bool:
+        if session.settings == settings and session.device == patcher.load_device:
+            return True
+        log.info("Layerwise offload: settings changed for %s, rebuilding the engine",
+                 session.model_class)
+        return False
+    return LAYERWISE.sessions.get_or_create(
+        diffusion_model, lambda: LayerwiseSession(patcher, settings), same)
 
 
 def _classic_patcher(model, settings: LayerwiseSettings):
@@ -450,7 +53,7 @@ def _classic_patcher(model, settings: LayerwiseSettings):
     ValueError, before any copy, for a model or settings the engine refuses or a model no
     classic patcher can be made for.
     """
-    if not _is_dynamic(model):
+    if not is_dynamic(model):
         return model.clone()
     return dynamic_vram.classic_delegate(model, settings.streamer_kwargs())
 
@@ -524,12 +127,10 @@ class ApplyLayerwiseOffload:
               granularity: str = "block", spill_dir: str = ""):
         settings = LayerwiseSettings(resident_blocks, vram_budget_gb, prefetch, pin, host_cache_gb,
                                      disk_workers, granularity, spill_dir)
-        if dynamic_vram.check_mode(mode) == "auto" and _is_dynamic(model):
-            return (dynamic_cooperation.cooperate(model, settings.streamer_kwargs(),
-                                                  REGISTRY.publish_report),)
-        from . import swap  # swap builds on this module
+        if dynamic_vram.check_mode(mode) == "auto" and is_dynamic(model):
+            return (dynamic_cooperation.cooperate(model, settings.streamer_kwargs()),)
         # Checked on the input (clones carry its wrappers), so a refusal costs no copy.
-        if model.get_wrappers(comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING, swap.KEY):
+        if model.get_wrappers(comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING, SWAP_KEY):
             raise ValueError(
                 "Apply Layerwise Offload got a model that is already under Model-Level Swap, "
                 "which keeps the whole model in pinned RAM; streaming its blocks would hold them "
@@ -537,9 +138,9 @@ class ApplyLayerwiseOffload:
         patcher = _classic_patcher(model, settings)
         # Every check (blocks, packability, settings) runs here, before anything is moved, so
         # a refused model costs nothing and the error names the node.
-        session = REGISTRY.session_for(patcher, settings)
+        session = session_for(patcher, settings)
         # A whole-model master left by an earlier workflow would double the RAM: retire it.
-        if swap.MEMBERS.discard(patcher.model) is not None:
+        if SWAP_MEMBERS.discard(patcher.model) is not None:
             log.info("Apply Layerwise Offload: released the Model-Level Swap master of this model")
         log.info("Apply Layerwise Offload: %s, %d blocks (%s), %s", session.model_class,
                  len(session.blocks), session.layout,
@@ -549,16 +150,16 @@ class ApplyLayerwiseOffload:
 
         def outer_sample(executor, *args, **kwargs):
             current = executor.class_obj.model_patcher
-            live = REGISTRY.session_for(current, settings)
+            live = session_for(current, settings)
             live.run_pending = True
             try:
                 return executor(*args, **kwargs)
             finally:
                 live.end(current)
-                REGISTRY.publish(live)
+                LAYERWISE.publish_report(live.report())
 
         def prepare_sampling(executor, model_patcher, noise_shape=None, conds=None, *args, **kwargs):
-            live = REGISTRY.session_for(model_patcher, settings)
+            live = session_for(model_patcher, settings)
             if not live.run_pending:  # not inside this node's sampling run
                 return executor(model_patcher, noise_shape, conds, *args, **kwargs)
             live.begin(model_patcher, noise_shape, conds, kwargs.get("model_options"))
@@ -568,9 +169,9 @@ class ApplyLayerwiseOffload:
 
         for wrapper_type in (comfy.patcher_extension.WrappersMP.OUTER_SAMPLE,
                              comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING):
-            patcher.remove_wrappers_with_key(wrapper_type, WRAPPER_KEY)
+            patcher.remove_wrappers_with_key(wrapper_type, LAYERWISE_KEY)
         patcher.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.OUTER_SAMPLE,
-                                     WRAPPER_KEY, outer_sample)
+                                     LAYERWISE_KEY, outer_sample)
         patcher.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING,
-                                     WRAPPER_KEY, prepare_sampling)
+                                     LAYERWISE_KEY, prepare_sampling)
         return (patcher,)

@@ -30,9 +30,8 @@ import comfy.sd1_clip
 from ..offload_core.models.tiers import TierError
 from . import prompt_lifecycle
 from .core_models import unload_from_core
-from .layerwise import REGISTRY as LAYERWISE
-from .swap import MEMBERS as SWAP_MEMBERS
-from .tiers import MANAGER, diffusion_module_ids, key_of
+from .managed_models import diffusion_module_ids, key_of
+from .state import LAYERWISE, MANAGER, SWAP_MEMBERS
 
 log = logging.getLogger(__name__)
 

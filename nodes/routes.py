@@ -40,9 +40,8 @@ from ..offload_core.models.tiers import (
     ModelInUseError, ModelPinnedError, SourceChangedError, SourceGoneError, SourceUnreadableError,
     TierCapacityError, TierError, UnknownModelError)
 from . import budgets, loaded_models, prompt_lifecycle
-from .layerwise import REGISTRY as LAYERWISE
-from .swap import MEMBERS as SWAP_MEMBERS
-from .tiers import MANAGER, PROMPT_USES, diffusion_module_ids, sync_tiers
+from .managed_models import diffusion_module_ids, release_prompt, sync_tiers
+from .state import LAYERWISE, MANAGER, SWAP_MEMBERS
 
 log = logging.getLogger(__name__)
 
@@ -366,7 +365,7 @@ def register() -> None:
     MANAGER.subscribe(push_tiers)
     # Core's own loads and unloads raise no event: the panel hears of them after each prompt
     # (the prompt's models are released first, so the figures no longer show them in use).
-    prompt_lifecycle.on_prompt_end(lambda prompt_id: (PROMPT_USES.release_prompt(prompt_id),
+    prompt_lifecycle.on_prompt_end(lambda prompt_id: (release_prompt(prompt_id),
                                                       _drops_after_prompt(), push_tiers()))
     LAYERWISE.subscribe(lambda report: _send(
         server, LAYERWISE_EVENT,

@@ -36,16 +36,11 @@ import torch
 import comfy.patcher_extension
 
 from ..offload_core.models.swap import ModuleSwap
-from ..offload_core.per_module import PerModule
 from . import host_moves
-from .core_models import loaded_entries, unload_from_core
-from .layerwise import REGISTRY as LAYERWISE
-from .layerwise import WRAPPER_KEY as LAYERWISE_KEY
-from .layerwise import _is_dynamic
+from .core_models import is_dynamic, loaded_entries, unload_from_core
+from .state import LAYERWISE, LAYERWISE_KEY, SWAP_KEY, SWAP_MEMBERS
 
 log = logging.getLogger(__name__)
-
-KEY = "tiered_offload.swap"
 
 
 def _patched_keys(patcher) -> list[str]:
@@ -77,7 +72,7 @@ class SwapMember:
         # Only a weak reference: the module must still be freed (and this member closed) when
         # ComfyUI drops the model. The guard on its `.to()` holds this member weakly.
         self._module_ref = weakref.ref(module)
-        host_moves.watch(module, KEY, self._park_before_host_move)
+        host_moves.watch(module, SWAP_KEY, self._park_before_host_move)
 
     def _park_before_host_move(self) -> None:
         module = self._module_ref()
@@ -102,7 +97,7 @@ class SwapMember:
         module = self._module_ref()
         if module is not None:
             unload_from_core(module)
-            host_moves.unwatch(module, KEY)
+            host_moves.unwatch(module, SWAP_KEY)
             self.swap.park()
         self.closed = True
         self.swap.close()
@@ -115,12 +110,9 @@ class SwapMember:
                 "bytes": {"master": self.swap.nbytes, **self.swap.bytes_by_tier()}}
 
 
-MEMBERS: PerModule[SwapMember] = PerModule()
-
-
 def _member(patcher) -> SwapMember:
     module = patcher.model
-    return MEMBERS.get_or_create(module, lambda: SwapMember(patcher, type(module).__name__))
+    return SWAP_MEMBERS.get_or_create(module, lambda: SwapMember(patcher, type(module).__name__))
 
 
 def layerwise_active(module: torch.nn.Module) -> bool:
@@ -149,14 +141,14 @@ class _Turns:
         loads the incoming one, from its master where it has one."""
         if outgoing is not None:
             unload_from_core(outgoing)
-        member = MEMBERS.get(incoming) if incoming is not None else None
+        member = SWAP_MEMBERS.get(incoming) if incoming is not None else None
         if member is not None:
             member.turns += 1
 
 
 def _master_refusal(patcher) -> str | None:
     """Why this patcher gets no master, or None."""
-    if _is_dynamic(patcher):
+    if is_dynamic(patcher):
         return "runs with Dynamic VRAM; core keeps it in host memory itself"
     if getattr(patcher, "weight_inplace_update", False):
         return "merges weight patches in place, which would write into the master"
@@ -204,9 +196,9 @@ class ModelLevelSwap:
         def on_encoder_load(patcher):
             turns.encoding()
 
-        model.remove_wrappers_with_key(comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING, KEY)
-        model.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING, KEY,
+        model.remove_wrappers_with_key(comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING, SWAP_KEY)
+        model.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING, SWAP_KEY,
                                    prepare_sampling)
-        clip.patcher.set_injections(KEY, [comfy.patcher_extension.PatcherInjection(
+        clip.patcher.set_injections(SWAP_KEY, [comfy.patcher_extension.PatcherInjection(
             inject=on_encoder_load, eject=lambda patcher: None)])
         return (model, clip)

@@ -53,8 +53,11 @@ def import_pack():
         module.__path__ = [str(path)]
         sys.modules[name] = module
     return (importlib.import_module("tiered_offload_probe.nodes.layerwise"),
-            importlib.import_module("tiered_offload_probe.nodes.dynamic_vram"),
-            importlib.import_module("tiered_offload_probe.nodes.dynamic_cooperation"))
+            importlib.import_module("tiered_offload_probe.nodes.state"))
+
+
+def is_dynamic(patcher) -> bool:
+    return sys.modules["tiered_offload_probe.nodes.core_models"].is_dynamic(patcher)
 
 
 def state_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
@@ -77,7 +80,7 @@ class CountingLoader:
         patcher.cached_patcher_init = (self, self.args)
 
 
-def classic_case(layerwise, path: Path) -> dict:
+def classic_case(layerwise, state, path: Path) -> dict:
     classic = comfy.sd.load_diffusion_model(str(path))
     settings = layerwise.LayerwiseSettings(**{k: SETTINGS[k] for k in ("resident_blocks", "vram_budget_gb",
                                                                           "prefetch", "pin")})
@@ -85,15 +88,15 @@ def classic_case(layerwise, path: Path) -> dict:
     node = layerwise.ApplyLayerwiseOffload()
     outs = {mode: node.apply(classic, **SETTINGS, mode=mode)[0] for mode in ("auto", "engine")}
     return {
-        "input_dynamic": layerwise._is_dynamic(classic),
+        "input_dynamic": is_dynamic(classic),
         "is_clone": got is not classic,
         "shares_module": got.model is classic.model,
-        "output_dynamic": layerwise._is_dynamic(got),
+        "output_dynamic": is_dynamic(got),
         # On a classic model both modes are the engine: no object patch, a session per module.
         "modes_share_module": all(o.model is classic.model for o in outs.values()),
         "modes_have_units_patch": [standin_units(o) is not None for o in outs.values()],
         "engine_session": any(r["module_id"] == id(classic.model.diffusion_model)
-                              for r in layerwise.REGISTRY.report()),
+                              for r in state.LAYERWISE.report()),
     }
 
 
@@ -101,9 +104,9 @@ def standin_units(patcher):
     return patcher.object_patches.get("get_dynamic_vram__units")
 
 
-def engine_sessions(layerwise) -> list[dict]:
+def engine_sessions(state) -> list[dict]:
     """The engine's own sessions (reports of models core streams in the node's order excluded)."""
-    return [r for r in layerwise.REGISTRY.report()
+    return [r for r in state.LAYERWISE.report()
             if (r.get("dynamic_vram") or {}).get("path") != "core streams"]
 
 
@@ -137,7 +140,7 @@ def layout_of(vbar_layout, dyn) -> dict:
     return {"blocks": layout.block_spans(), "rest": layout.rest_span()} if layout else None
 
 
-def order_cases(layerwise, cooperation, path: Path) -> dict:
+def order_cases(layerwise, state, path: Path) -> dict:
     """auto on models core has laid out already: sampled first without the node, then with it;
     with changed settings; with the default settings; and where the layout cannot be handed back.
     Every run is core's own sampler on the stand-in, so each latent can be compared with core's."""
@@ -150,7 +153,9 @@ def order_cases(layerwise, cooperation, path: Path) -> dict:
     out: dict = {}
 
     def report_of(dyn) -> dict:
-        return next(r for r in cooperation.reports() if r["module_id"] == id(dyn.model.diffusion_model))
+        cooperations = state.LAYERWISE.cooperations.values()
+        return next(r for r in (c.report() for c in cooperations)
+                    if r["module_id"] == id(dyn.model.diffusion_model))
 
     dyn = standin.runnable(comfy.sd.load_diffusion_model(str(path)))
     core = sample(dyn)  # core alone lays the model out in its own order
@@ -185,7 +190,7 @@ def order_cases(layerwise, cooperation, path: Path) -> dict:
     gc.collect()
     out["first_vbar_freed"] = first_ref() is None
     out["engine_sessions_for_model"] = sum(r["module_id"] == id(dyn.model.diffusion_model)
-                                           for r in engine_sessions(layerwise))
+                                           for r in engine_sessions(state))
 
     # A layout that cannot be handed back now: core holds a CUDA graph over a block (it drops
     # them after each node; one left over stands for any state in which core uses the slices).
@@ -229,7 +234,7 @@ def load_order(dyn) -> dict:
             "unit_roots_marked": [hasattr(b, "_v_block") for b in blocks]}
 
 
-def dynamic_cases(layerwise, dynamic_vram, cooperation, path: Path) -> dict:
+def dynamic_cases(layerwise, state, path: Path) -> dict:
     import dynamic_vram_standin as standin
     report: dict = {}
     node = layerwise.ApplyLayerwiseOffload()
@@ -244,13 +249,13 @@ def dynamic_cases(layerwise, dynamic_vram, cooperation, path: Path) -> dict:
     resident, streamed = units() if units is not None else ([], [])
     blocks = list(dyn.model.diffusion_model.blocks)
     report["auto"] = {
-        "output_dynamic": layerwise._is_dynamic(auto),
+        "output_dynamic": is_dynamic(auto),
         "shares_module": auto.model is dyn.model,
         "loader_calls": loader.calls,
         "resident": [blocks.index(b) for b in resident],
         "streamed": [blocks.index(b) for b in streamed],
         "engine_session": any(r["module_id"] == id(dyn.model.diffusion_model)
-                              for r in engine_sessions(layerwise)),
+                              for r in engine_sessions(state)),
         "block_hooks": block_hooks(auto),
     }
 
@@ -270,12 +275,12 @@ def dynamic_cases(layerwise, dynamic_vram, cooperation, path: Path) -> dict:
     after_lora = node.apply(lora, **SETTINGS, mode="engine")[0]
     lora2 = standin.with_lora(dyn, 0.8)
     other_settings = node.apply(lora2, **dict(SETTINGS, resident_blocks=1), mode="engine")[0]
-    entry = dynamic_vram.DELEGATES.get(dyn.model)
-    session = next((r for r in engine_sessions(layerwise)
+    entry = state.DYNAMIC_DELEGATES.get(dyn.model)
+    session = next((r for r in engine_sessions(state)
                     if r["module_id"] == id(first.model.diffusion_model)), None)
     report["engine"] = {
         "output_type": type(first).__name__,
-        "output_dynamic": layerwise._is_dynamic(first),
+        "output_dynamic": is_dynamic(first),
         "new_module": first.model is not dyn.model,
         "same_weights": state_equal(first.model, dyn.model),
         "blocks_shared": all(twin_state[k].untyped_storage().data_ptr()
@@ -310,14 +315,14 @@ def dynamic_cases(layerwise, dynamic_vram, cooperation, path: Path) -> dict:
         except Exception as e:  # noqa: BLE001 - the probe reports what the node raised
             refused[name] = type(e).__name__
     refused["loader_calls"] = fresh_loader.calls
-    refused["no_copy_kept"] = dynamic_vram.DELEGATES.get(fresh.model) is None
+    refused["no_copy_kept"] = state.DYNAMIC_DELEGATES.get(fresh.model) is None
     # A model whose loader registered no way to rebuild it (core's loaders all do): the twin
     # needs none.
     no_loader = standin.dynamic_from(comfy.sd.load_diffusion_model(str(path)), with_loader=False)
     twin = node.apply(no_loader, **SETTINGS, mode="engine")[0]
-    refused["no_loader_engine"] = (dynamic_vram.DELEGATES.get(no_loader.model).path,
+    refused["no_loader_engine"] = (state.DYNAMIC_DELEGATES.get(no_loader.model).path,
                                    twin.model is not no_loader.model)
-    refused["no_loader_auto_dynamic"] = layerwise._is_dynamic(node.apply(no_loader, **SETTINGS)[0])
+    refused["no_loader_auto_dynamic"] = is_dynamic(node.apply(no_loader, **SETTINGS)[0])
     # No twin (a model without the config core builds it from): a reload, counted, or where the
     # loader cannot reload either, a refusal that names auto.
     configless = standin.dynamic_from(comfy.sd.load_diffusion_model(str(path)))
@@ -325,7 +330,7 @@ def dynamic_cases(layerwise, dynamic_vram, cooperation, path: Path) -> dict:
     configless_loader.install(configless)
     configless.model.model_config = None
     node.apply(configless, **SETTINGS, mode="engine")
-    fallback = dynamic_vram.DELEGATES.get(configless.model)
+    fallback = state.DYNAMIC_DELEGATES.get(configless.model)
     refused["no_twin"] = {"path": fallback.path, "loader_calls": configless_loader.calls,
                           "cost": fallback.cost()}
     bare = standin.dynamic_from(comfy.sd.load_diffusion_model(str(path)), with_loader=False)
@@ -353,8 +358,8 @@ def dynamic_cases(layerwise, dynamic_vram, cooperation, path: Path) -> dict:
     report["released"] = {
         "model_freed": dyn_ref() is None,
         "copy_freed": copy_ref() is None,
-        "copies_left": len(dynamic_vram.DELEGATES.values()),
-        "engine_session_left": any(r["module_id"] == copy_module_id for r in engine_sessions(layerwise)),
+        "copies_left": len(state.DYNAMIC_DELEGATES.values()),
+        "engine_session_left": any(r["module_id"] == copy_module_id for r in engine_sessions(state)),
     }
     return report
 
@@ -362,16 +367,16 @@ def dynamic_cases(layerwise, dynamic_vram, cooperation, path: Path) -> dict:
 def main() -> None:
     path = OUT_DIR / "probe_wan21.safetensors"
     tiny_models.write_tiny_wan21(path, layers=LAYERS, seed=11)
-    layerwise, dynamic_vram, cooperation = import_pack()
+    layerwise, state = import_pack()
     MP = comfy.model_patcher.ModelPatcher
     report: dict = {"clone_params": list(inspect.signature(MP.clone).parameters)[1:],
-                    "classic": classic_case(layerwise, path)}
+                    "classic": classic_case(layerwise, state, path)}
     MPD = getattr(comfy.model_patcher, "ModelPatcherDynamic", None)
     if MPD is None:
         report["dynamic"] = None
     else:
-        report["dynamic"] = dynamic_cases(layerwise, dynamic_vram, cooperation, path)
-        report["dynamic"]["orders"] = order_cases(layerwise, cooperation, path)
+        report["dynamic"] = dynamic_cases(layerwise, state, path)
+        report["dynamic"]["orders"] = order_cases(layerwise, state, path)
     print(json.dumps(report))
 
 

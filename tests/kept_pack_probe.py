@@ -32,6 +32,7 @@ import tiny_models  # noqa: E402
 
 def main() -> None:
     layerwise = tree_probe.import_pack_module("nodes.layerwise")
+    state = tree_probe.import_pack_module("nodes.state")
     path = Path(tempfile.mkdtemp()) / "wan.safetensors"
     tiny_models.write_tiny_wan21(path, layers=4)
     patcher = comfy.sd.load_diffusion_model(str(path))
@@ -47,7 +48,7 @@ def main() -> None:
         noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(1))
         out = comfy.sample.sample(model, noise, 2, 3.0, "euler", "simple", positive, negative, latent,
                                   disable_pbar=True, seed=1)
-        report = next(r for r in layerwise.REGISTRY.report()
+        report = next(r for r in state.LAYERWISE.report()
                       if r["module_id"] == id(model.model.diffusion_model))
         return {"sha": hashlib.sha256(out.numpy().tobytes()).hexdigest(),
                 "packed": report["telemetry"]["blocks_packed"]}

@@ -1,7 +1,7 @@
 """The disk tier of one streamer: its settings, and the steps the streamer takes through it.
 
 When the host RAM the engine may use for weights (``cap_bytes``) is smaller than the packed
-model, every pack lives on disk, in a spill file of the engine's own (disk.py says why never the
+model, every pack lives on disk, in a spill file of the engine's own (store.py says why never the
 model's file), and the streamed units come in through a host cache of at most ``cap_bytes`` (see
 host_cache.py). Resident units and the tensors every block shares are read once per attach and
 uploaded to the device in cache-entry-sized pieces, so host RAM never holds more than the cache.

@@ -1,0 +1,114 @@
+"""The pack's process-wide state on the ComfyUI side, in one place that every node module imports.
+
+What outlives one node call and is shared between the nodes, the routes and the tier manager's
+backend lives here and nowhere else: the engine objects bound to models (layerwise sessions,
+Dynamic VRAM cooperations and twins, Model-Level Swap masters), the tier manager, which prompt
+holds which of its models, and the keys the pack registers its wrappers and callbacks under in
+core (`comfy.patcher_extension` keys, `host_moves` keys). Node modules never import each other's
+registries, so no import circle can form around them.
+
+Imports the engine only, nothing of nodes/: any node module may import this one. The objects held
+here are duck-typed (a session has `report()`, `disk_bytes()`, `active`), so this module needs no
+node module's classes.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable
+
+import torch
+
+from ..offload_core.models.tiers import Tier, TierManager
+from ..offload_core.per_module import PerModule
+
+log = logging.getLogger(__name__)
+
+# The keys the pack registers under in core: wrappers, injections and host-move callbacks.
+LAYERWISE_KEY = "tiered_offload.layerwise"  # Apply Layerwise Offload's engine
+DYNAMIC_ORDER_KEY = "tiered_offload.dynamic_order"  # Apply Layerwise Offload's auto mode
+SWAP_KEY = "tiered_offload.swap"  # Model-Level Swap
+
+
+class LayerwiseRegistry:
+    """Every model Apply Layerwise Offload handles, one entry per diffusion nn.Module (shared by
+    all its clones): the engine's sessions and, on Dynamic VRAM models, the cooperations in which
+    core streams in the node's order. Listeners hear each sampling run's report."""
+
+    def __init__(self) -> None:
+        self.sessions: PerModule[Any] = PerModule()
+        self.cooperations: PerModule[Any] = PerModule()
+        self._listeners: list[Callable[[dict[str, Any]], None]] = []
+
+    def subscribe(self, fn: Callable[[dict[str, Any]], None]) -> None:
+        """Call fn(report) after every sampling run of a layerwise-offloaded model."""
+        self._listeners.append(fn)
+
+    def publish_report(self, report: dict[str, Any]) -> None:
+        for fn in list(self._listeners):
+            try:
+                fn(report)
+            except Exception:
+                log.exception("layerwise offload: report listener failed")
+
+    def discard(self, diffusion_model: torch.nn.Module) -> Any:
+        """Close this model's engine (its pinned pack is freed, its tensors handed back)."""
+        return self.sessions.discard(diffusion_model)
+
+    def disk_bytes(self, diffusion_model: torch.nn.Module | None) -> int:
+        """Bytes of this model's blocks that only the disk holds now (0 without disk streaming)."""
+        session = self.sessions.get(diffusion_model) if diffusion_model is not None else None
+        return session.disk_bytes() if session is not None else 0
+
+    def is_active(self, diffusion_model: torch.nn.Module) -> bool:
+        """Whether the engine holds this model's blocks right now (a sampling run is on)."""
+        session = self.sessions.get(diffusion_model)
+        return session is not None and session.active
+
+    def report(self) -> list[dict[str, Any]]:
+        """The engine's models, then the Dynamic VRAM models core streams in the node's order."""
+        return [s.report() for s in self.sessions.values()] + \
+            [c.report() for c in self.cooperations.values()]
+
+
+class PromptHolds:
+    """Which of the tier manager's models each running prompt holds, released when it ends.
+
+    At prompt start every Tiered loader in the prompt's graph is held, before any node runs, so
+    a model is never evicted between the prompt's start and its use, even when the loader's
+    output comes from ComfyUI's cache. The loader also holds when it runs, in case the graph
+    could not be read.
+    """
+
+    def __init__(self, manager: TierManager) -> None:
+        self._manager = manager
+        self._lock = threading.Lock()
+        self._held: dict[str | None, list[str]] = {}
+
+    def hold(self, key: str, prompt_id: str | None) -> None:
+        with self._lock:
+            held = self._held.setdefault(prompt_id, [])
+            if key in held:
+                return
+            held.append(key)
+        try:
+            self._manager.acquire(key, to=Tier.RAM)
+        except Exception:
+            with self._lock:
+                self._held[prompt_id].remove(key)
+            raise
+
+    def release_prompt(self, prompt_id: str | None) -> None:
+        with self._lock:
+            keys = self._held.pop(prompt_id, [])
+        for key in keys:
+            self._manager.release(key)
+
+
+LAYERWISE = LayerwiseRegistry()
+SWAP_MEMBERS: PerModule[Any] = PerModule()  # root nn.Module -> Model-Level Swap's master
+# The dynamic model's nn.Module -> the classic model the engine mode runs on (a twin, or core's
+# reloaded copy), kept for every later clone of it.
+DYNAMIC_DELEGATES: PerModule[Any] = PerModule()
+MANAGER = TierManager()
+PROMPT_HOLDS = PromptHolds(MANAGER)

@@ -1,0 +1,288 @@
+"""The pack's import graph keeps its shape (ARCHITECTURE.md): no import circle, an engine that never
+imports ComfyUI, engine rooms whose imports only point down, no module reaching into another's
+private names, and the process-wide registries of the ComfyUI side in one module.
+
+Read from the source with `ast` (nothing is imported), over the root `__init__.py`, `nodes/` and
+`offload_core/`; imports inside functions and under `TYPE_CHECKING` count as well, since a lazy
+import is still an arrow between two modules.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("nodes", "offload_core")
+ENGINE = "offload_core"
+# What the engine may import besides the standard library and itself.
+ENGINE_THIRD_PARTY = {"torch", "safetensors", "psutil"}
+# The engine's rooms and the rooms each may import (offload_core/*/__init__.py says the same in
+# words). Modules at the engine's top level are rooms of their own. The package's __init__ is its
+# public API and may import any room.
+ENGINE_ROOMS = {
+    "units": set(),
+    "per_module": set(),
+    "host": {"units"},
+    "blocks": {"host"},
+    "device": {"host", "units"},
+    "disk": {"host", "device", "units"},
+    "layerwise": {"blocks", "device", "disk", "host", "units"},
+    "models": {"host", "units"},
+}
+# The ComfyUI side's process-wide registries: created in nodes/state.py only.
+REGISTRY_TYPES = {"PerModule", "TierManager", "PromptHolds", "LayerwiseRegistry"}
+STATE_MODULE = "nodes.state"
+
+
+@dataclass(frozen=True)
+class Import:
+    module: str  # the importing module, dotted from the pack root ("" is the root __init__)
+    target: str  # an absolute module name, dotted from the pack root when internal
+    internal: bool
+    line: int
+    names: tuple[str, ...] = ()
+
+
+def pack_modules(root: Path = ROOT) -> dict[str, Path]:
+    """Dotted name (from the pack root) -> file, for the root __init__ and both packages."""
+    found = {"": root / "__init__.py"}
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
+    return found
+
+
+def _package_of(name: str, path: Path) -> list[str]:
+    parts = name.split(".") if name else []
+    return parts if path.name == "__init__.py" else parts[:-1]
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> list[Import]:
+    """Every import statement of one module, anywhere in it, plus literal importlib.import_module
+    calls; relative ones resolved to dotted names from the pack root."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [Import(name, alias.name, False, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = tuple(alias.name for alias in node.names)
+            if node.level == 0:
+                out.append(Import(name, node.module or "", False, node.lineno, names))
+                continue
+            package = _package_of(name, path)
+            up = node.level - 1
+            if up > len(package):
+                out.append(Import(name, "<above the pack root>", True, node.lineno, names))
+                continue
+            base = package[:len(package) - up] + (node.module.split(".") if node.module else [])
+            target = ".".join(base)
+            submodules = [f"{target}.{n}" if target else n for n in names]
+            if all(m in known for m in submodules):  # `from . import a, b`: arrows to a and b
+                out += [Import(name, m, True, node.lineno) for m in submodules]
+            else:
+                out.append(Import(name, target, True, node.lineno, names))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr == "import_module" and node.args
+              and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
+              and not node.args[0].value.startswith(".")):
+            out.append(Import(name, node.args[0].value, False, node.lineno))
+    return out
+
+
+def graph(root: Path = ROOT) -> tuple[dict[str, Path], list[Import]]:
+    known = pack_modules(root)
+    return known, [i for name, path in known.items() for i in imports(name, path, known)]
+
+
+def circles(known: dict[str, Path], edges: list[Import]) -> list[list[str]]:
+    """The strongly connected components with more than one module (or a module importing
+    itself), each as a list of its modules: every import circle lies inside one."""
+    arrows: dict[str, set[str]] = {m: set() for m in known}
+    for e in edges:
+        if e.internal and e.target in known and e.target != e.module:
+            arrows[e.module].add(e.target)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan; the graph is a few dozen modules deep at most
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(arrows[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(arrows):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _shown(name: str) -> str:
+    return name or "<root __init__>"
+
+
+def _room(module: str) -> str | None:
+    """The engine room of an engine module (None for the engine's own __init__)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def engine_problems(known: dict[str, Path], edges: list[Import]) -> list[str]:
+    """ComfyUI (or anything but the standard library, torch, safetensors and psutil) imported by
+    the engine, relative imports that leave it, and arrows between rooms the table does not allow."""
+    allowed_outside = set(sys.stdlib_module_names) | ENGINE_THIRD_PARTY | {"__future__"}
+    problems = []
+    for e in edges:
+        if e.module != ENGINE and not e.module.startswith(ENGINE + "."):
+            continue
+        where = f"{e.module} (line {e.line})"
+        if not e.internal:
+            top = e.target.split(".")[0]
+            if top not in allowed_outside:
+                problems.append(f"{where} imports {e.target}: the engine imports only the standard "
+                                f"library, {', '.join(sorted(ENGINE_THIRD_PARTY))} and itself")
+            continue
+        if e.target != ENGINE and not e.target.startswith(ENGINE + "."):
+            problems.append(f"{where} imports {_shown(e.target)}, outside the engine")
+            continue
+        source, target = _room(e.module), _room(e.target)
+        if source is None or target is None or source == target:
+            continue
+        if source not in ENGINE_ROOMS:
+            problems.append(f"{where}: {source} is no room of the engine ({', '.join(ENGINE_ROOMS)})")
+        elif target not in ENGINE_ROOMS[source]:
+            problems.append(f"{where} imports {e.target}: {source} may import only "
+                            f"{', '.join(sorted(ENGINE_ROOMS[source])) or 'nothing of the engine'}")
+    return problems
+
+
+def private_reaches(known: dict[str, Path], edges: list[Import]) -> list[str]:
+    """Imports of another module's private names (`from .x import _y`) and uses of them through a
+    module imported whole (`x._y`)."""
+    problems = []
+    for e in edges:
+        if e.internal and e.target in known and e.target != e.module:
+            problems += [f"{_shown(e.module)} (line {e.line}) imports {n} from {e.target}"
+                         for n in e.names if n.startswith("_") and not n.startswith("__")]
+    for name, path in known.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        modules = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level > 0:
+                modules |= {alias.asname or alias.name for alias in node.names}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in modules and node.attr.startswith("_")
+                    and not node.attr.startswith("__")):
+                problems.append(f"{_shown(name)} (line {node.lineno}) uses {node.value.id}.{node.attr}")
+    return problems
+
+
+def registries_outside_state(known: dict[str, Path]) -> list[str]:
+    """Module-level registries of the ComfyUI side (PerModule, the tier manager...) made anywhere
+    but nodes/state.py."""
+    problems = []
+    for name, path in known.items():
+        if not name.startswith("nodes") or name == STATE_MODULE:
+            continue
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+            if isinstance(value, ast.Call):
+                func = value.func
+                called = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+                if called in REGISTRY_TYPES:
+                    problems.append(f"{name} (line {node.lineno}) creates a {called}: process-wide "
+                                    f"state lives in {STATE_MODULE}")
+    return problems
+
+
+def test_no_import_circle():
+    known, edges = graph()
+    found = circles(known, edges)
+    assert not found, "import circles: " + "; ".join(" <-> ".join(map(_shown, c)) for c in found)
+
+
+def test_engine_imports_no_comfyui_and_its_rooms_point_down():
+    known, edges = graph()
+    problems = engine_problems(known, edges)
+    assert not problems, "\n".join(problems)
+
+
+def test_no_module_reaches_into_another_s_private_names():
+    known, edges = graph()
+    problems = private_reaches(known, edges)
+    assert not problems, "\n".join(problems)
+
+
+def test_process_state_lives_in_one_module():
+    problems = registries_outside_state(pack_modules())
+    assert not problems, "\n".join(problems)
+
+
+def test_each_engine_room_says_what_it_is_for_and_may_import():
+    """Every room's __init__ is a docstring of its job and its allowed imports, and nothing else."""
+    for room in ENGINE_ROOMS:
+        init = ROOT / ENGINE / room / "__init__.py"
+        if not init.exists():
+            assert (ROOT / ENGINE / f"{room}.py").exists(), f"no room {room} in the engine"
+            continue
+        tree = ast.parse(init.read_text(encoding="utf-8"))
+        doc = ast.get_docstring(tree)
+        assert doc and "May import" in doc, f"{init} must say what the room is for and may import"
+        mentioned = {r for r in ENGINE_ROOMS if r in doc.split("May import", 1)[1]}
+        assert ENGINE_ROOMS[room] <= mentioned, f"{init} must name {sorted(ENGINE_ROOMS[room])}"
+
+
+def test_the_checks_see_what_they_look_for(tmp_path):
+    """Each check fails on a tree built to break it (a check that cannot fail asserts nothing)."""
+    for package in PACKAGES:
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "__init__.py").write_text("from .nodes import a\n")
+    (tmp_path / "nodes" / "a.py").write_text("from . import b\nfrom .c import _hidden\n")
+    (tmp_path / "nodes" / "b.py").write_text(
+        "def later():\n    from .a import x\nfrom ..offload_core.per_module import PerModule\n"
+        "SESSIONS = PerModule()\n")
+    (tmp_path / "nodes" / "c.py").write_text(
+        "from ..offload_core.host import packing\npacking._peek()\n_hidden = 1\n")
+    (tmp_path / "offload_core" / "host").mkdir()
+    (tmp_path / "offload_core" / "host" / "__init__.py").write_text('"""Host."""\n')
+    (tmp_path / "offload_core" / "host" / "packing.py").write_text(
+        "import comfy.model_management\nfrom ..device import slots\n")
+    (tmp_path / "offload_core" / "device").mkdir()
+    (tmp_path / "offload_core" / "device" / "__init__.py").write_text("")
+    (tmp_path / "offload_core" / "device" / "slots.py").write_text(
+        "import importlib\nimportlib.import_module('folder_paths')\n")
+    known, edges = graph(tmp_path)
+    assert circles(known, edges) == [["nodes.a", "nodes.b"]]
+    engine = "\n".join(engine_problems(known, edges))
+    assert "imports comfy.model_management" in engine and "imports folder_paths" in engine
+    assert "host may import only units" in engine
+    private = "\n".join(private_reaches(known, edges))
+    assert "imports _hidden from nodes.c" in private and "uses packing._peek" in private
+    assert registries_outside_state(known) == [
+        "nodes.b (line 4) creates a PerModule: process-wide state lives in nodes.state"]
