@@ -109,9 +109,9 @@ def run_disk(stack: Stack, device: torch.device, granularity: str, path: Path, r
              args) -> dict:
     probe = LayerwiseStreamer(list(stack.blocks), device, resident=0, prefetch=args.prefetch,
                               granularity=granularity)
-    unit = align_up(max(p.nbytes for p in probe._packs), PAGE)
-    least = (probe._nslots + 1) * unit
-    cap = max(least, int(args.cache_share * sum(p.nbytes for p in probe._packs)))
+    unit = align_up(max(p.nbytes for p in probe._plan.packs), PAGE)
+    least = (probe._plan.nslots + 1) * unit
+    cap = max(least, int(args.cache_share * sum(p.nbytes for p in probe._plan.packs)))
     del probe
     options = DiskOptions(cap_bytes=cap, workers=args.workers, spill_dir=str(path.parent))
     st = LayerwiseStreamer(list(stack.blocks), device, resident=0, prefetch=args.prefetch,
@@ -129,7 +129,7 @@ def run_disk(stack: Stack, device: torch.device, granularity: str, path: Path, r
             for _ in range(args.steps):
                 dropped = None
                 if state == "cold":
-                    st._disk.store.drop_cached_pages()
+                    st._store.disk.store.drop_cached_pages()
                     dropped = drop_file_cache(path, args.drop_caches)
                 st.reset_figures()
                 step = timed(device, stack, 1)[0]

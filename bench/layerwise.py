@@ -318,10 +318,10 @@ def run_streaming(stack: Stack, device: torch.device, resident: int, prefetch: i
     peak = peak_memory(device)
     tel = st.telemetry.snapshot(wait=True)
     step = statistics.median(steps)
-    sizes = [p.nbytes for p in st._packs]
+    sizes = [p.nbytes for p in st._plan.packs]
     streamed = sum(sizes[i] for i in st.streamed_indices)
     bound = max(ref_step, streamed / (link * GB))
-    block_bw = copy_bandwidth(device, st._packs[st.streamed_indices[0]].host, 3) if st.streamed_indices else None
+    block_bw = copy_bandwidth(device, st._plan.packs[st.streamed_indices[0]].host, 3) if st.streamed_indices else None
     host = st.host_bytes()
     result = {
         "resident": resident,

@@ -134,6 +134,15 @@ class SlotRing:
             self._free[slot].record(torch.cuda.current_stream(self.device))
         self._state[slot] = _LOADED
 
+    def wait_issued(self) -> None:
+        """Wait until a copy worker (staging, or the disk tier's) has issued every copy queued so
+        far. A failed copy is not raised here: its slot's reader meets it in ``wait_ready``."""
+        for ticket in list(self._tickets.values()):
+            try:
+                ticket.wait()
+            except RuntimeError:
+                pass
+
     def synchronize(self) -> None:
         """Wait until every queued copy and every compute work queued so far has finished."""
         for slot, ticket in list(self._tickets.items()):

@@ -211,7 +211,7 @@ GRID = [  # granularity, resident blocks, prefetch, cache entries
 
 def _disk_streamer(model, tmp_path, granularity, resident, prefetch, entries):
     probe = LayerwiseStreamer(model.blocks, "cpu", resident=resident, prefetch=prefetch, granularity=granularity)
-    unit = -(-max(probe._packs[i].nbytes for i in probe.streamed_indices) // PAGE) * PAGE
+    unit = -(-max(probe._plan.packs[i].nbytes for i in probe.streamed_indices) // PAGE) * PAGE
     disk = DiskOptions(cap_bytes=entries * unit, workers=2, spill_dir=str(tmp_path))
     return LayerwiseStreamer(model.blocks, "cpu", resident=resident, prefetch=prefetch, granularity=granularity,
                              disk=disk)
@@ -234,7 +234,7 @@ def test_streamed_from_disk_bit_identical_and_handed_back(tmp_path, granularity,
         figures = st.figures()
         assert figures["disk_reads"] > 0 and figures["order_misses"] == 0 and figures["sync_fallbacks"] == 0
         assert figures["peak_materialized_bytes"] <= st.bound_bytes()
-        assert figures["blocks_packed"] == (0 if run else len([p for p in st._packs + [st._shared] if p.entries]))
+        assert figures["blocks_packed"] == (0 if run else len([p for p in st._plan.packs + [st._plan.shared] if p.entries]))
         assert set(st.unit_states()) <= {"resident", "in_flight", "cached", "disk"}
         st.detach(keep_pack=True)
         assert_restored(model, before, keys)  # the maps hold the same values in the same objects
@@ -328,7 +328,7 @@ def test_a_read_error_fails_the_pass_clearly_and_the_model_stays_whole(tmp_path)
     st.attach()
     with torch.no_grad():
         assert torch.equal(model(x, t), ref)
-    spill = st._disk.store._spill
+    spill = st._store.disk.store._spill
     os.close(spill.fd)  # every later read of the spill file fails with a real OS error
     spill.fd = os.open(os.devnull, os.O_RDONLY)
     if spill.direct_fd is not None:

@@ -220,7 +220,7 @@ def test_ordering_under_random_delays(device):
 
     for b in model.blocks:
         b.register_forward_pre_hook(slow_compute, with_kwargs=True)
-    ring = st._ring
+    ring = st._schedule._ring
     copy_in = ring.copy_in
 
     def slow_copy(slot, host, tag, prepare=None):
@@ -398,9 +398,9 @@ def test_pack_views_read_as_pinned():
     st = LayerwiseStreamer(model.blocks, dev, resident=1, prefetch=1, host_chunk_bytes=1 << 20)
     st.attach()
     st.detach(keep_pack=True)  # CPU tensors now alias the kept pack
-    host = st._host
+    host = st._store.host
     assert len(host._chunks) > 1 and host.pageable_bytes == 0
-    for i in range(len(st._packs) + 1):
+    for i in range(len(st._plan.packs) + 1):
         assert host.buffer(i).numel() == 0 or host.buffer(i).is_pinned(), i
     dense = [t for t in [*model.blocks.parameters(), *model.blocks.buffers()] if t.stride()[0] != 0]
     assert dense and all(t.is_pinned() for t in dense)
@@ -443,7 +443,7 @@ def test_transform_runs_on_device_copies_under_delays(device, pin):
     rng = random.Random(1)
     st = LayerwiseStreamer(model.blocks, dev, resident=2, prefetch=2, pin=pin)
     st.attach(_merge)
-    ring = st._ring
+    ring = st._schedule._ring
     copy_in = ring.copy_in
 
     def slow_copy(slot, host, tag, prepare=None):
@@ -527,7 +527,7 @@ def test_partly_pinned_pack_stages_only_its_pageable_blocks():
     with torch.no_grad():
         ref = ref_model(x, t)
     probe = LayerwiseStreamer(model.blocks, dev, resident=0, prefetch=1)
-    block = probe._packs[0].nbytes
+    block = probe._plan.packs[0].nbytes
     # Room for the staging buffer (taken first) and about half of the blocks, one per chunk.
     budget = pinned_bytes() + 2 * PIECE_BYTES + 3 * (block + 4096)
     st = LayerwiseStreamer(model.blocks, dev, resident=0, prefetch=1, ram_budget_bytes=budget,

@@ -173,7 +173,9 @@ def engine_problems(known: dict[str, Path], edges: list[Import]) -> list[str]:
         if source is None or target is None or source == target:
             continue
         if source not in ENGINE_ROOMS:
-            problems.append(f"{where}: {source} is no room of the engine ({', '.join(ENGINE_ROOMS)})")
+            problem = f"{e.module}: {source} is no room of the engine ({', '.join(ENGINE_ROOMS)})"
+            if problem not in problems:
+                problems.append(problem)
         elif target not in ENGINE_ROOMS[source]:
             problems.append(f"{where} imports {e.target}: {source} may import only "
                             f"{', '.join(sorted(ENGINE_ROOMS[source])) or 'nothing of the engine'}")

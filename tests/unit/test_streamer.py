@@ -129,7 +129,7 @@ def test_detach_restores_and_keep_pack_reattach():
     st.detach(keep_pack=True)
     assert_restored(model, before, keys)
     # unchanged CPU tensors now alias the kept host pack (zero-copy), so RAM stays ~1x
-    host_range = [(st._host.buffer(i).data_ptr(), st._host.buffer(i).numel()) for i in range(6)]
+    host_range = [(st._store.host.buffer(i).data_ptr(), st._store.host.buffer(i).numel()) for i in range(6)]
     w = model.blocks[2].qkv.weight
     assert any(lo <= w.data_ptr() < lo + n for lo, n in host_range)
     with torch.no_grad():
@@ -200,7 +200,7 @@ def test_exception_mid_pass_leaves_engine_consistent():
     model.blocks[victim].fail = True
     with torch.no_grad(), pytest.raises(RuntimeError, match="injected"):
         model(x, t)
-    assert st._running is None  # the always-call exit hook handed the slot back
+    assert st._schedule._running is None  # the always-call exit hook handed the slot back
     assert st.telemetry.materialized_bytes <= st.bound_bytes()
     model.blocks[victim].fail = False
     with torch.no_grad():
@@ -289,7 +289,7 @@ def _reference(model: ToyDiT, salts: dict[int, int]) -> ToyDiT:
 
 def _kept_outside_pack(st: LayerwiseStreamer) -> int:
     """Bytes of originals the engine keeps beside the host pack."""
-    return sum(e.nbytes for p in st._packs + [st._shared] for e in p.entries if e.original is not None)
+    return sum(e.nbytes for p in st._plan.packs + [st._plan.shared] for e in p.entries if e.original is not None)
 
 
 def test_transform_runs_on_device_copies_and_the_pack_stays_one_copy():
@@ -308,17 +308,17 @@ def test_transform_runs_on_device_copies_and_the_pack_stays_one_copy():
 
     st = LayerwiseStreamer(model.blocks, "cpu", resident=2, prefetch=1)
     st.attach()
-    host_plain, outside_plain = st._host.allocated_bytes, _kept_outside_pack(st)
+    host_plain, outside_plain = st._store.host.allocated_bytes, _kept_outside_pack(st)
     st.detach(keep_pack=True)
-    master = [st._host.buffer(i).clone() for i in range(7)]
-    assert outside_plain == sum(e.nbytes for e in st._packs[0].entries if not e.dense) * 6  # bias_exp only
+    master = [st._store.host.buffer(i).clone() for i in range(7)]
+    assert outside_plain == sum(e.nbytes for e in st._plan.packs[0].entries if not e.dense) * 6  # bias_exp only
 
     calls: list[int] = []
     for salts, want in ((salts1, lora1), (salts2, lora2), (salts1, lora1)):
         packed, calls[:] = st.telemetry.blocks_packed, []
         st.attach(_make_transform(salts, calls))
         assert st.telemetry.blocks_packed == packed  # nothing re-packed for a new transform
-        assert st._host.allocated_bytes == host_plain and _kept_outside_pack(st) == outside_plain
+        assert st._store.host.allocated_bytes == host_plain and _kept_outside_pack(st) == outside_plain
         assert set(calls) >= set(st.resident_indices)  # residents are transformed at attach
         with torch.no_grad():
             for _ in range(2):
@@ -326,7 +326,7 @@ def test_transform_runs_on_device_copies_and_the_pack_stays_one_copy():
         assert st.telemetry.transforms > 0
         st.detach(keep_pack=True)
         assert_restored(model, before, keys)  # the originals, never the merged weights
-        assert all(torch.equal(st._host.buffer(i), m) for i, m in enumerate(master))
+        assert all(torch.equal(st._store.host.buffer(i), m) for i, m in enumerate(master))
 
     st.attach()  # LoRA removed
     with torch.no_grad():
@@ -553,7 +553,7 @@ def test_streamed_block_refuses_torch_compile_tracing():
             with torch.no_grad(), pytest.raises(Exception, match="cannot be traced by torch.compile"):
                 torch.compile(model, backend=backend, fullgraph=True)(x, t)
             torch._dynamo.reset()
-        assert st._running is None and st.telemetry.materialized_bytes <= st.bound_bytes()
+        assert st._schedule._running is None and st.telemetry.materialized_bytes <= st.bound_bytes()
         with torch.no_grad():
             assert torch.equal(torch.compile(model, backend="eager")(x, t), ref)
             assert torch.equal(model(x, t), ref)
@@ -645,7 +645,7 @@ def test_reclaim_keeps_a_kept_pack_after_the_blocks_moved_elsewhere():
     st = LayerwiseStreamer(model.blocks, "cpu", resident=1, prefetch=1)
     st.attach()
     st.detach(keep_pack=True)
-    host = st._host
+    host = st._store.host
     packed = st.telemetry.blocks_packed
     moved = [p for p in model.blocks.parameters()]
     with torch.no_grad():
@@ -653,11 +653,11 @@ def test_reclaim_keeps_a_kept_pack_after_the_blocks_moved_elsewhere():
             p.data = p.data.clone()
     assert st.reclaim() == len(moved)
     assert_restored(model, before, keys)
-    ranges = [(host.buffer(i).data_ptr(), host.buffer(i).numel()) for i in range(len(st._packs) + 1)]
+    ranges = [(host.buffer(i).data_ptr(), host.buffer(i).numel()) for i in range(len(st._plan.packs) + 1)]
     assert all(any(lo <= p.data_ptr() < lo + n for lo, n in ranges) for p in moved)
     assert st.reclaim() == 0
     st.attach()
-    assert st.telemetry.blocks_packed == packed and st._host is host  # the pack survived
+    assert st.telemetry.blocks_packed == packed and st._store.host is host  # the pack survived
     with torch.no_grad():
         assert torch.equal(model(x, t), ref)
     with pytest.raises(RuntimeError, match="detached"):
@@ -681,7 +681,7 @@ def test_a_failed_upload_keeps_the_pack_and_a_failed_packing_frees_it():
 
     with pytest.raises(torch.OutOfMemoryError, match="injected"):
         st.attach(out_of_memory)
-    assert not st.attached and st._host is not None
+    assert not st.attached and st._store.host is not None
     assert_restored(model, before, keys)
     packed = st.telemetry.blocks_packed
     st.attach()
@@ -698,6 +698,6 @@ def test_a_failed_upload_keeps_the_pack_and_a_failed_packing_frees_it():
 
     with pytest.raises(KeyboardInterrupt):
         st.attach(progress=interrupted)
-    assert st._host is None
+    assert st._store.host is None
     assert_restored(model, before, keys)
     st.close()

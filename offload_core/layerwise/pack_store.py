@@ -1,0 +1,159 @@
+"""Where the streamer's packs live between attaches: host RAM, or the disk tier.
+
+A pack is made once and kept (``detach(keep_pack=True)``): in one host storage, pinned up to the
+cap, or, when the disk tier's RAM cap is smaller than the model, in the engine's spill file
+behind a host cache. On a GPU a small pinned staging buffer comes with a host pack that is not all
+pinned. Why stage at all: a copy from pageable memory returns only once the driver has staged all
+of it, so it would hold the sampling thread at every block exit. Why not refuse ``pin=False`` on
+CUDA instead: the pack also turns pageable when pinning would exceed the cap, and a model that
+does not fit the cap must still run.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from ..device.telemetry import Telemetry
+from ..disk.tier import DiskOptions, DiskTier
+from ..host.packing import PackedBlock
+from ..host.pinned import HostStorage, return_freed_ram
+from ..host.staging import PIECE_BYTES
+from .plan import StreamPlan
+
+log = logging.getLogger(__name__)
+
+_MiB = 1 << 20
+
+
+class PackStore:
+    """The host storage (``host``), staging buffer (``bounce``) and disk tier (``disk``) of one
+    streamer's packs. Packs are counted in ``telemetry.blocks_packed``."""
+
+    def __init__(self, device: torch.device, *, pin: bool, ram_budget_bytes: int | None,
+                 chunk_bytes: int, disk: DiskOptions | None, telemetry: Telemetry) -> None:
+        self.device = device
+        self._pin = pin
+        self._ram_budget = ram_budget_bytes
+        self._chunk_bytes = chunk_bytes
+        self._telemetry = telemetry
+        self.host: HostStorage | None = None
+        self.bounce: HostStorage | None = None  # pinned staging buffer, kept with the pack if it has pageable blocks
+        self.disk = DiskTier(disk, device, pin, ram_budget_bytes) if disk is not None else None
+
+    def disk_active(self) -> bool:
+        """Whether the packs live on disk (the disk tier has placed them)."""
+        return self.disk is not None and self.disk.placed
+
+    def has_pack(self) -> bool:
+        """Whether a pack (in host RAM or on disk) is kept from an earlier attach."""
+        return self.host is not None or self.disk_active()
+
+    def adopt(self, plan: StreamPlan) -> int:
+        """Take back tensors that a re-wrap of the kept pack's memory replaced; returns how many."""
+        if self.host is None:
+            return 0
+        return sum(p.adopt() for p in plan.all_packs())
+
+    def reclaim(self, plan: StreamPlan) -> int:
+        """Re-point block tensors that still show the kept pack's values at it (see the streamer)."""
+        if self.host is None:
+            return 0
+        return sum(p.reclaim() for p in plan.all_packs() if p.host is not None)
+
+    # ----------------------------------------------------------------- packing
+    def pack(self, plan: StreamPlan, progress: Callable[[int, int], None] | None) -> int:
+        """Pack every unit into fresh host storage (or, over the disk tier's RAM cap, onto disk)
+        unless a valid pack is kept; returns units packed."""
+        packs = plan.all_packs()
+        if self.disk is not None and (self.disk.placed or self.disk.wanted(plan.packed_bytes)):
+            return self._pack_on_disk(plan, packs, progress)
+        if self.host is not None:
+            if progress is not None:
+                progress(len(packs), len(packs))
+            return 0
+        cuda = self.device.type == "cuda"
+        if cuda:
+            # Taken before the pack, so pinning the pack up to the cap still leaves room for it.
+            self.bounce = HostStorage([2 * PIECE_BYTES], pin=True, ram_budget_bytes=self._ram_budget)
+            self.bounce.buffer(0)
+        self.host = HostStorage(
+            [p.nbytes for p in packs],
+            pin=self._pin and cuda,  # page-locking only speeds up H2D copies
+            ram_budget_bytes=self._ram_budget,
+            chunk_bytes=self._chunk_bytes,
+        )  # fmt: skip
+        count = 0
+        for i, p in enumerate(packs):
+            p.pack(self.host.buffer(i))
+            count += bool(p.entries)
+            if progress is not None:
+                progress(i + 1, len(packs))
+        return_freed_ram()  # the originals just given up may sit in the C heap: hand them to the OS
+        if cuda:
+            self._settle_bounce(plan)
+        self._telemetry.blocks_packed += count
+        return count
+
+    def _pack_on_disk(self, plan: StreamPlan, packs: list[PackedBlock],
+                      progress: Callable[[int, int], None] | None) -> int:
+        """Disk tier: place every pack on disk once (kept across attaches), then size the host cache
+        for this run's streamed units. The cache's size is checked before anything moves."""
+        disk = self.disk
+        sizes = {i: p.nbytes for i, p in enumerate(packs)}
+        order = list(plan.streamed_indices)
+        largest = max(sizes.values(), default=0)
+        count = 0
+        if disk.placed:
+            if progress is not None:
+                progress(len(packs), len(packs))
+        else:
+            disk.check(order, sizes, plan.nslots, largest)
+            count = disk.place(packs, progress)
+            return_freed_ram()
+            self._telemetry.blocks_packed += count
+        disk.open_cache(order, sizes, plan.nslots, largest)
+        return count
+
+    def _settle_bounce(self, plan: StreamPlan) -> None:
+        """Keep the staging buffer only if a streamed block's pack is pageable and the buffer is pinned."""
+        bounce, self.bounce = self.bounce, None
+        pageable = sum(plan.packs[i].nbytes for i in plan.streamed_indices if not self.host.is_pinned(i))
+        if not pageable:
+            bounce.release()
+        elif not bounce.is_pinned(0):
+            bounce.release()
+            log.warning("%.1f MiB of streamed blocks are in pageable RAM and no staging buffer could be pinned: "
+                        "their copies will hold up the sampling thread", pageable / _MiB)
+        else:
+            self.bounce = bounce
+            log.info("%.1f MiB of streamed blocks are in pageable RAM: their copies are staged through a "
+                     "%.0f MiB pinned buffer by a worker thread", pageable / _MiB, bounce.total_bytes / _MiB)
+
+    # ----------------------------------------------------------------- giving back
+    def restore(self, plan: StreamPlan, keep: bool) -> None:
+        """Give every block tensor back bit-for-bit: pointing at the kept pack with ``keep``,
+        else in fresh memory as each host item is released."""
+        for i, p in enumerate(plan.all_packs()):
+            p.restore(keep_host=keep and p.host is not None)
+            if not keep and self.host is not None:
+                self.host.release_item(i)
+
+    def free(self, plan: StreamPlan) -> None:
+        """Drop a kept pack while detached; slots the caller re-assigned meanwhile keep their new tensors."""
+        for i, p in enumerate(plan.all_packs()):
+            p.restore(keep_host=False, skip_reassigned=True)
+            if self.host is not None:
+                self.host.release_item(i)
+        self.release()
+
+    def release(self) -> None:
+        """Free the host storage and staging buffer, and close the disk tier."""
+        for storage in (self.host, self.bounce):
+            if storage is not None:
+                storage.release()
+        self.host = self.bounce = None
+        if self.disk is not None:
+            self.disk.close()  # the modules keep copy-on-write maps of their bytes on disk
