@@ -15,7 +15,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from ..offload_core.models.tiers import MAX_BUDGET_BYTES, ram_total_bytes, vram_total_bytes
+from ..offload_core.models.tier_budgets import MAX_BUDGET_BYTES, ram_total_bytes, vram_total_bytes
 from ..offload_core.units import size_text
 
 GIB = 1024 ** 3

@@ -27,7 +27,7 @@ import comfy.model_base
 import comfy.model_management
 import comfy.sd1_clip
 
-from ..offload_core.models.tiers import TierError
+from ..offload_core.models.tier_errors import TierError
 from . import prompt_lifecycle
 from .core_models import unload_from_core
 from .managed_models import diffusion_module_ids, key_of

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import folder_paths
 
-from ..offload_core.models.tiers import file_version, model_id, source_key
+from ..offload_core.models.file_identity import file_version, model_id, source_key
 from . import state
 from .tier_backend import ComfyModelBackend, Source, patchers_of
 

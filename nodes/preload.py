@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..offload_core.models.tiers import Tier
+from ..offload_core.models.tier_entries import Tier
 from . import budgets, settings_file, state
 from .tiered_loaders import LOADERS
 

@@ -36,7 +36,7 @@ from aiohttp import web
 import comfy.model_management
 
 from ..offload_core.host.pinned import pinned_bytes
-from ..offload_core.models.tiers import (
+from ..offload_core.models.tier_errors import (
     ModelInUseError, ModelPinnedError, SourceChangedError, SourceGoneError, SourceUnreadableError,
     TierCapacityError, TierError, UnknownModelError)
 from . import budgets, loaded_models, prompt_lifecycle

@@ -19,7 +19,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..offload_core.models.tiers import Tier, TierManager
+from ..offload_core.models.tier_entries import Tier
+from ..offload_core.models.tiers import TierManager
 from ..offload_core.per_module import PerModule
 
 log = logging.getLogger(__name__)

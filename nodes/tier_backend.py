@@ -21,8 +21,10 @@ import torch
 
 import comfy.model_management
 
-from ..offload_core.models.tiers import (
-    SourceChangedError, SourceGoneError, SourceUnreadableError, Tier, TierError, file_version)
+from ..offload_core.models.file_identity import file_version
+from ..offload_core.models.tier_entries import Tier
+from ..offload_core.models.tier_errors import (
+    SourceChangedError, SourceGoneError, SourceUnreadableError, TierError)
 from . import budgets, state
 from .core_models import loaded_entries, unload_from_core
 

@@ -1,7 +1,7 @@
 """The VRAM Tier Manager node: the tier manager's budgets and a model's policy, set in a workflow."""
 from __future__ import annotations
 
-from ..offload_core.models.tiers import DEFAULT_RAM_RESERVE_BYTES, DEFAULT_VRAM_RESERVE_BYTES
+from ..offload_core.models.tier_budgets import DEFAULT_RAM_RESERVE_BYTES, DEFAULT_VRAM_RESERVE_BYTES
 from . import budgets, state
 from .managed_models import key_of
 
