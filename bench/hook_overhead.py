@@ -9,6 +9,7 @@ runs of ``--passes`` passes each. ``--root`` picks the checkout to import the en
 trees can be compared with the same script.
 
     .venv/bin/python bench/hook_overhead.py [--blocks 64] [--passes 200] [--repeats 7] [--root DIR]
+                                            [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -73,10 +74,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1],
                         help="checkout whose offload_core is measured")
+    parser.add_argument("--out", type=Path, help="also write the JSON here")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(args.root.resolve()))
-    result = measure(args.blocks, args.passes, args.repeats)
+    result = dict(measure(args.blocks, args.passes, args.repeats), torch=torch.__version__,
+                  root=str(args.root.resolve()))
     print(json.dumps(result, indent=1))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
     return result
 
 

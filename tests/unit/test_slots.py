@@ -10,8 +10,8 @@ import torch
 
 from offload_core import HostStorage
 from offload_core.device.slots import SlotRing
-from offload_core.host.staging import Stager
 from offload_core.device.telemetry import Telemetry
+from offload_core.host.staging import Stager
 
 CPU = torch.device("cpu")
 
