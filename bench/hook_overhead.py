@@ -4,25 +4,32 @@ A stack of tiny blocks (one 8x8 linear each) is run with every block streamed th
 LayerwiseStreamer and with the same blocks plain; the difference per block call is the hook path
 (enter: slot lookup, wait, bind; exit: free, release, refill the window and copy the next unit in).
 The blocks are so small that their compute and copies are noise beside the hook path, which is
-what this measures: a change to the engine's hot path shows here first. Median of ``--repeats``
-runs of ``--passes`` passes each. ``--root`` picks the checkout to import the engine from, so two
-trees can be compared with the same script.
+what this measures: a change to the engine's hot path shows here first.
 
-    .venv/bin/python bench/hook_overhead.py [--blocks 64] [--passes 200] [--repeats 7] [--root DIR]
-                                            [--out FILE.json]
+``--against DIR`` loads the engine of another checkout too, under another package name, and runs
+both in this process, alternating pass by pass, so that both see the same machine load (on a
+shared machine the load moves more between two runs than a hot path changes). Each figure is the
+minimum and the median over ``--repeats`` runs of ``--passes`` passes.
+
+    .venv/bin/python bench/hook_overhead.py [--blocks 64] [--passes 100] [--repeats 40]
+                                            [--against OTHER_CHECKOUT] [--out FILE.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 
 import torch
 from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _stack(blocks: int) -> nn.ModuleList:
@@ -40,45 +47,66 @@ def _pass_seconds(stack: nn.ModuleList, passes: int) -> float:
     return time.perf_counter() - start
 
 
-def measure(blocks: int, passes: int, repeats: int, granularity: str = "block") -> dict:
-    from offload_core import LayerwiseStreamer
+def load_engine(checkout: Path, name: str) -> ModuleType:
+    """``checkout``'s offload_core as package ``name`` (its relative imports follow the name)."""
+    init = checkout / "offload_core" / "__init__.py"
+    spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(init.parent)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
+
+def measure(engines: dict[str, ModuleType], blocks: int, passes: int, repeats: int) -> dict:
+    """Per engine: the time per block call streamed, and its excess over the plain blocks."""
     torch.set_num_threads(1)
-    plain, streamed = [], []
-    stack = _stack(blocks)
-    _pass_seconds(stack, 5)
-    for _ in range(repeats):
-        plain.append(_pass_seconds(stack, passes))
-    engine = LayerwiseStreamer(list(stack), "cpu", resident=0, prefetch=2, pin=False, granularity=granularity)
-    engine.attach()
+    plain = _stack(blocks)
+    stacks, streamers = {}, {}
+    for name, engine in engines.items():
+        stacks[name] = _stack(blocks)
+        streamers[name] = engine.LayerwiseStreamer(list(stacks[name]), "cpu", resident=0, prefetch=2, pin=False)
+        streamers[name].attach()
     try:
-        _pass_seconds(stack, 5)
+        seconds: dict[str, list[float]] = {"plain": [], **{name: [] for name in engines}}
+        for stack in (plain, *stacks.values()):
+            _pass_seconds(stack, 5)  # warm-up; the streamed ones also wrap their prefetch around
         for _ in range(repeats):
-            streamed.append(_pass_seconds(stack, passes))
-        figures = engine.figures()
+            for name, runs in seconds.items():
+                runs.append(_pass_seconds(plain if name == "plain" else stacks[name], passes))
+        figures = {name: s.figures() for name, s in streamers.items()}
     finally:
-        engine.close()
+        for s in streamers.values():
+            s.close()
     calls = blocks * passes
-    plain_us = statistics.median(plain) / calls * 1e6
-    streamed_us = statistics.median(streamed) / calls * 1e6
-    return {"blocks": blocks, "passes": passes, "repeats": repeats, "granularity": granularity,
-            "plain_us_per_block": plain_us, "streamed_us_per_block": streamed_us,
-            "hook_overhead_us_per_block": streamed_us - plain_us,
-            "sync_fallbacks": figures["sync_fallbacks"], "order_misses": figures["order_misses"]}
+
+    def per_call(runs: list[float]) -> dict[str, float]:
+        return {"min_us": min(runs) / calls * 1e6, "median_us": statistics.median(runs) / calls * 1e6}
+
+    base = per_call(seconds["plain"])
+    out = {"blocks": blocks, "passes": passes, "repeats": repeats, "plain": base, "engines": {}}
+    for name in engines:
+        streamed = per_call(seconds[name])
+        out["engines"][name] = {
+            "streamed": streamed,
+            "hook_overhead_us_per_block": {k: streamed[k] - base[k] for k in base},
+            "sync_fallbacks": figures[name]["sync_fallbacks"],
+            "order_misses": figures[name]["order_misses"],
+        }
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=64)
-    parser.add_argument("--passes", type=int, default=200)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1],
-                        help="checkout whose offload_core is measured")
+    parser.add_argument("--passes", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=40)
+    parser.add_argument("--against", type=Path, help="another checkout whose engine runs alongside")
     parser.add_argument("--out", type=Path, help="also write the JSON here")
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(args.root.resolve()))
-    result = dict(measure(args.blocks, args.passes, args.repeats), torch=torch.__version__,
-                  root=str(args.root.resolve()))
+    engines = {"this checkout": load_engine(ROOT, "offload_core_bench_this")}
+    if args.against is not None:
+        engines[str(args.against.resolve())] = load_engine(args.against.resolve(), "offload_core_bench_other")
+    result = dict(measure(engines, args.blocks, args.passes, args.repeats), torch=torch.__version__)
     print(json.dumps(result, indent=1))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
