@@ -145,6 +145,7 @@ def test_only_the_comfyui_page_changes_state_cross_origin_pages_change_nothing(c
                     assert _state(comfy, key) == before, (kind, answers[kind])
                 # The ComfyUI page itself: the same script, the same requests.
                 page.goto(f"{target}/", wait_until="commit")
+                page.wait_for_function("document.head !== null")  # add_script_tag appends to it
                 page.add_script_tag(content=ATTACK)
                 answers["comfyui"] = page.evaluate(f"attack({json.dumps(target)}, {json.dumps(requests)})")
             finally:
