@@ -498,6 +498,10 @@ export class Panel {
     this.editor = null;
   }
 
+  isMounted() {
+    return !!this.root;
+  }
+
   isOpen() {
     return !!this.root && this.root.isConnected && this.root.getClientRects().length > 0;
   }

@@ -198,17 +198,16 @@ function onExecutionError(e) {
   toast("error", tr("promptError.toast", { node: nodeTitle(error) }), String(error.exception_message ?? ""));
 }
 
-// While the tab is open, an optional GET every few seconds (the refresh interval setting).
+// While the tab is mounted, an optional GET every few seconds (the refresh interval setting),
+// made only while it shows.
 let refreshTimer = 0;
-function scheduleRefresh() {
+// `value`: the setting's new value, from its onChange (1.49 calls it before storing the value).
+function scheduleRefresh(value = setting(SETTING_REFRESH, 0)) {
   clearInterval(refreshTimer);
   refreshTimer = 0;
-  const seconds = Number(setting(SETTING_REFRESH, 0));
-  if (!panel.isOpen() || !Number.isFinite(seconds) || seconds <= 0) return;
-  refreshTimer = setInterval(() => {
-    if (panel.isOpen()) fetchTiers();
-    else scheduleRefresh();
-  }, seconds * 1000);
+  const seconds = Number(value);
+  if (!panel.isMounted() || !Number.isFinite(seconds) || seconds <= 0) return;
+  refreshTimer = setInterval(() => panel.isOpen() && fetchTiers(), seconds * 1000);
 }
 
 function onTiers(e) {
@@ -276,7 +275,7 @@ app.registerExtension({
       type: "number",
       attrs: { min: 0, max: 3600, step: 1 },
       defaultValue: 0,
-      onChange: () => scheduleRefresh(),
+      onChange: (value) => scheduleRefresh(value),
     },
   ],
   async beforeRegisterNodeDef(nodeType, nodeData) {
