@@ -31,8 +31,9 @@ from pathlib import Path
 
 import pytest
 
-from browser import LAUNCH_ARGS, chromium_path, wait_for_ui
+from browser import chromium_path, wait_for_ui
 from comfy_server import PACK_LINK_NAME, REPO
+from test_panel import browser  # noqa: F401  (a fixture)
 
 sys.path.insert(0, str(REPO / "tools"))
 import example_workflows  # noqa: E402
@@ -171,14 +172,6 @@ needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="needs Chromium (ma
 
 
 @pytest.fixture(scope="module")
-def browser():
-    with sync_api.sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=LAUNCH_ARGS)
-        yield b
-        b.close()
-
-
-@pytest.fixture(scope="module")
 def models_loaded(comfy):
     """Real cards for the panel: the demo (core's loaders, a streamed DiT, a core-only text
     encoder) and the Tiered loaders with the tier manager."""
@@ -193,7 +186,7 @@ def models_loaded(comfy):
             comfy.post(f"/api/offload/policy/{model['id']}", {"keep_in_ram": False, "priority": 0})
 
 
-def open_page(browser, comfy, locale: str):
+def open_page(browser, comfy, locale: str):  # noqa: F811
     status, _ = comfy.request("POST", "/api/settings/Comfy.Locale", locale)
     assert status == 200
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
@@ -207,7 +200,7 @@ def open_page(browser, comfy, locale: str):
 
 
 @pytest.fixture(scope="module")
-def zh_page(browser, comfy, models_loaded):
+def zh_page(browser, comfy, models_loaded):  # noqa: F811
     page = open_page(browser, comfy, "zh")
     yield page
     page.close()
@@ -402,7 +395,7 @@ def first_heading(path: Path) -> str:
 
 @needs_chromium
 @pytest.mark.parametrize("locale", ["en", "zh"])
-def test_the_help_panel_shows_each_nodes_help(browser, comfy, locale):
+def test_the_help_panel_shows_each_nodes_help(browser, comfy, locale):  # noqa: F811
     page = open_page(browser, comfy, locale)
     try:
         for node_id in sorted(load("en", "nodeDefs")):

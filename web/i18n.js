@@ -235,10 +235,6 @@ export function frontendKey(key) {
   return `${NAMESPACE}.${key}`;
 }
 
-export function hasKey(key) {
-  return typeof lookup(ENGLISH, key) === "string";
-}
-
 // The text for a key of ENGLISH, in the frontend's language, with {name} placeholders filled.
 export function tr(key, params) {
   asked.add(key);
