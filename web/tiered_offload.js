@@ -2,10 +2,10 @@
 // Data flow: one GET /api/offload/tiers when the tab opens (and after a websocket reconnect),
 // then only websocket pushes ("tiered_offload.tiers" on every tier change, after every prompt
 // and after every change made from the panel; "tiered_offload.layerwise" after each sampling
-// run). No polling. While the tab is closed the latest payload is kept and nothing touches the
-// DOM. The one extra GET follows a budgets save, whose figures (the RAM budget) the server
-// derives; with a refresh interval set (a setting, 0 by default) the open tab also GETs on it,
-// which shows models core loads in the middle of a prompt (core sends no event for those).
+// run). No polling by default. While the tab is closed the latest payload is kept and nothing
+// touches the DOM. The one extra GET follows a budgets save, whose figures (the RAM budget) the
+// server derives; with a refresh interval set (a setting, 0 by default) the open tab also GETs on
+// it, which shows models core loads in the middle of a prompt (core sends no event for those).
 // Refusals of the panel's requests and errors the pack's code raises in a prompt also show as
 // toasts. Words: web/i18n.js.
 import { app } from "../../scripts/app.js";
