@@ -408,3 +408,25 @@ def test_the_help_panel_shows_each_nodes_help(browser, comfy, locale):  # noqa: 
     finally:
         page.close()
         comfy.request("POST", "/api/settings/Comfy.Locale", "en")
+
+
+@needs_chromium
+def test_where_the_frontend_has_no_i18n_the_panel_speaks_english(zh_page):
+    """The panel's words come from the frontend's vue-i18n; a frontend without it (no Vue app
+    global properties: hidden here for one call) gets web/i18n.js's English, never a key."""
+    said = zh_page.evaluate(f"""async () => {{
+        const {{ tr }} = await import('/extensions/{PACK_LINK_NAME}/i18n.js');
+        const el = document.getElementById('vue-app');
+        const words = () => [tr('panel.title'), tr('panel.hiddenCore', {{ n: 3 }})];
+        const withI18n = words();
+        const app = el.__vue_app__;
+        delete el.__vue_app__;
+        try {{ return {{ withI18n, without: words() }}; }} finally {{ el.__vue_app__ = app; }}
+    }}""")
+    en = load("en", "main")["tieredOffload"]["panel"]
+    assert said["without"] == [en["title"], en["hiddenCore"].replace("{n}", "3")]
+    if keeps_chinese(zh_page):
+        zh = load("zh", "main")["tieredOffload"]["panel"]
+        assert said["withI18n"] == [zh["title"], zh["hiddenCore"].replace("{n}", "3")]
+    else:
+        assert said["withI18n"] == said["without"]
