@@ -1,7 +1,8 @@
 # `make demo` and `make test` build what they need once and reuse it; `make gpu-kit` prepares
 # what a lent GPU machine needs carried (bench/gpu_session.sh).
-# `make test` runs two lanes: the whole suite on ComfyUI 0.3.75 (.venv/, .comfyui/), then the
-# tests that run ComfyUI (marker comfy_tree) on ComfyUI 0.33.0 (.venv-033/, .comfyui-033/).
+# `make test` checks the registry archive (`make pack-check`), then runs two lanes: the whole
+# suite on ComfyUI 0.3.75 (.venv/, .comfyui/), then the tests that run ComfyUI (marker
+# comfy_tree) on ComfyUI 0.33.0 (.venv-033/, .comfyui-033/).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -11,8 +12,13 @@ VENV033 := .venv-033
 PY033 := $(VENV033)/bin/python
 COMFY033 := .comfyui-033
 COMFY033_TARBALL := ../shared/comfyui/comfyui-0.33.0.tar.gz
+# comfy-cli, the registry's own packer, in a tools environment of its own (it pins packages of
+# its own that the test environments must not get).
+TOOLS_VENV := .venv-tools
+COMFY_CLI := comfy-cli==1.23.0
+COMFY_CMD := $(TOOLS_VENV)/bin/comfy --skip-prompt --no-enable-telemetry
 
-.PHONY: demo test test-0.3.75 test-0.33 env env-033 gpu-kit clean screenshot example-workflows
+.PHONY: demo test test-0.3.75 test-0.33 env env-033 gpu-kit clean screenshot example-workflows pack-check
 
 env: $(VENV)/.ready $(COMFY)/.ready
 
@@ -88,9 +94,27 @@ screenshot: env /usr/bin/chromium
 example-workflows: env /usr/bin/chromium
 	OMP_NUM_THREADS=2 $(PY) tools/example_workflows.py
 
+$(TOOLS_VENV)/.ready:
+	rm -rf $(TOOLS_VENV)
+	$(PYTHON) -m venv $(TOOLS_VENV)
+	$(TOOLS_VENV)/bin/python -m pip install -q $(COMFY_CLI)
+	touch $@
+
+# The archive the registry publishes: `comfy node validate` (the registry's checks), then
+# `comfy node pack` (git-tracked files less .comfyignore) and a check of its file list: nothing
+# of tests/, bench/, tools/, .ci/, everything the pack imports and reads (tools/check_pack_archive.py).
+pack-check: $(TOOLS_VENV)/.ready
+	$(COMFY_CMD) node validate
+	rm -f node.zip
+	$(COMFY_CMD) node pack
+	mkdir -p tests/artifacts
+	mv node.zip tests/artifacts/node.zip
+	$(TOOLS_VENV)/bin/python tools/check_pack_archive.py tests/artifacts/node.zip
+
 # Both lanes run even when the first fails, so one CI log shows both; either failing fails.
 test: env env-033 /usr/bin/chromium
 	@status=0; \
+	$(MAKE) --no-print-directory pack-check || status=1; \
 	$(MAKE) --no-print-directory test-0.3.75 || status=1; \
 	$(MAKE) --no-print-directory test-0.33 || status=1; \
 	exit $$status
@@ -113,7 +137,7 @@ gpu-kit: $(COMFY)/.ready $(COMFY033)/.ready
 	du -csh --exclude=.git --exclude=.venv --exclude=.venv-033 --exclude=.comfyui-033 --exclude=.demo --exclude=tests/artifacts .
 
 clean:
-	rm -rf $(VENV) $(COMFY) $(VENV033) $(COMFY033) .demo .pytest_cache .gpu_kit
+	rm -rf $(VENV) $(COMFY) $(VENV033) $(COMFY033) $(TOOLS_VENV) .demo .pytest_cache .gpu_kit
 
 # A long randomized differential campaign (tests/differential, README "Tests"): every prompt on a
 # server with the pack against its stripped twin on one without. make difftest SEED=7 PROMPTS=500

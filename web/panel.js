@@ -1,31 +1,30 @@
 // Rendering of the "Offload" sidebar tab. Pure DOM, no framework; the body is rebuilt from the
 // state on each update (a handful of cards), and only while the tab is visible. An input the
-// user is typing in survives the rebuild: its element is moved into the new markup.
+// user is typing in survives the rebuild: its element is moved into the new markup. Every word
+// comes from tr() (web/i18n.js): the frontend's language, English where it has none.
+
+import { tr } from "./i18n.js";
 
 const CSS_URL = new URL("./panel.css", import.meta.url).href;
 
 const TIER_LABEL = { vram: "VRAM", ram: "RAM", disk: "DISK" };
 const TIER_ACTIONS = [
-  { action: "load", label: "Load", icon: "pi-upload", title: "Load into VRAM", off: (m) => m.tier === "vram" },
-  { action: "park", label: "Park", icon: "pi-download", title: "Park in RAM (drop the GPU copy)", off: (m) => m.tier === "ram" },
-  { action: "evict", label: "Evict", icon: "pi-trash", title: "Drop to disk (free its RAM)", off: (m) => m.tier === "disk" },
+  { action: "load", icon: "pi-upload", off: (m) => m.tier === "vram" },
+  { action: "park", icon: "pi-download", off: (m) => m.tier === "ram" },
+  { action: "evict", icon: "pi-trash", off: (m) => m.tier === "disk" },
 ];
-const BLOCK_STATES = [
-  ["resident", "resident on the device"],
-  ["streamed", "streamed from RAM"],
-  ["in_flight", "in a device slot now"],
-  ["cached", "in the RAM cache (disk streaming)"],
-  ["disk", "on disk only (disk streaming)"],
-];
+const BLOCK_STATES = ["resident", "streamed", "in_flight", "cached", "disk"];
+const CORE_STATES = ["resident", "partial", "streamed"];
 const BUDGET_FIELDS = [
-  { key: "ram_budget_gb", bytes: "ram_budget_bytes", label: "RAM budget", empty: "auto",
-    title: "Cap on RAM held by models the manager keeps; empty: only the reserve limits it" },
-  { key: "ram_reserve_gb", bytes: "ram_reserve_bytes", label: "RAM reserve",
-    title: "RAM always left free for ComfyUI and the system" },
-  { key: "vram_reserve_gb", bytes: "vram_reserve_bytes", label: "VRAM reserve",
-    title: "VRAM kept free when the manager loads models itself" },
+  { key: "ram_budget_gb", bytes: "ram_budget_bytes", label: "ramBudget", empty: true },
+  { key: "ram_reserve_gb", bytes: "ram_reserve_bytes", label: "ramReserve" },
+  { key: "vram_reserve_gb", bytes: "vram_reserve_bytes", label: "vramReserve" },
 ];
 const GIB = 2 ** 30;
+const UNITS = ["B", "KiB", "MiB", "GiB", "TiB"];
+// The unit every size is shown in (the panel's "units shown" setting): "auto" picks the unit
+// that fits each figure; a fixed binary unit makes figures comparable at a glance.
+let shownUnit = "auto";
 
 export function esc(v) {
   return String(v ?? "").replace(/[&<>"']/g, (c) =>
@@ -33,24 +32,29 @@ export function esc(v) {
 }
 
 // Binary units everywhere, labelled as such: the pack's inputs named _gb are GiB too.
-export function fmtBytes(n) {
+// `unit`: "auto" (the largest unit that keeps the figure at 1 or more) or one of UNITS.
+export function fmtBytes(n, unit = shownUnit) {
   if (typeof n !== "number" || !Number.isFinite(n)) return "–";
-  const names = ["B", "KiB", "MiB", "GiB", "TiB"];
   let v = Math.abs(n);
-  let i = 0;
-  while (v >= 1024 && i < names.length - 1) { v /= 1024; i++; }
+  let i = UNITS.indexOf(unit);
+  if (i < 0) {
+    i = 0;
+    while (v >= 1024 && i < UNITS.length - 1) { v /= 1024; i++; }
+  } else {
+    v /= 1024 ** i;
+  }
   const digits = i === 0 || v >= 100 ? 0 : v >= 10 ? 1 : 2;
-  return `${n < 0 ? "-" : ""}${v.toFixed(digits)} ${names[i]}`;
+  return `${n < 0 ? "-" : ""}${v.toFixed(digits)} ${UNITS[i]}`;
 }
 
 export function fmtAgo(unixSeconds, now = Date.now() / 1000) {
-  if (typeof unixSeconds !== "number") return "never";
+  if (typeof unixSeconds !== "number") return tr("ago.never");
   const s = Math.max(0, now - unixSeconds);
-  if (s < 5) return "just now";
-  if (s < 60) return `${Math.round(s)} s ago`;
-  if (s < 3600) return `${Math.round(s / 60)} min ago`;
-  if (s < 86400) return `${Math.round(s / 3600)} h ago`;
-  return `${Math.round(s / 86400)} d ago`;
+  if (s < 5) return tr("ago.now");
+  if (s < 60) return tr("ago.seconds", { n: Math.round(s) });
+  if (s < 3600) return tr("ago.minutes", { n: Math.round(s / 60) });
+  if (s < 86400) return tr("ago.hours", { n: Math.round(s / 3600) });
+  return tr("ago.days", { n: Math.round(s / 86400) });
 }
 
 const num = (v) => (typeof v === "number" && Number.isFinite(v) ? v : 0);
@@ -86,16 +90,19 @@ export function placement(total, device, ram, cpu) {
 }
 
 function placementHtml(p, cpu) {
+  const vram = tr("placement.vram", { size: fmtBytes(p.device) });
+  const ram = tr("placement.ram", { size: fmtBytes(p.ram) });
+  const disk = tr("placement.disk", { size: fmtBytes(p.disk) });
   return `${bar([
-      { cls: "to-c-vram", bytes: p.device, title: `VRAM ${fmtBytes(p.device)}` },
-      { cls: "to-c-ram", bytes: p.ram, title: `RAM ${fmtBytes(p.ram)}` },
-      { cls: "to-c-disk", bytes: p.disk, title: `disk only ${fmtBytes(p.disk)}` },
+      { cls: "to-c-vram", bytes: p.device, title: vram },
+      { cls: "to-c-ram", bytes: p.ram, title: ram },
+      { cls: "to-c-disk", bytes: p.disk, title: disk },
     ], p.total, { cls: "to-bar-thin" })}
     ${legend([
-      !cpu && ["to-c-vram", `VRAM ${fmtBytes(p.device)}`],
-      ["to-c-ram", `RAM ${fmtBytes(p.ram)}`],
-      p.disk > 0 && ["to-c-disk", `disk only ${fmtBytes(p.disk)}`],
-      ["", `= ${fmtBytes(p.total)}`],
+      !cpu && ["to-c-vram", vram],
+      ["to-c-ram", ram],
+      p.disk > 0 && ["to-c-disk", disk],
+      ["", tr("placement.total", { size: fmtBytes(p.total) })],
     ], "figures")}`;
 }
 
@@ -112,16 +119,18 @@ function devicesHtml(payload) {
   if (vram) {
     const total = num(vram.total), used = num(vram.used), reserved = num(vram.reserved);
     const free = vram.free ?? Math.max(0, total - used);
+    const usedText = tr("devices.used", { size: b(used) });
+    const freeText = tr("devices.free", { size: b(free) });
+    const reservedText = tr("devices.reserved", { size: b(reserved) });
     out.push(`<div class="to-dev" data-dev="vram">
-      <div class="to-dev-head"><b>VRAM</b><span class="to-muted to-ellipsis" title="${esc(vram.device ?? "")}">${esc(vram.device ?? "")}</span>
-        <span class="to-right">${total > 0 ? `${esc(b(used))} / ${esc(b(total))}` : "none: models run on the CPU"}</span></div>
+      <div class="to-dev-head"><b>${esc(tr("devices.vram"))}</b><span class="to-muted to-ellipsis" title="${esc(vram.device ?? "")}">${esc(vram.device ?? "")}</span>
+        <span class="to-right">${esc(total > 0 ? tr("devices.usedOfTotal", { used: b(used), total: b(total) }) : tr("devices.noGpu"))}</span></div>
       ${total > 0 ? `${bar([
-        { cls: "to-c-used", bytes: used, title: `used ${b(used)}` },
-        { cls: "to-c-free", bytes: Math.max(0, free - reserved), title: `free ${b(free)}` },
-        { cls: "to-c-reserved", bytes: Math.min(reserved, free), title: `reserved ${b(reserved)}` },
+        { cls: "to-c-used", bytes: used, title: usedText },
+        { cls: "to-c-free", bytes: Math.max(0, free - reserved), title: freeText },
+        { cls: "to-c-reserved", bytes: Math.min(reserved, free), title: reservedText },
       ], total)}
-      ${legend([["to-c-used", `used ${b(used)}`], ["to-c-free", `free ${b(free)}`],
-                ["to-c-reserved", `reserved ${b(reserved)}`]])}` : ""}
+      ${legend([["to-c-used", usedText], ["to-c-free", freeText], ["to-c-reserved", reservedText]])}` : ""}
     </div>`);
   }
   if (ram) {
@@ -129,128 +138,113 @@ function devicesHtml(payload) {
     const budget = num(ram.budget), models = num(ram.used_by_models);
     const unpinnedModels = Math.max(0, models - pinned);
     const other = Math.max(0, total - avail - pinned - unpinnedModels);
+    const pinnedText = tr("devices.pinnedSize", { size: b(pinned) });
     out.push(`<div class="to-dev" data-dev="pinned">
-      <div class="to-dev-head"><b>Pinned</b>
-        <span class="to-right">${esc(b(pinned))} of ${budget > 0 ? `${esc(b(budget))} budget` : "no budget"}</span></div>
-      ${bar([{ cls: "to-c-pinned", bytes: pinned, title: `pinned ${b(pinned)}` }],
+      <div class="to-dev-head"><b>${esc(tr("devices.pinned"))}</b>
+        <span class="to-right">${esc(budget > 0 ? tr("devices.pinnedOfBudget", { pinned: b(pinned), budget: b(budget) })
+          : tr("devices.pinnedNoBudget", { pinned: b(pinned) }))}</span></div>
+      ${bar([{ cls: "to-c-pinned", bytes: pinned, title: pinnedText }],
             budget > 0 ? budget : Math.max(pinned, 1), { cls: pinned > budget && budget > 0 ? "to-over" : "" })}
     </div>
     <div class="to-dev" data-dev="ram">
-      <div class="to-dev-head"><b>RAM</b>
-        <span class="to-right">${esc(b(avail))} available of ${esc(b(total))}</span></div>
+      <div class="to-dev-head"><b>${esc(tr("devices.ram"))}</b>
+        <span class="to-right">${esc(tr("devices.availableOfTotal", { available: b(avail), total: b(total) }))}</span></div>
       ${bar([
-        { cls: "to-c-pinned", bytes: pinned, title: `pinned ${b(pinned)}` },
-        { cls: "to-c-ram", bytes: unpinnedModels, title: `managed models, unpinned ${b(unpinnedModels)}` },
-        { cls: "to-c-other", bytes: other, title: `everything else ${b(other)}` },
-      ], total, budget > 0 ? { marker: { bytes: budget, title: `RAM budget ${b(budget)}` } } : {})}
-      ${legend([["to-c-pinned", `pinned ${b(pinned)}`],
-                unpinnedModels > 0 && ["to-c-ram", `managed ${b(unpinnedModels)}`],
-                ["to-c-other", `other ${b(other)}`], ["to-c-free", `available ${b(avail)}`]])}
+        { cls: "to-c-pinned", bytes: pinned, title: pinnedText },
+        { cls: "to-c-ram", bytes: unpinnedModels, title: tr("devices.managedUnpinnedTitle", { size: b(unpinnedModels) }) },
+        { cls: "to-c-other", bytes: other, title: tr("devices.otherTitle", { size: b(other) }) },
+      ], total, budget > 0 ? { marker: { bytes: budget, title: tr("devices.ramBudgetMarker", { size: b(budget) }) } } : {})}
+      ${legend([["to-c-pinned", pinnedText],
+                unpinnedModels > 0 && ["to-c-ram", tr("devices.managedSize", { size: b(unpinnedModels) })],
+                ["to-c-other", tr("devices.otherSize", { size: b(other) })],
+                ["to-c-free", tr("devices.availableSize", { size: b(avail) })]])}
     </div>`);
   }
-  return out.join("") || `<div class="to-muted">No device figures.</div>`;
+  return out.join("") || `<div class="to-muted">${esc(tr("panel.noDevices"))}</div>`;
 }
 
 // Where a block's weights are: on the device, in a device slot, in the host cache, on disk only,
-// or packed in host RAM.
-const PLACE = {
-  resident: "on the device", in_flight: "in a device slot", cached: "in the RAM cache", disk: "on disk",
-  streamed: "in RAM",
-};
-
-// A model core streams with Dynamic VRAM: where comfy-aimdo holds each block (read from its VBAR
-// after the last run), or the node's plan where that cannot be read.
-const CORE_PLACE = {
-  resident: "kept in VRAM by ComfyUI", partial: "partly in VRAM (ComfyUI)", streamed: "streamed by ComfyUI",
-};
-const CORE_STATES = [["resident", CORE_PLACE.resident], ["partial", CORE_PLACE.partial],
-  ["streamed", CORE_PLACE.streamed]];
-
-function stripHtml(lw, place = PLACE, states_legend = BLOCK_STATES) {
-  const states = Array.isArray(lw.block_states) && lw.block_states.length
+// or packed in host RAM. A model core streams with Dynamic VRAM: where comfy-aimdo holds each
+// block (read from its VBAR after the last run), or the node's plan where that cannot be read.
+function stripHtml(lw, place = "blocks.place", states = BLOCK_STATES) {
+  const shownStates = Array.isArray(lw.block_states) && lw.block_states.length
     ? lw.block_states
     : Array.from({ length: num(lw.blocks) }, (_, i) =>
         (lw.resident_indices ?? []).includes(i) ? "resident" : "streamed");
-  const cells = states.map((s, i) =>
-    `<span class="to-blk to-blk-${esc(s)}" title="block ${i}: ${esc(place[s] ?? String(s).replace("_", " "))}"></span>`);
-  const shown = new Set(states);
-  return `<div class="to-strip" aria-label="blocks">${cells.join("")}</div>
-    ${legend(states_legend.filter(([s]) => shown.has(s) || s === "resident" || s === "streamed")
-      .map(([s, text]) => [`to-blk-${s}`, text]), "strip-legend")}`;
+  const known = new Set(states);
+  const where = (s) => (known.has(s) ? tr(`${place}.${s}`) : String(s).replace("_", " "));
+  const cells = shownStates.map((s, i) =>
+    `<span class="to-blk to-blk-${esc(s)}" title="${esc(tr("blocks.cell", { index: i, place: where(s) }))}"></span>`);
+  const shown = new Set(shownStates);
+  const legendKey = place === "blocks.place" ? "blocks.legend" : place;
+  return `<div class="to-strip" aria-label="${esc(tr("blocks.strip"))}">${cells.join("")}</div>
+    ${legend(states.filter((s) => shown.has(s) || s === "resident" || s === "streamed")
+      .map((s) => [`to-blk-${s}`, tr(`${legendKey}.${s}`)]), "strip-legend")}`;
 }
 
 // Every telemetry field is optional; older/newer engines name a few of them differently.
 const pick = (t, ...keys) => keys.map((k) => t[k]).find((v) => typeof v === "number" && Number.isFinite(v)) ?? null;
 
 function telemetryHtml(raw) {
-  if (!raw) return `<div class="to-muted">No sampling run yet.</div>`;
+  if (!raw) return `<div class="to-muted">${esc(tr("stats.noRun"))}</div>`;
   const seconds = pick(raw, "seconds");
   const copied = pick(raw, "bytes_copied");
   const wait = pick(raw, "wait_seconds", "compute_wait_s");
   const fallbacks = pick(raw, "fallbacks", "sync_fallbacks");
   const eff = typeof raw.overlap_efficiency === "number"
     ? (raw.overlap_efficiency <= 1 ? raw.overlap_efficiency * 100 : raw.overlap_efficiency) : null;
-  const stat = (k, v, title, cls = "") =>
-    `<div class="to-stat ${cls}" title="${esc(title)}"><span>${esc(k)}</span><b>${esc(v)}</b></div>`;
+  const stat = (name, v, cls = "") =>
+    `<div class="to-stat ${cls}" title="${esc(tr(`stats.${name}Title`))}"><span>${esc(tr(`stats.${name}`))}</span><b>${esc(v)}</b></div>`;
+  const secs = (s) => tr("stats.seconds", { value: s.toFixed(2) });
+  const share = (s) => (seconds > 0 ? ` (${((100 * s) / seconds).toFixed(0)}%)` : "");
   const rows = [];
-  if (copied !== null && seconds > 0) {
-    rows.push(stat("copy rate", `${fmtBytes(copied / seconds)}/s`, "bytes streamed over the run's wall time"));
-  }
-  if (wait !== null) {
-    const share = seconds > 0 ? ` (${((100 * wait) / seconds).toFixed(0)}%)` : "";
-    rows.push(stat("compute waited", `${wait.toFixed(2)} s${share}`, "time compute waited for a block's copy"));
-  }
+  if (copied !== null && seconds > 0) rows.push(stat("copyRate", `${fmtBytes(copied / seconds)}/s`));
+  if (wait !== null) rows.push(stat("computeWaited", `${secs(wait)}${share(wait)}`));
   const host = pick(raw, "host_wait_s");
-  if (host !== null) {
-    const share = seconds > 0 ? ` (${((100 * host) / seconds).toFixed(0)}%)` : "";
-    rows.push(stat("engine on host", `${host.toFixed(2)} s${share}`,
-      "time the sampling thread spent in the engine: issuing copies and merges, and waiting for them"));
-  }
-  if (eff !== null) {
-    rows.push(stat("overlap", `${eff.toFixed(0)}%`, "share of the run neither compute nor the sampling thread waited"));
-  }
-  if (seconds !== null) rows.push(stat("run", `${seconds.toFixed(2)} s`, "the last sampling run"));
+  if (host !== null) rows.push(stat("engineOnHost", `${secs(host)}${share(host)}`));
+  if (eff !== null) rows.push(stat("overlap", `${eff.toFixed(0)}%`));
+  if (seconds !== null) rows.push(stat("run", secs(seconds)));
   if (copied !== null) {
-    rows.push(stat("copied", `${fmtBytes(copied)}${typeof raw.copies === "number" ? ` · ${raw.copies}×` : ""}`,
-      "bytes and copies from RAM to the device"));
+    rows.push(stat("copied", `${fmtBytes(copied)}${typeof raw.copies === "number" ? ` · ${raw.copies}×` : ""}`));
   }
-  if (typeof raw.peak_materialized_bytes === "number") {
-    rows.push(stat("peak on device", fmtBytes(raw.peak_materialized_bytes), "most block bytes on the device at once"));
-  }
-  if (num(fallbacks) > 0) rows.push(stat("fallbacks", String(fallbacks), "synchronous copies", "to-warn"));
-  if (num(raw.order_misses) > 0) rows.push(stat("order misses", String(raw.order_misses), "blocks run out of order", "to-warn"));
+  if (typeof raw.peak_materialized_bytes === "number") rows.push(stat("peak", fmtBytes(raw.peak_materialized_bytes)));
+  if (num(fallbacks) > 0) rows.push(stat("fallbacks", String(fallbacks), "to-warn"));
+  if (num(raw.order_misses) > 0) rows.push(stat("orderMisses", String(raw.order_misses), "to-warn"));
   // Disk streaming: how fast the disk delivered while reading, what the RAM cache saved, and
-  // how long compute waited for a read.
+  // how long compute waited for a read. The read rate is GiB/s unless a fixed unit is chosen.
   if (typeof raw.disk_read_gibps === "number") {
-    rows.push(stat("disk read", `${raw.disk_read_gibps.toFixed(2)} GiB/s`, "bytes read from disk over the time spent reading"));
+    const rate = shownUnit === "auto" ? `${raw.disk_read_gibps.toFixed(2)} GiB` : fmtBytes(raw.disk_read_gibps * GIB);
+    rows.push(stat("diskRead", `${rate}/s`));
   }
-  if (typeof raw.cache_hit_rate === "number") {
-    rows.push(stat("cache hits", `${(100 * raw.cache_hit_rate).toFixed(0)}%`, "streamed units found in the RAM cache"));
-  }
-  if (typeof raw.disk_wait_s === "number") {
-    rows.push(stat("waited for disk", `${raw.disk_wait_s.toFixed(2)} s`, "time compute waited for a disk read"));
-  }
-  if (num(raw.disk_read_errors) > 0) rows.push(stat("read errors", String(raw.disk_read_errors), "failed disk reads", "to-warn"));
+  if (typeof raw.cache_hit_rate === "number") rows.push(stat("cacheHits", `${(100 * raw.cache_hit_rate).toFixed(0)}%`));
+  if (typeof raw.disk_wait_s === "number") rows.push(stat("diskWait", secs(raw.disk_wait_s)));
+  if (num(raw.disk_read_errors) > 0) rows.push(stat("readErrors", String(raw.disk_read_errors), "to-warn"));
   return `<div class="to-stats">${rows.join("")}</div>`;
 }
 
 // Apply Layerwise Offload's auto mode on a Dynamic VRAM model: core streams, in the node's order.
+// The order's message and the streaming note are the server's (English) words.
 function dynamicOrderHtml(lw, showStrip) {
   const dv = lw.dynamic_vram;
   const fromVbar = dv.residency_source === "vbar";
   const kept = fromVbar ? (dv.core_resident_blocks ?? []).length : (lw.resident_indices ?? []).length;
   const streamed = fromVbar ? (dv.core_streamed_blocks ?? []).length : (lw.streamed_indices ?? []).length;
-  const order = dv.order === "in force"
-    ? `<div class="to-muted" data-role="lw-order">Order: the node's ${(lw.resident_indices ?? []).length} resident blocks first, in force${num(dv.relayouts) > 0 ? ` (laid out again ${num(dv.relayouts)}×)` : ""}</div>`
-    : dv.order === "fixed by an earlier load"
-      ? `<div class="to-muted to-warn-text" data-role="lw-order">${esc(dv.message ?? "Order already fixed by an earlier load; it takes effect after the model is reloaded.")}</div>`
-      : `<div class="to-muted" data-role="lw-order">Order: ${esc(dv.order)}</div>`;
+  let order;
+  if (dv.order === "in force") {
+    const again = num(dv.relayouts) > 0 ? ` ${tr("dynamic.relaidOut", { n: num(dv.relayouts) })}` : "";
+    order = `<div class="to-muted" data-role="lw-order">${esc(tr("dynamic.inForce", { n: (lw.resident_indices ?? []).length }) + again)}</div>`;
+  } else if (dv.order === "fixed by an earlier load") {
+    order = `<div class="to-muted to-warn-text" data-role="lw-order">${esc(dv.message ?? tr("dynamic.fixedEarlier"))}</div>`;
+  } else {
+    const text = dv.order === "not loaded yet" ? tr("dynamic.notLoadedYet") : tr("dynamic.order", { order: dv.order });
+    order = `<div class="to-muted" data-role="lw-order">${esc(text)}</div>`;
+  }
   return `<div class="to-lw" data-role="layerwise" data-path="core">
-    <div class="to-lw-head"><b>Streamed by ComfyUI (Dynamic VRAM) in the order of Apply Layerwise Offload</b>
-      <span class="to-muted" data-role="lw-summary">${num(lw.blocks)} blocks · ${kept} kept in VRAM · ${streamed} streamed
-      ${fromVbar ? "(after the last run)" : "(as planned)"}</span></div>
+    <div class="to-lw-head"><b>${esc(tr("dynamic.head"))}</b>
+      <span class="to-muted" data-role="lw-summary">${esc(tr("dynamic.summary", { blocks: num(lw.blocks), kept, streamed }))}
+      ${esc(tr(fromVbar ? "dynamic.afterRun" : "dynamic.planned"))}</span></div>
     ${order}
-    ${showStrip ? stripHtml(lw, CORE_PLACE, CORE_STATES) : ""}
+    ${showStrip ? stripHtml(lw, "blocks.corePlace", CORE_STATES) : ""}
     <div class="to-muted" data-role="lw-streaming">${esc(dv.streaming ?? "")}</div>
   </div>`;
 }
@@ -258,25 +252,25 @@ function dynamicOrderHtml(lw, showStrip) {
 function streamedPill(lw) {
   if (!lw) return "";
   return lw.dynamic_vram?.path === "core streams"
-    ? `<span class="to-pill" title="ComfyUI streams it with Dynamic VRAM, in the order of Apply Layerwise Offload">core streams · ordered</span>`
-    : `<span class="to-pill">streamed</span>`;
+    ? `<span class="to-pill" title="${esc(tr("dynamic.pillTitle"))}">${esc(tr("dynamic.pill"))}</span>`
+    : `<span class="to-pill">${esc(tr("layerwise.pill"))}</span>`;
 }
 
 function layerwiseHtml(lw, showStrip) {
   if (!lw) return "";
   if (lw.dynamic_vram?.path === "core streams") return dynamicOrderHtml(lw, showStrip);
-  const resident = lw.resident_indices?.length ?? 0;
-  const streamed = lw.streamed_indices?.length ?? 0;
   // Resident and streamed counts are in units: blocks, or phases of blocks.
-  const unitName = lw.granularity === "phase" ? "phases" : "";
-  const disk = lw.disk?.active
-    ? ` · from disk through ${esc(fmtBytes(num(lw.disk.cache_bytes)))} RAM cache` : "";
+  const parts = [
+    tr("layerwise.blocks", { n: num(lw.blocks) }) +
+      (lw.granularity === "phase" ? ` ${tr("layerwise.asPhases", { n: num(lw.units?.length) })}` : ""),
+    tr("layerwise.counts", { resident: lw.resident_indices?.length ?? 0, streamed: lw.streamed_indices?.length ?? 0 }),
+    typeof lw.bound_bytes === "number" && tr("layerwise.bound", { size: fmtBytes(lw.bound_bytes) }),
+    lw.disk?.active && tr("layerwise.fromDisk", { size: fmtBytes(num(lw.disk.cache_bytes)) }),
+  ].filter(Boolean);
   return `<div class="to-lw" data-role="layerwise">
-    <div class="to-lw-head"><b>Streamed by Apply Layerwise Offload</b>
-      <span class="to-muted" data-role="lw-summary">${num(lw.blocks)} blocks${unitName ? ` as ${num(lw.units?.length)} ${unitName}` : ""}
-      · ${resident} resident · ${streamed} streamed
-      ${typeof lw.bound_bytes === "number" ? ` · at most ${esc(fmtBytes(lw.bound_bytes))} on the device` : ""}${disk}</span></div>
-    ${lw.dynamic_vram?.cost ? `<div class="to-muted" data-role="lw-cost">Cost: ${esc(lw.dynamic_vram.cost)}</div>` : ""}
+    <div class="to-lw-head"><b>${esc(tr("layerwise.head"))}</b>
+      <span class="to-muted" data-role="lw-summary">${esc(parts.join(" · "))}</span></div>
+    ${lw.dynamic_vram?.cost ? `<div class="to-muted" data-role="lw-cost">${esc(tr("layerwise.cost", { cost: lw.dynamic_vram.cost }))}</div>` : ""}
     ${showStrip ? stripHtml(lw) : ""}
     ${telemetryHtml(lw.telemetry)}
   </div>`;
@@ -284,13 +278,15 @@ function layerwiseHtml(lw, showStrip) {
 
 function swapHtml(sw) {
   if (!sw) return "";
-  return `<div class="to-meta" data-role="swap"><span class="to-pill">swapped</span>
-    <span>Model-Level Swap: ${num(sw.turns)} turns, ${num(sw.parks)} parks without a copy back${
-      sw.bytes && typeof sw.bytes.master === "number" ? ` · master ${esc(fmtBytes(sw.bytes.master))}` : ""}</span></div>`;
+  const master = sw.bytes && typeof sw.bytes.master === "number"
+    ? ` · ${tr("swap.master", { size: fmtBytes(sw.bytes.master) })}` : "";
+  return `<div class="to-meta" data-role="swap"><span class="to-pill">${esc(tr("swap.pill"))}</span>
+    <span>${esc(tr("swap.turns", { turns: num(sw.turns), parks: num(sw.parks) }) + master)}</span></div>`;
 }
 
-function button(action, label, icon, title, { disabled = false, busy = false } = {}) {
-  return `<button class="to-btn" data-action="${action}" title="${esc(title)}" aria-label="${esc(label)}"${disabled ? " disabled" : ""}>
+function button(action, icon, { disabled = false, busy = false } = {}) {
+  const label = tr(`actions.${action}.label`);
+  return `<button class="to-btn" data-action="${action}" title="${esc(tr(`actions.${action}.title`))}" aria-label="${esc(label)}"${disabled ? " disabled" : ""}>
     <i class="pi ${busy ? "pi-spin pi-spinner" : icon}"></i><span class="to-label">${esc(label)}</span></button>`;
 }
 
@@ -299,8 +295,16 @@ function nameHtml(primary, secondary) {
   return `<span class="to-name" title="${esc(full)}" data-role="name">${esc(primary)}</span>`;
 }
 
+// A model's kind in the user's words: the tier manager's (diffusion_model, checkpoint, clip, vae)
+// or the card's (diffusion model, text encoder, VAE, model); an unknown kind as it came.
+const KINDS = ["diffusion_model", "checkpoint", "clip", "text_encoder", "vae", "model"];
+function kindText(kind) {
+  const key = String(kind ?? "").toLowerCase().replace(/[^a-z0-9]+/g, "_");
+  return KINDS.includes(key) ? tr(`kind.${key}`) : String(kind ?? "").replace("_", " ");
+}
+
 function partsLine(parts) {
-  return parts.map((l) => [l.class, l.network && l.network !== l.class ? l.network : null, l.kind]
+  return parts.map((l) => [l.class, l.network && l.network !== l.class ? l.network : null, l.kind && kindText(l.kind)]
     .filter(Boolean).join(" · ")).join("; ");
 }
 
@@ -312,17 +316,18 @@ function managedHtml(m, parts, ctx) {
     bytes.vram, num(bytes.ram) + num(bytes.pinned), cpu);
   const tier = TIER_LABEL[m.tier] ? m.tier : "disk";
   const busy = pending[m.id];
-  const inUse = num(m.in_use) > 0;
+  const users = num(m.in_use);
   const pol = m.policy ?? {};
   const lw = m.layerwise ?? parts.find((l) => l.layerwise)?.layerwise;
   const sw = parts.find((l) => l.swap)?.swap;
   const pills = [
-    `<span class="to-pill to-pill-tier" title="Kept by the VRAM Tier Manager across workflows">tier-managed</span>`,
+    `<span class="to-pill to-pill-tier" title="${esc(tr("card.tierManagedTitle"))}">${esc(tr("card.tierManaged"))}</span>`,
     streamedPill(lw),
-    inUse ? `<span class="to-pill to-pill-busy" title="${num(m.in_use)} running prompt(s) use it">in use${num(m.in_use) > 1 ? ` ×${num(m.in_use)}` : ""}</span>` : "",
+    users > 0 ? `<span class="to-pill to-pill-busy" title="${esc(tr("card.inUseTitle", { n: users }))}">${esc(tr("card.inUse"))}${users > 1 ? ` ×${users}` : ""}</span>` : "",
   ].join("");
-  const buttons = TIER_ACTIONS.map((a) => button(a.action, a.label, a.icon, a.title,
+  const buttons = TIER_ACTIONS.map((a) => button(a.action, a.icon,
     { disabled: !!busy || a.off(m), busy: busy === a.action }));
+  const loads = { n: num(m.load_count), disk: num(m.loads_from_disk), ram: num(m.loads_from_ram) };
   return `<div class="to-model" data-model-id="${esc(m.id)}" data-tier="${tier}" data-card="managed">
     <div class="to-model-head">
       <span class="to-badge to-badge-${tier}" data-role="tier">${TIER_LABEL[tier]}</span>
@@ -332,15 +337,14 @@ function managedHtml(m, parts, ctx) {
     <div class="to-meta">${pills}</div>
     ${placementHtml(p, cpu)}
     <div class="to-meta">
-      <span>${esc(String(m.kind ?? "").replace("_", " "))}</span>
+      <span data-role="kind">${esc(kindText(m.kind))}</span>
       <span data-ts="${typeof m.last_used === "number" ? m.last_used : ""}" data-role="last-used">${esc(fmtAgo(m.last_used))}</span>
-      <span title="loads from disk / from RAM">${num(m.load_count)} load${num(m.load_count) === 1 ? "" : "s"}
-        (${num(m.loads_from_disk)} disk, ${num(m.loads_from_ram)} RAM)</span>
+      <span title="${esc(tr("card.loadsTitle"))}">${esc(tr(loads.n === 1 ? "card.loadsOne" : "card.loadsMany", loads))}</span>
     </div>
     <div class="to-policy" data-role="policy">
-      <label title="Never drop this model to disk (it may still be parked from VRAM to RAM)">
-        <input type="checkbox" data-policy="keep_in_ram" data-key="keep-${esc(m.id)}"${pol.pinned ? " checked" : ""}${busy ? " disabled" : ""}> keep in RAM</label>
-      <label title="Higher priority models are evicted later (-100 to 100)">priority
+      <label title="${esc(tr("card.keepInRamTitle"))}">
+        <input type="checkbox" data-policy="keep_in_ram" data-key="keep-${esc(m.id)}"${pol.pinned ? " checked" : ""}${busy ? " disabled" : ""}> ${esc(tr("card.keepInRam"))}</label>
+      <label title="${esc(tr("card.priorityTitle"))}">${esc(tr("card.priority"))}
         <input type="number" min="-100" max="100" step="1" value="${num(pol.priority)}" data-policy="priority" data-key="prio-${esc(m.id)}"${busy ? " disabled" : ""}></label>
     </div>
     ${layerwiseHtml(lw, strips)}
@@ -350,11 +354,16 @@ function managedHtml(m, parts, ctx) {
   </div>`;
 }
 
+// A model that only ComfyUI manages: no tier manager, no streaming, no swap.
+export function coreOnly(card) {
+  return !!card.core && !card.tier_id && !card.layerwise && !card.swap;
+}
+
 // A model core loaded through any loader, or one the pack still holds after core let go of it.
 function coreHtml(l, ctx) {
   const { strips, pending, notice, cpu } = ctx;
   const title = l.file ?? l.class;
-  const sub = [l.class, l.network && l.network !== l.class ? l.network : null, l.kind]
+  const sub = [l.class, l.network && l.network !== l.class ? l.network : null, l.kind && kindText(l.kind)]
     .filter(Boolean).join(" · ");
   let figures;
   let badge;
@@ -362,27 +371,26 @@ function coreHtml(l, ctx) {
     figures = placementHtml(placement(l.bytes.total, l.bytes.device, l.bytes.ram, cpu), cpu);
     badge = cpu ? ["ram", "RAM"] : num(l.bytes.device) > 0 ? ["vram", "VRAM"] : ["ram", "RAM"];
   } else {
-    figures = `<div class="to-muted">Not loaded by ComfyUI now; the pack still holds its weights in RAM.</div>`;
+    figures = `<div class="to-muted">${esc(tr("card.notLoaded"))}</div>`;
     badge = ["ram", "RAM"];
   }
   const busy = pending[l.id];
   const pills = [
-    l.core ? `<span class="to-pill" title="Loaded by ComfyUI on ${esc(l.device)}">core · ${esc(l.device)}</span>` : "",
+    l.core ? `<span class="to-pill" title="${esc(tr("card.coreTitle", { device: l.device }))}">${esc(tr("card.core", { device: l.device }))}</span>` : "",
     streamedPill(l.layerwise),
-    l.swap ? `<span class="to-pill">swapped</span>` : "",
+    l.swap ? `<span class="to-pill">${esc(tr("swap.pill"))}</span>` : "",
   ].join("");
   return `<div class="to-model" data-loaded-id="${esc(l.id)}" data-tier="${badge[0]}" data-card="core">
     <div class="to-model-head">
       <span class="to-badge to-badge-${badge[0]}" data-role="tier">${badge[1]}</span>
       ${nameHtml(title, l.file ? l.class : null)}
     </div>
-    <div class="to-muted to-sub" data-role="class">${esc(sub)}${l.file ? "" : " · file not recorded by this ComfyUI"}</div>
+    <div class="to-muted to-sub" data-role="class">${esc(sub)}${l.file ? "" : ` · ${esc(tr("card.fileNotRecorded"))}`}</div>
     <div class="to-meta">${pills}</div>
     ${figures}
     ${layerwiseHtml(l.layerwise, strips)}
     ${swapHtml(l.swap)}
-    ${l.core ? `<div class="to-actions to-actions-1">${button("unload", "Unload", "pi-eject",
-      "Core's own unload, as core does to make room; offered between prompts", { disabled: !!busy, busy: !!busy })}</div>` : ""}
+    ${l.core ? `<div class="to-actions to-actions-1">${button("unload", "pi-eject", { disabled: !!busy, busy: !!busy })}</div>` : ""}
     ${notice?.model_id === l.id ? noticeHtml(notice) : ""}
   </div>`;
 }
@@ -390,34 +398,35 @@ function coreHtml(l, ctx) {
 function noticeHtml(n) {
   return `<div class="to-notice to-notice-${esc(n.kind)}" role="alert" data-role="notice">
     <i class="pi pi-exclamation-triangle"></i><span>${esc(n.text)}</span>
-    <button class="to-icon-btn" data-role="dismiss" title="Dismiss"><i class="pi pi-times"></i></button></div>`;
+    <button class="to-icon-btn" data-role="dismiss" title="${esc(tr("panel.dismiss"))}"><i class="pi pi-times"></i></button></div>`;
 }
 
 function budgetsHtml(bud, ram, editing) {
   const b = fmtBytes;
+  const budget = typeof bud.ram_budget_bytes === "number" ? b(bud.ram_budget_bytes)
+    : num(ram?.budget) > 0 ? tr("budgets.autoOf", { size: b(ram.budget) }) : tr("budgets.auto");
   const shown = [
-    `RAM budget ${typeof bud.ram_budget_bytes === "number" ? b(bud.ram_budget_bytes)
-      : num(ram?.budget) > 0 ? `auto (${b(ram.budget)})` : "auto"}`,
-    typeof bud.ram_reserve_bytes === "number" && `RAM reserve ${b(bud.ram_reserve_bytes)}`,
-    typeof bud.vram_reserve_bytes === "number" && `VRAM reserve ${b(bud.vram_reserve_bytes)}`,
-    typeof bud.disk_tier === "boolean" && `disk tier ${bud.disk_tier ? "on" : "off"}`,
+    tr("budgets.shownBudget", { size: budget }),
+    typeof bud.ram_reserve_bytes === "number" && tr("budgets.shownRamReserve", { size: b(bud.ram_reserve_bytes) }),
+    typeof bud.vram_reserve_bytes === "number" && tr("budgets.shownVramReserve", { size: b(bud.vram_reserve_bytes) }),
+    typeof bud.disk_tier === "boolean" && tr(bud.disk_tier ? "budgets.diskOn" : "budgets.diskOff"),
   ].filter(Boolean);
   const head = `<div class="to-budgets" data-role="budgets"><span class="to-muted">${esc(shown.join(" · "))}</span>
-    ${editing ? "" : `<button class="to-icon-btn" data-role="edit-budgets" title="Edit budgets and the disk tier"><i class="pi pi-pencil"></i></button>`}</div>`;
+    ${editing ? "" : `<button class="to-icon-btn" data-role="edit-budgets" title="${esc(tr("budgets.edit"))}"><i class="pi pi-pencil"></i></button>`}</div>`;
   return head + (editing ? `<div data-role="budget-editor-slot"></div>` : "");
 }
 
 function budgetEditor(bud, err) {
-  const rows = BUDGET_FIELDS.map((f) => `<label title="${esc(f.title)}"><span>${esc(f.label)}</span>
+  const rows = BUDGET_FIELDS.map((f) => `<label title="${esc(tr(`budgets.${f.label}Title`))}"><span>${esc(tr(`budgets.${f.label}`))}</span>
       <input type="number" min="0" step="0.25" name="${f.key}" value="${esc(gib(bud[f.bytes]))}"
-        placeholder="${esc(f.empty ?? "")}"><span class="to-muted">GiB</span></label>`);
-  rows.push(`<label title="Allow dropping idle models to disk when RAM is over budget"><span>Disk tier</span>
+        placeholder="${esc(f.empty ? tr("budgets.auto") : "")}"><span class="to-muted">GiB</span></label>`);
+  rows.push(`<label title="${esc(tr("budgets.diskTierTitle"))}"><span>${esc(tr("budgets.diskTier"))}</span>
       <input type="checkbox" name="disk_tier"${bud.disk_tier !== false ? " checked" : ""}><span></span></label>`);
   return `<form class="to-budget-form" data-role="budget-form" novalidate>${rows.join("")}
     <div class="to-form-err" data-role="budget-error">${esc(err ?? "")}</div>
     <div class="to-actions to-actions-2">
-      <button class="to-btn" type="submit" data-role="save-budgets"><i class="pi pi-check"></i><span class="to-label">Save</span></button>
-      <button class="to-btn" type="button" data-role="cancel-budgets"><i class="pi pi-times"></i><span class="to-label">Cancel</span></button>
+      <button class="to-btn" type="submit" data-role="save-budgets"><i class="pi pi-check"></i><span class="to-label">${esc(tr("budgets.save"))}</span></button>
+      <button class="to-btn" type="button" data-role="cancel-budgets"><i class="pi pi-times"></i><span class="to-label">${esc(tr("budgets.cancel"))}</span></button>
     </div></form>`;
 }
 
@@ -426,9 +435,9 @@ export function budgetBody(form) {
   const body = {};
   for (const f of BUDGET_FIELDS) {
     const raw = form.elements[f.key].value.trim();
-    if (raw === "" && f.key === "ram_budget_gb") { body[f.key] = null; continue; }
+    if (raw === "" && f.empty) { body[f.key] = null; continue; }
     const v = Number(raw);
-    if (raw === "" || !Number.isFinite(v) || v < 0) return { error: `${f.label} must be a number of GiB ≥ 0` };
+    if (raw === "" || !Number.isFinite(v) || v < 0) return { error: tr("budgets.notGib", { field: tr(`budgets.${f.label}`) }) };
     body[f.key] = v;
   }
   body.disk_tier = form.elements.disk_tier.checked;
@@ -489,6 +498,10 @@ export class Panel {
     this.editor = null;
   }
 
+  isMounted() {
+    return !!this.root;
+  }
+
   isOpen() {
     return !!this.root && this.root.isConnected && this.root.getClientRects().length > 0;
   }
@@ -530,7 +543,7 @@ export class Panel {
     const known = this.state.payload?.models?.find((m) => m.id === id)?.policy?.priority;
     const v = Number(input.value);
     if (!Number.isInteger(v) || v < -100 || v > 100) {
-      input.setCustomValidity("a whole number from -100 to 100");
+      input.setCustomValidity(tr("card.priorityInvalid"));
     } else if (v !== known) {
       input.setCustomValidity("");
       this.onPolicy(id, { priority: v });
@@ -571,14 +584,18 @@ export class Panel {
     this.dirty = false;
     if (window.__tieredOffload) window.__tieredOffload.renders += 1;
     const { state } = this;
-    const { strips } = this.settings();
+    const { strips, units, showCore } = this.settings();
+    shownUnit = units;
     const p = state.payload;
     const head = `<div class="to-head">
-        <span class="to-title"><i class="pi pi-server"></i> Tiered Offload</span>
-        <button class="to-icon-btn" data-role="refresh" title="Reload from server"><i class="pi pi-refresh"></i></button>
+        <span class="to-title"><i class="pi pi-server"></i> ${esc(tr("panel.title"))}</span>
+        <button class="to-icon-btn" data-role="refresh" title="${esc(tr("panel.refresh"))}"><i class="pi pi-refresh"></i></button>
       </div>`;
     const managed = Array.isArray(p?.models) ? p.models : [];
     const loaded = Array.isArray(p?.loaded) ? p.loaded : [];
+    const others = loaded.filter((l) => !l.tier_id);
+    const shown = showCore ? others : others.filter((l) => !coreOnly(l));
+    const hidden = others.length - shown.length;
     // A refusal shows in the card it concerns; anything else (or a vanished card) at the top.
     const cardIds = new Set([...managed.map((m) => m.id), ...loaded.map((l) => l.id)]);
     const notice = state.notice && !cardIds.has(state.notice.model_id) ? noticeHtml(state.notice) : "";
@@ -586,19 +603,22 @@ export class Panel {
     if (state.status === "unavailable" || (state.status === "error" && !p)) {
       body = `<div class="to-empty" data-role="status">${esc(state.error)}</div>`;
     } else if (!p) {
-      body = `<div class="to-empty" data-role="status">Loading…</div>`;
+      body = `<div class="to-empty" data-role="status">${esc(tr("panel.loading"))}</div>`;
     } else {
       const ctx = { strips, pending: state.pending, notice: state.notice, cpu: isCpu(p) };
       const cards = [
         ...managed.map((m) => managedHtml(m, loaded.filter((l) => l.tier_id === m.id), ctx)),
-        ...loaded.filter((l) => !l.tier_id).map((l) => coreHtml(l, ctx)),
+        ...shown.map((l) => coreHtml(l, ctx)),
       ];
+      const hiddenNote = hidden > 0
+        ? `<div class="to-muted" data-role="hidden-core">${esc(tr("panel.hiddenCore", { n: hidden }))}</div>` : "";
       body = `
         ${state.status === "error" ? `<div class="to-notice to-notice-error">${esc(state.error)}</div>` : ""}
         <section class="to-devices">${devicesHtml(p)}${budgetsHtml(p.budgets ?? {}, p.devices?.ram, !!this.editor)}</section>
-        <div class="to-section-head"><b>Models</b><span class="to-muted" data-role="count">${cards.length}</span></div>
+        <div class="to-section-head"><b>${esc(tr("panel.models"))}</b><span class="to-muted" data-role="count">${cards.length}</span></div>
+        ${hiddenNote}
         <section class="to-models">${cards.length ? cards.join("")
-          : `<div class="to-empty">No model loaded yet. Every model ComfyUI loads appears here, from any loader.</div>`}</section>`;
+          : hidden ? "" : `<div class="to-empty">${esc(tr("panel.empty"))}</div>`}</section>`;
     }
     const active = this.root.contains(document.activeElement) ? document.activeElement : null;
     this.rendering = true;  // removing a focused input is no commit

@@ -2,15 +2,29 @@
 // Data flow: one GET /api/offload/tiers when the tab opens (and after a websocket reconnect),
 // then only websocket pushes ("tiered_offload.tiers" on every tier change, after every prompt
 // and after every change made from the panel; "tiered_offload.layerwise" after each sampling
-// run). No polling. While the tab is closed the latest payload is kept and nothing touches the
-// DOM. The one extra GET follows a budgets save, whose figures (the RAM budget) the server
-// derives.
+// run). No polling by default. While the tab is closed the latest payload is kept and nothing
+// touches the DOM. The one extra GET follows a budgets save, whose figures (the RAM budget) the
+// server derives; with a refresh interval set (a setting, 0 by default) the open tab also GETs on
+// it, which shows models core loads in the middle of a prompt (core sends no event for those).
+// Refusals of the panel's requests and errors the pack's code raises in a prompt also show as
+// toasts. Words: web/i18n.js.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
+import { frontendKey, tr } from "./i18n.js";
 import { Panel } from "./panel.js";
 
 const TAB_ID = "tiered-offload";
 const SETTING_STRIPS = "TieredOffload.Panel.ShowBlockStrips";
+const SETTING_REFRESH = "TieredOffload.Panel.RefreshSeconds";
+const SETTING_UNITS = "TieredOffload.Panel.Units";
+const SETTING_CORE = "TieredOffload.Panel.ShowCoreModels";
+const CATEGORY = ["Tiered Offload", "Offload panel"];
+// The folder ComfyUI serves this file from is the pack's folder name: /extensions/<pack>/.
+const PACK = decodeURIComponent(new URL(".", import.meta.url).pathname.split("/").filter(Boolean).pop());
+// A path inside the pack, in a traceback line or an exception's module (ComfyUI names a pack's
+// modules after its folder's path): "/<pack>/" or "/<pack>." with either slash.
+const IN_PACK = new RegExp(`[\\\\/]${PACK.replace(/[.*+?^${}()|[\]\\]/g, "\\$&")}[.\\\\/]`);
+const packNodes = new Set();   // node ids this pack registers
 
 const state = {
   payload: null,      // last GET /api/offload/tiers body (or websocket copy of it)
@@ -32,7 +46,11 @@ function setting(id, fallback) {
 
 const panel = new Panel({
   state,
-  settings: () => ({ strips: setting(SETTING_STRIPS, true) }),
+  settings: () => ({
+    strips: setting(SETTING_STRIPS, true),
+    units: setting(SETTING_UNITS, "auto"),
+    showCore: setting(SETTING_CORE, true),
+  }),
   onAction: (id, action) => post(id, action, `/offload/models/${encodeURIComponent(id)}/${action}`),
   onUnload: (id) => post(id, "unload", `/offload/loaded/${encodeURIComponent(id)}/unload`),
   onPolicy: (id, body) => post(id, "policy", `/offload/policy/${encodeURIComponent(id)}`, body),
@@ -41,7 +59,13 @@ const panel = new Panel({
   onDismiss: () => { state.notice = null; panel.update(); },
 });
 
-async function fetchTiers() {
+let fetching = null;
+function fetchTiers() {
+  fetching ??= getTiers().finally(() => { fetching = null; });
+  return fetching;
+}
+
+async function getTiers() {
   state.status = state.payload ? state.status : "loading";
   state.stale = false;
   panel.update();
@@ -49,11 +73,10 @@ async function fetchTiers() {
     const res = await api.fetchApi("/offload/tiers", { cache: "no-store" });
     if (res.status === 404) {
       state.status = "unavailable";
-      state.error = "Server side not available: this ComfyUI has no /api/offload/tiers route. " +
-        "Update comfyui-tiered-offload and restart ComfyUI.";
+      state.error = tr("panel.unavailable");
     } else if (!res.ok) {
       state.status = "error";
-      state.error = `GET /api/offload/tiers failed: ${res.status} ${await errorText(res)}`;
+      state.error = tr("panel.getFailed", { error: `${res.status} ${await errorText(res)}` });
     } else {
       state.payload = await res.json();
       state.status = "ok";
@@ -61,7 +84,7 @@ async function fetchTiers() {
     }
   } catch (e) {
     state.status = "error";
-    state.error = `GET /api/offload/tiers failed: ${e?.message ?? e}`;
+    state.error = tr("panel.getFailed", { error: e?.message ?? e });
     state.stale = true;
   }
   panel.update();
@@ -103,15 +126,16 @@ async function postNow(id, action, path, body) {
     const init = { method: "POST", headers: { "Content-Type": "application/json" } };
     if (body !== undefined) init.body = JSON.stringify(body);
     const res = await api.fetchApi(path, init);
-    if (!res.ok) failure = `${await errorText(res)} (HTTP ${res.status})`;
+    if (!res.ok) failure = tr("panel.http", { error: await errorText(res), status: res.status });
   } catch (e) {
     failure = String(e?.message ?? e);
   }
   delete state.pending[id];
   if (failure) {
     // The card already names the model; the toast (seen from anywhere) says which one.
-    state.notice = { kind: "error", text: `${action[0].toUpperCase()}${action.slice(1)} refused: ${failure}`, model_id: id };
-    toast(`Offload: ${action} refused`, `“${label}”: ${failure}`);
+    const name = tr(`actions.${action}.label`);
+    state.notice = { kind: "error", text: tr("refusal.notice", { action: name, error: failure }), model_id: id };
+    toast("warn", tr("refusal.toast", { action: name }), tr("refusal.toastDetail", { model: label, error: failure }));
   } else if (state.notice?.model_id === id) {
     state.notice = null;
   }
@@ -123,24 +147,67 @@ async function saveBudgets(body) {
   try {
     const res = await api.fetchApi("/offload/budgets", {
       method: "POST", body: JSON.stringify(body), headers: { "Content-Type": "application/json" } });
-    if (!res.ok) return `${await errorText(res)} (HTTP ${res.status})`;
+    if (!res.ok) return budgetsRefused(tr("panel.http", { error: await errorText(res), status: res.status }));
     const saved = await res.json();
     if (state.payload && saved?.budgets) state.payload.budgets = saved.budgets;
   } catch (e) {
-    return String(e?.message ?? e);
+    return budgetsRefused(String(e?.message ?? e));
   }
   await fetchTiers();
   return null;
 }
 
-function toast(summary, detail) {
+function budgetsRefused(failure) {
+  toast("warn", tr("refusal.toast", { action: tr("actions.budgets.label") }), failure);
+  return failure;
+}
+
+// The frontend's toasts: `add` in the frontends we know (1.32 to 1.49); the named methods of
+// newer builds otherwise. Where neither exists the panel's own message (or the frontend's error
+// dialog, for a prompt) is all the user sees.
+function toast(severity, summary, detail) {
   const t = app.extensionManager?.toast;
+  const life = severity === "error" ? 12000 : 6000;
   try {
-    if (typeof t?.add === "function") t.add({ severity: "warn", summary, detail, life: 6000 });
-    else if (typeof t?.warning === "function") t.warning(summary, { description: detail });
+    if (typeof t?.add === "function") t.add({ severity, summary, detail, life });
+    else if (typeof t?.[severity === "warn" ? "warning" : severity] === "function") {
+      t[severity === "warn" ? "warning" : severity](summary, { description: detail });
+    }
   } catch {
     /* the panel message is the primary channel */
   }
+}
+
+// A prompt failed: if the pack's code raised it (one of the pack's nodes, or a frame or an
+// exception type of the pack's modules, such as a refusal raised while a sampler runs), a toast
+// says so with the prompt's own message, the one the frontend's error report shows.
+function fromPack(error) {
+  if (packNodes.has(error.node_type)) return true;
+  const frames = Array.isArray(error.traceback) ? error.traceback : [];
+  return IN_PACK.test(String(frames.at(-1) ?? "")) || IN_PACK.test(String(error.exception_type ?? ""));
+}
+
+function nodeTitle(error) {
+  const node = app.graph?.getNodeById?.(error.node_id);
+  return node?.title || globalThis.LiteGraph?.registered_node_types?.[error.node_type]?.title || error.node_type;
+}
+
+function onExecutionError(e) {
+  const error = e.detail;
+  if (!error || typeof error !== "object" || !fromPack(error)) return;
+  toast("error", tr("promptError.toast", { node: nodeTitle(error) }), String(error.exception_message ?? ""));
+}
+
+// While the tab is mounted, an optional GET every few seconds (the refresh interval setting),
+// made only while it shows.
+let refreshTimer = 0;
+// `value`: the setting's new value, from its onChange (1.49 calls it before storing the value).
+function scheduleRefresh(value = setting(SETTING_REFRESH, 0)) {
+  clearInterval(refreshTimer);
+  refreshTimer = 0;
+  const seconds = Number(value);
+  if (!panel.isMounted() || !Number.isFinite(seconds) || seconds <= 0) return;
+  refreshTimer = setInterval(() => panel.isOpen() && fetchTiers(), seconds * 1000);
 }
 
 function onTiers(e) {
@@ -168,35 +235,75 @@ function onReconnected() {
   if (panel.isOpen()) fetchTiers();
 }
 
+// The settings' names and tooltips here are English; the frontend shows them in the user's
+// language from the pack's locales/<lang>/settings.json (keys: the ids with "." as "_").
 app.registerExtension({
   name: "comfyui-tiered-offload.panel",
   settings: [
     {
       id: SETTING_STRIPS,
-      category: ["Tiered Offload", "Panel", "Block strips"],
+      category: [...CATEGORY, "Block strips"],
       name: "Show block strips of layerwise-offloaded models",
       type: "boolean",
       defaultValue: true,
       onChange: () => panel.update(),
     },
+    {
+      id: SETTING_UNITS,
+      category: [...CATEGORY, "Units"],
+      name: "Units of sizes",
+      tooltip: "auto: each size in the binary unit that fits it (KiB, MiB, GiB); GiB or MiB: every size in that unit.",
+      type: "combo",
+      options: ["auto", "GiB", "MiB"],
+      defaultValue: "auto",
+      onChange: () => panel.update(),
+    },
+    {
+      id: SETTING_CORE,
+      category: [...CATEGORY, "Core models"],
+      name: "Show models that only ComfyUI manages",
+      tooltip: "Models ComfyUI loaded that the pack neither tier-manages, streams nor swaps. Off: the panel lists only the pack's models and says how many it hides.",
+      type: "boolean",
+      defaultValue: true,
+      onChange: () => panel.update(),
+    },
+    {
+      id: SETTING_REFRESH,
+      category: [...CATEGORY, "Refresh"],
+      name: "Refresh interval while the panel is open (seconds)",
+      tooltip: "0: live updates only (websocket events after every change and every prompt). Above 0: the open panel also asks the server this often, so a model ComfyUI loads in the middle of a prompt appears before the prompt ends.",
+      type: "number",
+      attrs: { min: 0, max: 3600, step: 1 },
+      defaultValue: 0,
+      onChange: (value) => scheduleRefresh(value),
+    },
   ],
+  async beforeRegisterNodeDef(nodeType, nodeData) {
+    if (String(nodeData?.python_module ?? "").split(".")[1] === PACK) packNodes.add(nodeData.name);
+  },
   async setup() {
     api.addEventListener("tiered_offload.tiers", onTiers);
     api.addEventListener("tiered_offload.layerwise", onLayerwise);
     api.addEventListener("reconnected", onReconnected);
+    api.addEventListener("execution_error", onExecutionError);
     const em = app.extensionManager;
     if (typeof em?.registerSidebarTab === "function") {
+      // Title and tooltip as i18n keys: the frontend translates them (as it does its own tabs').
       em.registerSidebarTab({
         id: TAB_ID,
         icon: "pi pi-server",
-        title: "Offload",
-        tooltip: "Offload: every loaded model, in VRAM / RAM / disk",
+        title: frontendKey("tab.title"),
+        tooltip: frontendKey("tab.tooltip"),
         type: "custom",
         render: (el) => {
           panel.mount(el);
           if (state.stale) fetchTiers();
+          scheduleRefresh();
         },
-        destroy: () => panel.unmount(),
+        destroy: () => {
+          panel.unmount();
+          scheduleRefresh();
+        },
       });
     }
     window.__tieredOffload = { ready: true, renders: 0 };

@@ -1,0 +1,84 @@
+"""tools/check_pack_archive.py, the check of the registry archive `make pack-check` runs: the
+repository's own files, as `comfy node pack` would put them in (tracked, less .comfyignore), pass;
+each kind of fault is found.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+import check_pack_archive as check  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tracked() -> list[str]:
+    try:
+        out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    # The files of this change that are not committed yet are part of the pack as well.
+    extra = subprocess.run(["git", "ls-files", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split()
+    return sorted(set(out.stdout.split()) | set(extra))
+
+
+@pytest.fixture
+def archive(tracked) -> dict[str, bytes]:
+    """What the archive holds: the tracked files less .comfyignore's development files."""
+    return {name: (ROOT / name).read_bytes() for name in tracked
+            if not any(name == d or name.startswith(d) for d in check.DEVELOPMENT)
+            and name not in check.NOT_RUN and (ROOT / name).is_file()}
+
+
+def test_the_repositorys_archive_passes(archive, tracked):
+    assert check.problems(archive, tracked) == []
+    assert "locales/zh/nodeDefs.json" in archive and "web/docs/ApplyLayerwiseOffload/zh.md" in archive
+
+
+def test_a_development_file_is_found(archive, tracked):
+    archive["tests/test_panel.py"] = b""
+    archive["Makefile"] = b""
+    assert check.problems(archive, tracked) == ["development file in the archive: Makefile",
+                                                "development file in the archive: tests/test_panel.py"]
+
+
+def test_a_module_the_pack_imports_is_missing(archive, tracked):
+    del archive["nodes/tiers.py"]
+    found = check.problems(archive, tracked)
+    assert "tracked but not in the archive: nodes/tiers.py" in found
+    assert any(p.startswith("nodes/__init__.py imports tiers") for p in found), found
+
+
+def test_an_untracked_module_the_pack_imports_is_found(archive, tracked):
+    """A module imported but never added to git: the file list alone would not show it."""
+    del archive["offload_core/units.py"]
+    found = check.problems(archive, [t for t in tracked if t != "offload_core/units.py"])
+    assert found and all("units" in p for p in found), found
+
+
+def test_an_import_of_a_development_folder_is_found(archive, tracked):
+    archive["nodes/budgets.py"] += b"\nimport tests.workflows\n"
+    assert check.problems(archive, tracked) == [
+        "nodes/budgets.py imports tests.workflows, a development folder"]
+
+
+def test_a_frontend_module_the_extension_imports_is_missing(archive, tracked):
+    del archive["web/i18n.js"]
+    found = check.problems(archive, tracked)
+    assert "web/panel.js imports ./i18n.js: not in the archive" in found, found
+    assert "web/tiered_offload.js imports ./i18n.js: not in the archive" in found, found
+
+
+def test_locales_and_help_pages_are_checked(archive, tracked):
+    del archive["locales/zh/settings.json"]
+    del archive["web/docs/ModelLevelSwap/zh.md"]
+    archive["locales/en/main.json"] = b"{not json"
+    found = check.problems(archive, tracked)
+    assert "missing: locales/zh/settings.json" in found
+    assert "missing help page: web/docs/ModelLevelSwap/zh.md" in found
+    assert any(p.startswith("locales/en/main.json is not JSON") for p in found), found

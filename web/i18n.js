@@ -1,0 +1,259 @@
+// The panel's words, in the user's language.
+//
+// The words live in the pack's locales/<lang>/main.json under "tieredOffload"; ComfyUI serves
+// every pack's locales/ at /i18n and the frontend merges them into its own vue-i18n messages.
+// ComfyUI's extension API has no translate function (app.extensionManager offers toast,
+// setting, command, dialog, sidebarTab, workflow...; window.comfyAPI no i18n module; checked in
+// frontends 1.32.9 and 1.49.6), so the words are read from the frontend's vue-i18n through the
+// standard global property of its Vue app (`$tm`, the raw message in the current language with
+// the frontend's own fallback to English). Where that is absent, ENGLISH below is used: it is
+// the same text as locales/en/main.json (tests/test_i18n.py holds them equal).
+//
+// Placeholders are `{name}` and are filled here, not by vue-i18n: the frontend escapes
+// interpolated values for HTML (escapeParameter), and the panel escapes its own markup.
+
+export const NAMESPACE = "tieredOffload";
+
+export const ENGLISH = {
+  tab: {
+    title: "Offload",
+    tooltip: "Offload: every loaded model, in VRAM / RAM / disk",
+  },
+  panel: {
+    title: "Tiered Offload",
+    refresh: "Reload from server",
+    loading: "Loading…",
+    empty: "No model loaded yet. Every model ComfyUI loads appears here, from any loader.",
+    models: "Models",
+    hiddenCore: "{n} hidden: loaded by ComfyUI alone (see the settings)",
+    unavailable: "Server side not available: this ComfyUI has no /api/offload/tiers route. Update comfyui-tiered-offload and restart ComfyUI.",
+    getFailed: "GET /api/offload/tiers failed: {error}",
+    noDevices: "No device figures.",
+    dismiss: "Dismiss",
+    http: "{error} (HTTP {status})",
+  },
+  devices: {
+    vram: "VRAM",
+    pinned: "Pinned",
+    ram: "RAM",
+    noGpu: "none: models run on the CPU",
+    usedOfTotal: "{used} / {total}",
+    used: "used {size}",
+    free: "free {size}",
+    reserved: "reserved {size}",
+    pinnedOfBudget: "{pinned} of {budget} budget",
+    pinnedNoBudget: "{pinned} of no budget",
+    pinnedSize: "pinned {size}",
+    managedUnpinnedTitle: "managed models, unpinned {size}",
+    managedSize: "managed {size}",
+    otherTitle: "everything else {size}",
+    otherSize: "other {size}",
+    availableSize: "available {size}",
+    availableOfTotal: "{available} available of {total}",
+    ramBudgetMarker: "RAM budget {size}",
+  },
+  placement: {
+    vram: "VRAM {size}",
+    ram: "RAM {size}",
+    disk: "disk only {size}",
+    total: "= {size}",
+  },
+  blocks: {
+    legend: {
+      resident: "resident on the device",
+      streamed: "streamed from RAM",
+      in_flight: "in a device slot now",
+      cached: "in the RAM cache (disk streaming)",
+      disk: "on disk only (disk streaming)",
+    },
+    place: {
+      resident: "on the device",
+      in_flight: "in a device slot",
+      cached: "in the RAM cache",
+      disk: "on disk",
+      streamed: "in RAM",
+    },
+    corePlace: {
+      resident: "kept in VRAM by ComfyUI",
+      partial: "partly in VRAM (ComfyUI)",
+      streamed: "streamed by ComfyUI",
+    },
+    cell: "block {index}: {place}",
+    strip: "blocks",
+  },
+  stats: {
+    noRun: "No sampling run yet.",
+    copyRate: "copy rate",
+    copyRateTitle: "bytes streamed over the run's wall time",
+    computeWaited: "compute waited",
+    computeWaitedTitle: "time compute waited for a block's copy",
+    engineOnHost: "engine on host",
+    engineOnHostTitle: "time the sampling thread spent in the engine: issuing copies and merges, and waiting for them",
+    overlap: "overlap",
+    overlapTitle: "share of the run neither compute nor the sampling thread waited",
+    run: "run",
+    runTitle: "the last sampling run",
+    copied: "copied",
+    copiedTitle: "bytes and copies from RAM to the device",
+    peak: "peak on device",
+    peakTitle: "most block bytes on the device at once",
+    fallbacks: "fallbacks",
+    fallbacksTitle: "synchronous copies",
+    orderMisses: "order misses",
+    orderMissesTitle: "blocks run out of order",
+    diskRead: "disk read",
+    diskReadTitle: "bytes read from disk over the time spent reading",
+    cacheHits: "cache hits",
+    cacheHitsTitle: "streamed units found in the RAM cache",
+    diskWait: "waited for disk",
+    diskWaitTitle: "time compute waited for a disk read",
+    readErrors: "read errors",
+    readErrorsTitle: "failed disk reads",
+    seconds: "{value} s",
+  },
+  layerwise: {
+    head: "Streamed by Apply Layerwise Offload",
+    blocks: "{n} blocks",
+    asPhases: "as {n} phases",
+    counts: "{resident} resident · {streamed} streamed",
+    bound: "at most {size} on the device",
+    fromDisk: "from disk through {size} RAM cache",
+    cost: "Cost: {cost}",
+    pill: "streamed",
+  },
+  dynamic: {
+    head: "Streamed by ComfyUI (Dynamic VRAM) in the order of Apply Layerwise Offload",
+    summary: "{blocks} blocks · {kept} kept in VRAM · {streamed} streamed",
+    afterRun: "(after the last run)",
+    planned: "(as planned)",
+    inForce: "Order: the node's {n} resident blocks first, in force",
+    relaidOut: "(laid out again {n}×)",
+    fixedEarlier: "Order already fixed by an earlier load; it takes effect after the model is reloaded.",
+    notLoadedYet: "Order: not loaded yet",
+    order: "Order: {order}",
+    pill: "core streams · ordered",
+    pillTitle: "ComfyUI streams it with Dynamic VRAM, in the order of Apply Layerwise Offload",
+  },
+  swap: {
+    pill: "swapped",
+    turns: "Model-Level Swap: {turns} turns, {parks} parks without a copy back",
+    master: "master {size}",
+  },
+  kind: {
+    diffusion_model: "diffusion model",
+    checkpoint: "checkpoint",
+    clip: "text encoder",
+    text_encoder: "text encoder",
+    vae: "VAE",
+    model: "model",
+  },
+  card: {
+    tierManaged: "tier-managed",
+    tierManagedTitle: "Kept by the VRAM Tier Manager across workflows",
+    inUse: "in use",
+    inUseTitle: "running prompts that use it: {n}",
+    loadsTitle: "loads from disk / from RAM",
+    loadsOne: "1 load ({disk} disk, {ram} RAM)",
+    loadsMany: "{n} loads ({disk} disk, {ram} RAM)",
+    keepInRam: "keep in RAM",
+    keepInRamTitle: "Never drop this model to disk (it may still be parked from VRAM to RAM)",
+    priority: "priority",
+    priorityTitle: "Higher priority models are evicted later (-100 to 100)",
+    priorityInvalid: "a whole number from -100 to 100",
+    core: "core · {device}",
+    coreTitle: "Loaded by ComfyUI on {device}",
+    notLoaded: "Not loaded by ComfyUI now; the pack still holds its weights in RAM.",
+    fileNotRecorded: "file not recorded by this ComfyUI",
+  },
+  actions: {
+    load: { label: "Load", title: "Load into VRAM" },
+    park: { label: "Park", title: "Park in RAM (drop the GPU copy)" },
+    evict: { label: "Evict", title: "Drop to disk (free its RAM)" },
+    unload: { label: "Unload", title: "Core's own unload, as core does to make room; offered between prompts" },
+    policy: { label: "Policy" },
+    budgets: { label: "Budgets" },
+  },
+  refusal: {
+    notice: "{action} refused: {error}",
+    toast: "Offload: {action} refused",
+    toastDetail: "“{model}”: {error}",
+  },
+  promptError: {
+    toast: "Tiered Offload: {node} failed",
+  },
+  ago: {
+    never: "never",
+    now: "just now",
+    seconds: "{n} s ago",
+    minutes: "{n} min ago",
+    hours: "{n} h ago",
+    days: "{n} d ago",
+  },
+  budgets: {
+    ramBudget: "RAM budget",
+    ramBudgetTitle: "Cap on RAM held by models the manager keeps; empty: only the reserve limits it",
+    ramReserve: "RAM reserve",
+    ramReserveTitle: "RAM always left free for ComfyUI and the system",
+    vramReserve: "VRAM reserve",
+    vramReserveTitle: "VRAM kept free when the manager loads models itself",
+    diskTier: "Disk tier",
+    diskTierTitle: "Allow dropping idle models to disk when RAM is over budget",
+    auto: "auto",
+    autoOf: "auto ({size})",
+    shownBudget: "RAM budget {size}",
+    shownRamReserve: "RAM reserve {size}",
+    shownVramReserve: "VRAM reserve {size}",
+    diskOn: "disk tier on",
+    diskOff: "disk tier off",
+    edit: "Edit budgets and the disk tier",
+    save: "Save",
+    cancel: "Cancel",
+    notGib: "{field} must be a number of GiB ≥ 0",
+  },
+};
+
+const asked = new Set();
+
+function lookup(tree, key) {
+  let node = tree;
+  for (const part of key.split(".")) {
+    if (node === null || typeof node !== "object" || !(part in node)) return undefined;
+    node = node[part];
+  }
+  return node;
+}
+
+// The frontend's vue-i18n, through its Vue app's global properties; null where it is absent.
+function frontendI18n() {
+  const props = document.getElementById("vue-app")?.__vue_app__?.config?.globalProperties;
+  return typeof props?.$tm === "function" ? props : null;
+}
+
+// The key as the frontend knows it: the sidebar tab takes its title and tooltip as keys, which
+// the frontend translates itself (its own tabs are registered the same way).
+export function frontendKey(key) {
+  return `${NAMESPACE}.${key}`;
+}
+
+// The text for a key of ENGLISH, in the frontend's language, with {name} placeholders filled.
+export function tr(key, params) {
+  asked.add(key);
+  let text = lookup(ENGLISH, key);
+  const i18n = frontendI18n();
+  if (i18n) {
+    try {
+      const message = i18n.$tm(frontendKey(key));
+      if (typeof message === "string" && message) text = message;
+    } catch {
+      /* English below */
+    }
+  }
+  if (typeof text !== "string") text = key;
+  if (!params) return text;
+  return text.replace(/\{(\w+)\}/g, (whole, name) => (name in params ? String(params[name]) : whole));
+}
+
+// Every key the panel has asked for since the page loaded (the locale test checks them).
+export function askedKeys() {
+  return [...asked].sort();
+}
