@@ -91,14 +91,22 @@ class SlotRing:
             )  # fmt: skip
             self._tel.staged_copies += bounce
         elif self.cuda:
+            timeline = self._tel.timeline
             with torch.cuda.stream(self.stream):
                 self.stream.wait_event(self._free[slot])  # no-op until the slot has had a reader
+                start = timeline.mark(self.stream) if timeline is not None else None
                 dst.copy_(host, non_blocking=True)
+                if timeline is not None:
+                    timeline.copied(tag, start, timeline.mark(self.stream), n, blocking=False)
                 if prepare is not None:
                     prepare(dst)
                 self._ready[slot].record(self.stream)
         else:
+            timeline = self._tel.timeline
+            start = timeline.mark() if timeline is not None else None
             dst.copy_(host)
+            if timeline is not None:
+                timeline.copied(tag, start, timeline.mark(), n, blocking=True)
             if prepare is not None:
                 prepare(dst)
         self.holds[slot], self._state[slot] = tag, _LOADED

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from .timeline import Timeline
+
 
 class StallTimer:
     """Times how long the compute stream sat waiting for copies, via event pairs.
@@ -67,6 +69,9 @@ class Telemetry:
         self.materialized_bytes = 0
         self.device_alloc_bytes = 0
         self.stalls: StallTimer | None = None
+        # The picture of a pass, only while someone asked for it: the hot path checks this one
+        # attribute and does nothing more while it is None.
+        self.timeline: Timeline | None = None
         self.reset()
 
     def reset(self) -> None:

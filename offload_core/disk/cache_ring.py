@@ -84,7 +84,11 @@ class CacheRing(SlotRing):
         with torch.no_grad(), torch.inference_mode(False), device, on_stream:
             if stream is not None:
                 stream.wait_event(self._free[slot])  # the slot's last reader is done
+            timeline = self._tel.timeline
+            start = timeline.mark(stream) if timeline is not None else None
             dst.copy_(src, non_blocking=stream is not None)
+            if timeline is not None:  # a worker's copy: compute waits for it only in wait_ready
+                timeline.copied(lease.unit, start, timeline.mark(stream), nbytes, blocking=False)
             fence = None
             if stream is not None:
                 fence = torch.cuda.Event()

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ..device.timeline import Timeline
 from ..host.pinned import HostStorage
 from ..units import size_text
 from .store import PAGE, DiskStore
@@ -63,6 +64,7 @@ class DiskTelemetry:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self.timeline: Timeline | None = None  # the streamer's, while a picture is recorded
         self.reset()
 
     def reset(self) -> None:
@@ -343,6 +345,9 @@ class HostCache:
                 log.error("disk stream: %s", exc)
             finally:
                 self._tel.read_ended(started, nbytes, error is None)
+                timeline = self._tel.timeline
+                if timeline is not None and error is None:
+                    timeline.read(unit, started, time.perf_counter(), nbytes)
             with self._lock:
                 e.reading, e.error = False, error
                 if error is not None:

@@ -20,7 +20,9 @@ resident upload (an event recorded here) and for each slot's copy (per-slot even
 has to be the stream attach ran on.
 
 The hooks call straight into this object's methods (``_on_enter`` and ``_on_exit``, each wrapped
-once in ``_timed``): the hot path is those methods, ``_fill`` and ``_copy_in``.
+once in ``_timed``): the hot path is those methods, ``_fill`` and ``_copy_in``. A picture of a
+pass (``device/timeline.py``) is recorded only while ``telemetry.timeline`` is set; otherwise
+each of them pays one attribute check for it.
 """
 
 from __future__ import annotations
@@ -235,11 +237,16 @@ class DeviceSchedule:
         if retarget:
             self._fill()
         slot = self._slot_of[i]
+        timeline = self.telemetry.timeline
+        if timeline is not None:
+            timeline.wait_begins(i, first=pos == 0)
         try:
             self._ring.wait_ready(slot)
         except BaseException:  # its copy failed: the slot holds nothing, the next entry loads it again
             self._unreserve(i)
             raise
+        if timeline is not None:
+            timeline.compute_begins(i)
         views = self._view_cache.get((i, slot))
         if views is None:
             views = self._view_cache[(i, slot)] = self._packs[i].views(
@@ -250,6 +257,9 @@ class DeviceSchedule:
     def _on_exit(self, i: int) -> None:
         if self._running != i:
             return
+        timeline = self.telemetry.timeline
+        if timeline is not None:
+            timeline.compute_ends(i)
         self._finish(i)
         self._expected = (self._pos[i] + 1) % len(self.streamed_indices)
         self._fill()

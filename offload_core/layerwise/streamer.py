@@ -29,6 +29,7 @@ from torch import nn
 from ..blocks.phases import Unit, stream_units
 from ..device.slots import resolve_device
 from ..device.telemetry import StallTimer, Telemetry
+from ..device.timeline import Timeline
 from ..disk.tier import DiskOptions
 from ..host.packing import PackedBlock, Transform
 from ..host.pinned import DEFAULT_CHUNK_BYTES
@@ -83,6 +84,7 @@ class LayerwiseStreamer:
         self._store = PackStore(self.device, pin=pin, ram_budget_bytes=ram_budget_bytes,
                                 chunk_bytes=host_chunk_bytes, disk=disk, telemetry=self.telemetry)
         self._schedule: DeviceSchedule | None = None
+        self._timeline_wanted = False
         self._attached = False
         self._closed = False
         self._plan = StreamPlan(blocks, units, granularity, resident=resident,
@@ -167,6 +169,31 @@ class LayerwiseStreamer:
         """The telemetry snapshot, with the disk tier's counters when there is one."""
         return figures.snapshot(self.telemetry, self._store, wait)
 
+    def record_timeline(self, on: bool) -> None:
+        """Record (or stop recording) a picture of each pass: copies, waits, compute, disk reads.
+
+        Off by default, because the hot path should do nothing for a picture nobody looks at.
+        Each attach starts a fresh recording while it is on; turning it on while attached starts
+        one now, and turning it off drops what was recorded."""
+        if not isinstance(on, bool):
+            raise ValueError(f"on must be a bool, got {on!r}")
+        self._timeline_wanted = on
+        if self._attached or not on:
+            self._install_timeline()
+
+    def _install_timeline(self) -> None:
+        timeline = Timeline(self.device, len(self.streamed_indices)) if self._timeline_wanted else None
+        self.telemetry.timeline = timeline
+        if self._store.disk is not None:
+            self._store.disk.telemetry.timeline = timeline
+
+    def timeline(self) -> dict | None:
+        """The last complete pass recorded by ``record_timeline`` (see ``Timeline.last_pass``),
+        None when nothing was recorded. Resolves CUDA events, waiting for them: call it after a
+        run (or after ``detach``), never from inside a block."""
+        timeline = self.telemetry.timeline
+        return timeline.last_pass(self.describe_units()) if timeline is not None else None
+
     @property
     def attached(self) -> bool:
         return self._attached
@@ -204,6 +231,7 @@ class LayerwiseStreamer:
             on_disk = store.disk_active()
             if not on_disk:
                 store.host.note_reader(self.device)
+            self._install_timeline()  # before the first copies, which the first pass waits for
             self._schedule = DeviceSchedule(plan, self.device, self.telemetry, transform,
                                             store.disk if on_disk else None, store.bounce)
             self._schedule.start()

@@ -1,0 +1,222 @@
+"""A picture of one pass of the streamed units: when each unit's copy ran, when compute waited
+for it and how long, when it computed, and its disk read when the packs live on disk.
+
+Why: the counters (``Telemetry``) say how much a run waited in all, not why. Laid out on a time
+axis, the spans of one pass show at a glance whether a run was bound by the copy link (compute
+waits for copies that run back to back), by the disk (the waits end where reads end) or by
+compute (copies finish early and nothing waits).
+
+Why recording is off unless asked for: the hot path (a block hook) must not pay for a picture
+nobody looks at. The engine's hooks look at ``Telemetry.timeline`` once and do nothing else
+while it is None; a ``Timeline`` there is what turns recording on.
+
+Why one pass: a pass (one call of the model over its blocks; a sampling step makes one or more)
+repeats the same pattern, and one is enough to see it. The recorder keeps the pass under way and
+the last complete one, so its memory is bounded by a few spans per streamed unit.
+
+Clocks: on CUDA, marks on the streams are CUDA events (timing enabled) recorded where the work
+is queued, and resolved to times only in ``last_pass``, after the run (never a host sync on the
+hot path); disk reads, which the host does, keep the host clock, aligned to the pass start as
+the host saw it. On a CPU every mark is ``time.perf_counter``.
+
+A unit's copy and disk read are attached to the pass in which the unit computes, not the one in
+which they were issued: the first units of a pass are fetched while the previous pass runs, so
+their spans start before the pass does (negative times).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# Waits below this share of the pass's compute time leave a run bound by compute.
+_WAIT_SHARE_BOUND = 0.1
+
+Mark = Any  # a torch.cuda.Event (timing enabled) on CUDA, a perf_counter() float on a CPU
+
+
+@dataclass
+class _Pass:
+    """The spans of one pass, with its origin on both clocks."""
+
+    origin: Mark  # the mark of the first unit's wait: time 0
+    host_origin: float
+    spans: list[tuple] = field(default_factory=list)  # (kind, unit, start, end, extra)
+    units: list[int] = field(default_factory=list)  # units in the order they computed
+
+
+class Timeline:
+    """Records the spans of the streamed units' passes on ``device``; ``last_pass`` resolves the
+    last complete one. Copies and reads are noted from worker threads, compute from the sampling
+    thread: the pending spans are under a lock."""
+
+    def __init__(self, device: torch.device, streamed: int) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.streamed = streamed  # a pass is complete when this many units computed in it
+        self._lock = threading.Lock()
+        self._copies: dict[int, tuple] = {}  # unit -> its latest copy not yet in a pass
+        self._reads: dict[int, tuple] = {}  # unit -> its latest disk read not yet in a pass
+        self._current: _Pass | None = None
+        self._last: _Pass | None = None
+        self._wait: tuple[Mark, float] | None = None  # the running unit's wait start
+        self._compute: tuple[int, Mark] | None = None  # the running unit and its compute start
+
+    # ------------------------------------------------------------- marks
+    def mark(self, stream: torch.cuda.Stream | None = None) -> Mark:
+        """A point in time: an event recorded on ``stream`` (or the current stream) on CUDA."""
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream if stream is not None else torch.cuda.current_stream(self.device))
+        return event
+
+    # ------------------------------------------------------------- copy and disk threads
+    def copied(self, unit: int, start: Mark, end: Mark, nbytes: int, blocking: bool) -> None:
+        """Unit ``unit``'s copy into its slot ran from ``start`` to ``end``; ``blocking`` when it
+        ran on the sampling thread (a CPU copy), so compute waited for all of it."""
+        with self._lock:
+            self._copies[unit] = (start, end, nbytes, blocking)
+
+    def read(self, unit: int, start: float, end: float, nbytes: int) -> None:
+        """Unit ``unit``'s bytes were read from disk from ``start`` to ``end`` (perf_counter)."""
+        with self._lock:
+            self._reads[unit] = (start, end, nbytes)
+
+    # ------------------------------------------------------------- sampling thread
+    def wait_begins(self, unit: int, first: bool) -> None:
+        """The sampling thread is about to wait for ``unit``'s slot; ``first`` starts a pass."""
+        mark, host = self.mark(), time.perf_counter()
+        if first or self._current is None:
+            self._close_pass()
+            self._current = _Pass(origin=mark, host_origin=host)
+        self._wait = (mark, host)
+
+    def compute_begins(self, unit: int) -> None:
+        """``unit``'s slot is ready for compute: its wait ends and its compute starts."""
+        mark, host = self.mark(), time.perf_counter()
+        current, wait = self._current, self._wait
+        if current is None or wait is None:
+            return
+        self._wait = None
+        with self._lock:
+            copy = self._copies.pop(unit, None)
+            read = self._reads.pop(unit, None)
+        if read is not None:
+            current.spans.append(("disk", unit, read[0], read[1], {"bytes": read[2]}))
+        if copy is not None:
+            current.spans.append(("copy", unit, copy[0], copy[1], {"bytes": copy[2], "blocking": copy[3]}))
+        current.spans.append(("wait", unit, wait[0], mark, {"host_start": wait[1], "host_end": host}))
+        current.units.append(unit)
+        self._compute = (unit, mark)
+
+    def compute_ends(self, unit: int) -> None:
+        """``unit``'s compute is queued up to here (its exit hook, or the next phase's entry)."""
+        compute, current = self._compute, self._current
+        if compute is None or compute[0] != unit or current is None:
+            return
+        self._compute = None
+        current.spans.append(("compute", unit, compute[1], self.mark(), None))
+
+    def _close_pass(self) -> None:
+        current = self._current
+        if current is not None and len(set(current.units)) >= self.streamed:
+            self._last = current
+        self._current = None
+
+    # ------------------------------------------------------------- after the run
+    def last_pass(self, describe: Sequence[dict]) -> dict[str, Any] | None:
+        """The last complete pass as JSON-ready figures, or None if no pass completed.
+
+        ``describe[unit]`` is the unit's ``{"block", "name", "bytes"}``. Resolves CUDA events,
+        waiting for them: call it after the run, never from a block hook."""
+        current = self._current
+        if current is not None and len(set(current.units)) >= self.streamed:
+            chosen = current  # the run ended after a whole pass: that pass is the last one
+        else:
+            chosen = self._last
+        if chosen is None:
+            return None
+        spans = [self._resolve(chosen, kind, unit, start, end, extra, describe[unit])
+                 for kind, unit, start, end, extra in chosen.spans]
+        computes = [s for s in spans if s["kind"] == "compute"]
+        pass_ms = max(s["end_ms"] for s in computes) if computes else 0.0
+        order = list(dict.fromkeys(chosen.units))
+        return {
+            "clock": "cuda events (disk reads: host clock)" if self.cuda else "host",
+            "pass_ms": pass_ms,
+            "units": [{"unit": u, "block": describe[u]["block"], "name": describe[u]["name"],
+                       "bytes": describe[u]["bytes"]} for u in order],
+            "spans": spans,
+            **verdict(spans),
+        }
+
+    def _resolve(self, chosen: _Pass, kind: str, unit: int, start: Mark, end: Mark,
+                 extra: dict | None, unit_info: dict) -> dict[str, Any]:
+        if kind == "disk":  # host clock on any device
+            start_ms = (start - chosen.host_origin) * 1000.0
+            end_ms = (end - chosen.host_origin) * 1000.0
+        else:
+            start_ms, end_ms = self._ms(chosen.origin, start), self._ms(chosen.origin, end)
+        span = {"kind": kind, "unit": unit, "block": unit_info["block"],
+                "start_ms": start_ms, "end_ms": max(start_ms, end_ms)}
+        if kind == "wait":
+            span["host_start_ms"] = (extra["host_start"] - chosen.host_origin) * 1000.0
+            span["host_ms"] = (extra["host_end"] - extra["host_start"]) * 1000.0
+        elif extra is not None:
+            span.update(extra)
+        return span
+
+    def _ms(self, origin: Mark, mark: Mark) -> float:
+        if not self.cuda:
+            return (mark - origin) * 1000.0
+        mark.synchronize()
+        origin.synchronize()
+        return origin.elapsed_time(mark)
+
+
+def verdict(spans: Sequence[dict]) -> dict[str, Any]:
+    """What bound the pass, from its spans: totals per kind and ``bound_by``.
+
+    Compute waited for the link when it waited on a copy (a wait, or a copy that ran on the
+    sampling thread), for the disk when the unit's read was still running as the wait began
+    (a wait measured on the GPU is the GPU's; a host that waited is counted where it waited
+    longer). A pass whose waits are under a tenth of its compute time is bound by compute.
+    """
+    compute = sum(s["end_ms"] - s["start_ms"] for s in spans if s["kind"] == "compute")
+    copy_busy = _busy([s for s in spans if s["kind"] == "copy"])
+    disk_busy = _busy([s for s in spans if s["kind"] == "disk"])
+    read_end = {s["unit"]: s["end_ms"] for s in spans if s["kind"] == "disk"}
+    link_wait = disk_wait = 0.0
+    for s in spans:
+        if s["kind"] == "copy" and s.get("blocking"):
+            link_wait += s["end_ms"] - s["start_ms"]
+        elif s["kind"] == "wait":
+            waited = max(s["end_ms"] - s["start_ms"], s["host_ms"])
+            if read_end.get(s["unit"], float("-inf")) > s["host_start_ms"]:
+                disk_wait += waited
+            else:
+                link_wait += waited
+    if link_wait + disk_wait < _WAIT_SHARE_BOUND * compute:
+        bound = "compute"
+    else:
+        bound = "disk" if disk_wait > link_wait else "link"
+    return {"totals": {"compute_ms": compute, "copy_busy_ms": copy_busy, "disk_busy_ms": disk_busy,
+                       "link_wait_ms": link_wait, "disk_wait_ms": disk_wait},
+            "bound_by": bound}
+
+
+def _busy(spans: Sequence[dict]) -> float:
+    """The time covered by ``spans`` (overlapping spans count once)."""
+    total, reach = 0.0, float("-inf")
+    for s in sorted(spans, key=lambda s: s["start_ms"]):
+        start, end = max(s["start_ms"], reach), s["end_ms"]
+        if end > start:
+            total += end - start
+            reach = end
+    return total
