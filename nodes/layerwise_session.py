@@ -42,7 +42,7 @@ from ..offload_core.layerwise.streamer import LayerwiseStreamer
 from ..offload_core.units import size_text
 from . import block_budget, comfy_weights, dynamic_vram, host_moves, spill_folder
 from .layerwise_settings import GIB, LayerwiseSettings
-from .state import LAYERWISE_KEY
+from .state import LAYERWISE, LAYERWISE_KEY
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +95,7 @@ class LayerwiseSession:
         self.runs = 0
         self.finished_at: float | None = None  # unix time the last sampling run ended
         self.last_run: dict[str, Any] | None = None
+        self.last_timeline: dict[str, Any] | None = None  # the last run's picture, if recorded
         self.core_view: dict[str, int] | None = None
         self.block_patches: comfy_weights.BlockPatches | None = None  # this run's, with patches
         # Core's unload of the model (without this node) moves it to the host with its root's
@@ -136,6 +137,8 @@ class LayerwiseSession:
         transform = comfy_weights.lora_transform(patcher, self.prefixes, self.block_patches) \
             if touched else None
         self.streamer.reset_figures()
+        # A picture of the run only while a panel asks for it: off, the hot path pays nothing.
+        self.streamer.record_timeline(LAYERWISE.timeline.wanted())
         start = time.perf_counter()
         progress = comfy.utils.ProgressBar(len(self.streamer.units) + 1)
         try:
@@ -219,6 +222,7 @@ class LayerwiseSession:
                 self.last_run = run_figures(self.streamer.figures(wait=True),
                                             time.perf_counter() - self.started,
                                             self.attach_seconds, self.device)
+                self.last_timeline = self.streamer.timeline()  # None unless recorded
                 self.runs += 1
                 self.finished_at = time.time()
         finally:
@@ -282,6 +286,7 @@ class LayerwiseSession:
             "finished_at": self.finished_at,
             "dynamic_vram": dynamic_vram.describe(self.module_id),
             "telemetry": self.streamer.figures() if self.active else self.last_run,
+            "timeline": self.last_timeline,
         }
 
     def disk_bytes(self) -> int:

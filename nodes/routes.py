@@ -193,6 +193,42 @@ async def get_layerwise(request: web.Request) -> web.Response:
     return web.json_response({"models": LAYERWISE.report()})
 
 
+# The panel renews the timeline lease every TIMELINE_RENEW_S while it is open (web/tiered_offload.js);
+# twice that without a renewal and recording stops.
+TIMELINE_RENEW_S = 30
+TIMELINE_LEASE_S = 2 * TIMELINE_RENEW_S
+
+
+def _timeline_state() -> dict[str, Any]:
+    return {"recording": LAYERWISE.timeline.wanted(), "lease_seconds": TIMELINE_LEASE_S}
+
+
+async def get_timeline(request: web.Request) -> web.Response:
+    """The last run's picture of each layerwise-offloaded model that recorded one (see
+    offload_core/device/timeline.py): times in ms from the pass start, per streamed unit."""
+    timelines = [{"module_id": r["module_id"], "model_id": _model_id_of_module(r["module_id"]),
+                  "model_class": r["model_class"], **r["timeline"]}
+                 for r in LAYERWISE.report() if r.get("timeline")]
+    return web.json_response({**_timeline_state(), "timelines": timelines})
+
+
+@state_changing
+async def post_timeline(request: web.Request) -> web.Response:
+    """{"enabled": true} renews the lease on recording the next runs' picture (for
+    TIMELINE_LEASE_S); {"enabled": false} ends it."""
+    try:
+        body = await read_json_object(request)
+    except BadRequest as e:
+        return _error(e.status, str(e))
+    if set(body) != {"enabled"} or not isinstance(body["enabled"], bool):
+        return _error(400, 'the body must be {"enabled": true} or {"enabled": false}')
+    if body["enabled"]:
+        LAYERWISE.timeline.renew(TIMELINE_LEASE_S)
+    else:
+        LAYERWISE.timeline.end()
+    return web.json_response(_timeline_state())
+
+
 async def get_swap(request: web.Request) -> web.Response:
     """Models under Model-Level Swap: where each is, and how often it moved."""
     return web.json_response({"members": [m.report() for m in SWAP_MEMBERS.values()]})
@@ -357,6 +393,8 @@ def register() -> None:
     routes.get("/offload/tiers")(get_tiers)
     routes.get("/offload/layerwise")(get_layerwise)
     routes.get("/offload/swap")(get_swap)
+    routes.get("/offload/timeline")(get_timeline)
+    routes.post("/offload/timeline")(post_timeline)
     routes.post("/offload/models/{model}/{action}")(post_action)
     routes.post("/offload/budgets")(post_budgets)
     routes.post("/offload/loaded/{card}/unload")(post_unload)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any, Callable
 
 import torch
@@ -31,6 +32,30 @@ DYNAMIC_ORDER_KEY = "tiered_offload.dynamic_order"  # Apply Layerwise Offload's 
 SWAP_KEY = "tiered_offload.swap"  # Model-Level Swap
 
 
+class TimelineLease:
+    """Whether an open panel wants a picture of the next layerwise runs (``device/timeline.py``).
+
+    A lease, not a switch: the panel renews it while it is open, and it ends on its own when no
+    panel has renewed it for ``seconds``, so a browser tab closed without a word does not leave
+    recording on. The engine records nothing while it is off; a run decides when it begins."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._until = 0.0  # time.monotonic() at which the lease ends
+
+    def renew(self, seconds: float) -> None:
+        with self._lock:
+            self._until = max(self._until, time.monotonic() + seconds)
+
+    def end(self) -> None:
+        with self._lock:
+            self._until = 0.0
+
+    def wanted(self) -> bool:
+        with self._lock:
+            return time.monotonic() < self._until
+
+
 class LayerwiseRegistry:
     """Every model Apply Layerwise Offload handles, one entry per diffusion nn.Module (shared by
     all its clones): the engine's sessions and, on Dynamic VRAM models, the cooperations in which
@@ -39,6 +64,7 @@ class LayerwiseRegistry:
     def __init__(self) -> None:
         self.sessions: PerModule[Any] = PerModule()
         self.cooperations: PerModule[Any] = PerModule()
+        self.timeline = TimelineLease()  # whether the sessions' runs record their picture
         self._listeners: list[Callable[[dict[str, Any]], None]] = []
 
     def subscribe(self, fn: Callable[[dict[str, Any]], None]) -> None:
