@@ -222,6 +222,59 @@ function telemetryHtml(raw) {
   return `<div class="to-stats">${rows.join("")}</div>`;
 }
 
+// The last run's picture (offload_core/device/timeline.py): one row per streamed unit on a time
+// axis in ms from the pass start. In each row the unit's disk read (a thin band on top), its copy
+// (upper half), the time compute waited for it (full height, highlighted) and its compute (lower
+// half); a unit fetched during the previous pass starts left of 0. The verdict is the engine's.
+const TL_KINDS = ["disk", "copy", "wait", "compute"];
+const TL_BAND = { disk: [0, 0.2], copy: [0.2, 0.55], wait: [0, 1], compute: [0.55, 1] };
+const ms = (v) => (Math.abs(v) >= 100 ? v.toFixed(0) : Math.abs(v) >= 10 ? v.toFixed(1) : v.toFixed(2));
+
+function timelineHtml(tl, hasRun) {
+  if (!tl || !Array.isArray(tl.units) || !Array.isArray(tl.spans)) {
+    return hasRun ? `<div class="to-muted" data-role="tl-none">${esc(tr("timeline.notRecorded"))}</div>` : "";
+  }
+  const spans = tl.spans.filter((s) => TL_KINDS.includes(s.kind) && Number.isFinite(s.start_ms) && Number.isFinite(s.end_ms));
+  const t0 = Math.min(0, ...spans.map((s) => s.start_ms));
+  const t1 = Math.max(num(tl.pass_ms), ...spans.map((s) => s.end_ms));
+  const n = tl.units.length;
+  const rowH = n > 40 ? 6 : n > 12 ? 10 : 16;
+  const label = 52, width = 260, plot = width - label - 6, axisH = 14;
+  const x = (t) => label + (t1 > t0 ? ((t - t0) / (t1 - t0)) * plot : 0);
+  const phase = tl.units.some((u) => u.name && u.name !== "block");
+  const rows = tl.units.map((u, i) => {
+    const name = phase ? tr("timeline.rowPhase", { block: u.block, name: u.name }) : tr("timeline.row", { block: u.block });
+    const bars = spans.filter((s) => s.unit === u.unit).map((s) => {
+      const [top, bottom] = TL_BAND[s.kind];
+      const w = Math.max(0.5, x(s.end_ms) - x(s.start_ms));
+      const title = tr("timeline.span", { kind: tr(`timeline.kind.${s.kind}`), start: ms(s.start_ms), end: ms(s.end_ms) });
+      return `<rect class="to-tl-${s.kind}" data-kind="${s.kind}" x="${x(s.start_ms).toFixed(1)}" y="${(i * rowH + top * (rowH - 1)).toFixed(1)}" width="${w.toFixed(1)}" height="${((bottom - top) * (rowH - 1)).toFixed(1)}"><title>${esc(title)}</title></rect>`;
+    });
+    return `<g data-role="tl-row" data-unit="${esc(u.unit)}" data-block="${esc(u.block)}"><title>${esc(name)}</title>
+      ${i % Math.ceil(n / 16) === 0 ? `<text class="to-tl-label" x="${label - 4}" y="${(i * rowH + rowH / 2 + 3).toFixed(1)}">${esc(name)}</text>` : ""}
+      ${bars.join("")}</g>`;
+  });
+  const height = n * rowH;
+  const ticks = [t0, 0, t1].filter((t, i, all) => all.indexOf(t) === i).map((t) =>
+    `<line class="to-tl-tick" x1="${x(t).toFixed(1)}" x2="${x(t).toFixed(1)}" y1="0" y2="${height + 3}"></line>
+     <text class="to-tl-axis" x="${x(t).toFixed(1)}" y="${height + axisH - 2}">${esc(ms(t))}</text>`);
+  const totals = tl.totals ?? {};
+  const bound = ["link", "disk", "compute"].includes(tl.bound_by) ? tl.bound_by : null;
+  return `<div class="to-tl" data-role="timeline">
+    <div class="to-lw-head"><b>${esc(tr("timeline.head"))}</b>
+      <span class="to-muted">${esc(tr("timeline.summary", { units: n, ms: ms(num(tl.pass_ms)) }))}</span></div>
+    ${bound ? `<div class="to-tl-verdict to-tl-bound-${bound}" data-role="tl-verdict" data-bound="${bound}">${esc(tr("timeline.boundBy", { what: tr(`timeline.bound.${bound}`) }))}</div>` : ""}
+    <svg class="to-tl-svg" data-role="tl-svg" viewBox="0 0 ${width} ${height + axisH}" width="100%"
+      role="img" aria-label="${esc(tr("timeline.figure"))}">
+      ${ticks.join("")}${rows.join("")}
+    </svg>
+    <div class="to-muted to-tl-axis-name">${esc(tr("timeline.axis"))}</div>
+    ${legend(TL_KINDS.filter((k) => spans.some((s) => s.kind === k)).map((k) => [`to-tl-${k}`, tr(`timeline.kind.${k}`)]), "tl-legend")}
+    <div class="to-muted" data-role="tl-totals">${esc(tr("timeline.totals", {
+      compute: ms(num(totals.compute_ms)), link: ms(num(totals.link_wait_ms)), disk: ms(num(totals.disk_wait_ms)) }))}</div>
+  </div>`;
+}
+
 // Apply Layerwise Offload's auto mode on a Dynamic VRAM model: core streams, in the node's order.
 // The order's message and the streaming note are the server's (English) words.
 function dynamicOrderHtml(lw, showStrip) {
@@ -273,6 +326,7 @@ function layerwiseHtml(lw, showStrip) {
     ${lw.dynamic_vram?.cost ? `<div class="to-muted" data-role="lw-cost">${esc(tr("layerwise.cost", { cost: lw.dynamic_vram.cost }))}</div>` : ""}
     ${showStrip ? stripHtml(lw) : ""}
     ${telemetryHtml(lw.telemetry)}
+    ${timelineHtml(lw.timeline, !!lw.telemetry && num(lw.streamed_indices?.length) > 0)}
   </div>`;
 }
 

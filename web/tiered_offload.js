@@ -7,7 +7,8 @@
 // server derives; with a refresh interval set (a setting, 0 by default) the open tab also GETs on
 // it, which shows models core loads in the middle of a prompt (core sends no event for those).
 // Refusals of the panel's requests and errors the pack's code raises in a prompt also show as
-// toasts. Words: web/i18n.js.
+// toasts. While the tab is open it renews a lease (POST /api/offload/timeline) under which the
+// server records a picture of each layerwise run. Words: web/i18n.js.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import { frontendKey, tr } from "./i18n.js";
@@ -210,6 +211,27 @@ function scheduleRefresh(value = setting(SETTING_REFRESH, 0)) {
   refreshTimer = setInterval(() => panel.isOpen() && fetchTiers(), seconds * 1000);
 }
 
+// While the tab is open the server records a picture of each layerwise run (its timeline): the
+// tab renews a lease every TIMELINE_RENEW_S, and the server stops recording when the lease runs
+// out (twice that), so a closed tab leaves nothing recording. Nothing is recorded otherwise.
+const TIMELINE_RENEW_S = 30;
+let timelineTimer = 0;
+// `opening`: the tab is being drawn (it may not be laid out yet); later renewals only while it shows.
+function renewTimeline(opening = false) {
+  if (!opening && !panel.isOpen()) return;
+  api.fetchApi("/offload/timeline", {
+    method: "POST", body: JSON.stringify({ enabled: true }), headers: { "Content-Type": "application/json" },
+  }).catch(() => { /* an older server without the route: no picture */ });
+}
+
+function scheduleTimeline() {
+  clearInterval(timelineTimer);
+  timelineTimer = 0;
+  if (!panel.isMounted()) return;
+  renewTimeline(true);
+  timelineTimer = setInterval(renewTimeline, TIMELINE_RENEW_S * 1000);
+}
+
 function onTiers(e) {
   if (!e.detail || typeof e.detail !== "object") return;
   state.payload = e.detail;
@@ -299,10 +321,12 @@ app.registerExtension({
           panel.mount(el);
           if (state.stale) fetchTiers();
           scheduleRefresh();
+          scheduleTimeline();
         },
         destroy: () => {
           panel.unmount();
           scheduleRefresh();
+          scheduleTimeline();
         },
       });
     }

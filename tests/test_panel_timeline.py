@@ -1,0 +1,63 @@
+"""The Offload panel draws the last layerwise run's picture, in headless Chromium on a real server.
+
+Opening the tab takes the server's recording lease (POST /api/offload/timeline); a run made while
+it is open then shows, under the model's layerwise figures, an SVG time line with one row per
+streamed unit and the verdict on what bound the run, as the server reported them.
+"""
+from __future__ import annotations
+
+import pytest
+
+from test_panel import CHROMIUM, PanelPage, browser, sync_api  # noqa: F401  (browser is a fixture)
+from workflows import sample_workflow
+
+pytestmark = pytest.mark.skipif(not __import__("pathlib").Path(CHROMIUM or "").exists(),
+                                reason="needs Debian's chromium (make test installs it)")
+
+VERDICT = {"link": "link (compute waited for copies)", "disk": "disk (compute waited for reads)",
+           "compute": "compute (copies hidden behind it)"}
+
+
+def _workflow(seed: int) -> dict:
+    wf = sample_workflow("hunyuan_video", seed=seed,
+                         layerwise={"resident_blocks": 0, "prefetch": 1})
+    wf["load"]["class_type"] = "TieredUNETLoader"
+    return wf
+
+
+def test_the_open_panel_draws_the_last_run(comfy, browser):  # noqa: F811
+    comfy.post("/offload/timeline", {"enabled": False})
+    page = PanelPage(browser, comfy.url)
+    try:
+        page.load()
+        # The tab asks for recording as it opens.
+        with page.page.expect_response(lambda r: r.url.endswith("/api/offload/timeline")
+                                       and r.request.method == "POST") as answer:
+            page.open_tab()
+        assert answer.value.status == 200
+        assert comfy.get("/offload/timeline")["recording"] is True
+        comfy.run(_workflow(seed=5))
+        truth = max((m for m in comfy.get("/api/offload/tiers")["models"] if m.get("layerwise")),
+                    key=lambda m: m["layerwise"].get("finished_at") or 0)
+        timeline = truth["layerwise"]["timeline"]
+        assert timeline and timeline["units"], truth["layerwise"]
+        row = page.row(truth["id"])
+        rows = row.locator('[data-role="timeline"] [data-role="tl-row"]')
+        sync_api.expect(rows).to_have_count(len(timeline["units"]), timeout=20_000)
+        assert len(timeline["units"]) == len(truth["layerwise"]["streamed_indices"])
+        shown = [(rows.nth(i).get_attribute("data-unit"), rows.nth(i).get_attribute("data-block"))
+                 for i in range(rows.count())]
+        assert shown == [(str(u["unit"]), str(u["block"])) for u in timeline["units"]]
+        # Every streamed unit's row holds its compute and its wait; copies where the server saw them.
+        for i, unit in enumerate(timeline["units"]):
+            kinds = sorted(rows.nth(i).locator("rect").evaluate_all("rs => rs.map(r => r.dataset.kind)"))
+            want = sorted(s["kind"] for s in timeline["spans"] if s["unit"] == unit["unit"])
+            assert kinds == want, (unit, kinds, want)
+        verdict = row.locator('[data-role="tl-verdict"]')
+        sync_api.expect(verdict).to_have_attribute("data-bound", timeline["bound_by"])
+        assert verdict.inner_text() == f"Bound by: {VERDICT[timeline['bound_by']]}"
+        assert row.locator('[data-role="tl-svg"]').get_attribute("role") == "img"
+        page.shot("panel_timeline.png")
+    finally:
+        page.page.close()
+        comfy.post("/offload/timeline", {"enabled": False})
