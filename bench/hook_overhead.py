@@ -12,7 +12,7 @@ shared machine the load moves more between two runs than a hot path changes). Ea
 minimum and the median over ``--repeats`` runs of ``--passes`` passes.
 
     .venv/bin/python bench/hook_overhead.py [--blocks 64] [--passes 100] [--repeats 40]
-                                            [--against OTHER_CHECKOUT] [--out FILE.json]
+                                            [--against OTHER_CHECKOUT] [--out FILE.json] [--timeline]
 """
 
 from __future__ import annotations
@@ -57,14 +57,18 @@ def load_engine(checkout: Path, name: str) -> ModuleType:
     return module
 
 
-def measure(engines: dict[str, ModuleType], blocks: int, passes: int, repeats: int) -> dict:
-    """Per engine: the time per block call streamed, and its excess over the plain blocks."""
+def measure(engines: dict[str, ModuleType], blocks: int, passes: int, repeats: int,
+            timeline: bool = False) -> dict:
+    """Per engine: the time per block call streamed, and its excess over the plain blocks.
+    ``timeline``: the engines that can record the picture of a pass do (the panel open)."""
     torch.set_num_threads(1)
     plain = _stack(blocks)
     stacks, streamers = {}, {}
     for name, engine in engines.items():
         stacks[name] = _stack(blocks)
         streamers[name] = engine.LayerwiseStreamer(list(stacks[name]), "cpu", resident=0, prefetch=2, pin=False)
+        if timeline and hasattr(streamers[name], "record_timeline"):
+            streamers[name].record_timeline(True)
         streamers[name].attach()
     try:
         seconds: dict[str, list[float]] = {"plain": [], **{name: [] for name in engines}}
@@ -74,6 +78,7 @@ def measure(engines: dict[str, ModuleType], blocks: int, passes: int, repeats: i
             for name, runs in seconds.items():
                 runs.append(_pass_seconds(plain if name == "plain" else stacks[name], passes))
         figures = {name: s.figures() for name, s in streamers.items()}
+        recording = {name: getattr(s.telemetry, "timeline", None) is not None for name, s in streamers.items()}
     finally:
         for s in streamers.values():
             s.close()
@@ -91,6 +96,7 @@ def measure(engines: dict[str, ModuleType], blocks: int, passes: int, repeats: i
             "hook_overhead_us_per_block": {k: streamed[k] - base[k] for k in base},
             "sync_fallbacks": figures[name]["sync_fallbacks"],
             "order_misses": figures[name]["order_misses"],
+            "timeline_recorded": recording[name],
         }
     return out
 
@@ -102,11 +108,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=40)
     parser.add_argument("--against", type=Path, help="another checkout whose engine runs alongside")
     parser.add_argument("--out", type=Path, help="also write the JSON here")
+    parser.add_argument("--timeline", action="store_true",
+                        help="record the picture of each pass where the engine can (as while the panel is open)")
     args = parser.parse_args(argv)
     engines = {"this checkout": load_engine(ROOT, "offload_core_bench_this")}
     if args.against is not None:
         engines[str(args.against.resolve())] = load_engine(args.against.resolve(), "offload_core_bench_other")
-    result = dict(measure(engines, args.blocks, args.passes, args.repeats), torch=torch.__version__)
+    result = dict(measure(engines, args.blocks, args.passes, args.repeats, args.timeline), torch=torch.__version__)
     print(json.dumps(result, indent=1))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -73,6 +73,9 @@ class SlotRing:
             self._ready = [torch.cuda.Event() for _ in range(count)]
             self._free = [torch.cuda.Event() for _ in range(count)]
         self._stager = Stager(device, self.stream, bounce) if bounce is not None else None
+        # The attach's picture, if one is recorded: copies issued from here are marked. Staged
+        # copies are not (their worker issues them piece by piece).
+        self._timeline = telemetry.timeline
 
     def copy_in(self, slot: int, host: torch.Tensor, tag: Hashable,
                 prepare: Callable[[torch.Tensor], None] | None = None) -> None:
@@ -91,26 +94,32 @@ class SlotRing:
             )  # fmt: skip
             self._tel.staged_copies += bounce
         elif self.cuda:
-            timeline = self._tel.timeline
             with torch.cuda.stream(self.stream):
                 self.stream.wait_event(self._free[slot])  # no-op until the slot has had a reader
-                start = timeline.mark(self.stream) if timeline is not None else None
-                dst.copy_(host, non_blocking=True)
-                if timeline is not None:
-                    timeline.copied(tag, start, timeline.mark(self.stream), n, blocking=False)
+                if self._timeline is None:
+                    dst.copy_(host, non_blocking=True)
+                else:
+                    self._recorded_copy(dst, host, tag)
                 if prepare is not None:
                     prepare(dst)
                 self._ready[slot].record(self.stream)
         else:
-            timeline = self._tel.timeline
-            start = timeline.mark() if timeline is not None else None
-            dst.copy_(host)
-            if timeline is not None:
-                timeline.copied(tag, start, timeline.mark(), n, blocking=True)
+            if self._timeline is None:
+                dst.copy_(host)
+            else:
+                self._recorded_copy(dst, host, tag)
             if prepare is not None:
                 prepare(dst)
         self.holds[slot], self._state[slot] = tag, _LOADED
         self._tel.record_copy(n)
+
+    def _recorded_copy(self, dst: torch.Tensor, host: torch.Tensor, tag: Hashable) -> None:
+        """``dst.copy_(host)`` between two marks on the copy stream (on a CPU, on this thread,
+        which compute then waits for)."""
+        timeline = self._timeline
+        start = timeline.mark(self.stream)
+        dst.copy_(host, non_blocking=self.cuda)
+        timeline.copied(tag, start, timeline.mark(self.stream), host.numel(), blocking=not self.cuda)
 
     def wait_ready(self, slot: int) -> None:
         """Make the compute stream wait (GPU-side) for the slot's last copy; the slot is then being read."""

@@ -92,6 +92,11 @@ class Timeline:
     def wait_begins(self, unit: int, first: bool) -> None:
         """The sampling thread is about to wait for ``unit``'s slot; ``first`` starts a pass."""
         mark, host = self.mark(), time.perf_counter()
+        computing = self._compute
+        if computing is not None:  # a phase ended by the next one's entry ends here
+            self._compute = None
+            if self._current is not None:
+                self._current.spans.append(("compute", computing[0], computing[1], mark, None))
         if first or self._current is None:
             self._close_pass()
             self._current = _Pass(origin=mark, host_origin=host)

@@ -21,8 +21,9 @@ has to be the stream attach ran on.
 
 The hooks call straight into this object's methods (``_on_enter`` and ``_on_exit``, each wrapped
 once in ``_timed``): the hot path is those methods, ``_fill`` and ``_copy_in``. A picture of a
-pass (``device/timeline.py``) is recorded only while ``telemetry.timeline`` is set; otherwise
-each of them pays one attribute check for it.
+pass (``device/timeline.py``) is recorded when ``telemetry.timeline`` is set at ``start``: the
+hooks are then wrapped once more (``_recording``); otherwise the hot path has no trace of it
+beyond the ring's one check per copy.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from ..blocks.phases import hooked_modules
 from ..device.hooks import BlockHooks
 from ..device.slots import SlotRing
 from ..device.telemetry import Telemetry
+from ..device.timeline import Timeline
 from ..disk.cache_ring import CacheRing
 from ..disk.tier import DiskTier
 from ..host.packing import Transform
@@ -121,7 +123,10 @@ class DeviceSchedule:
             self._ring = SlotRing(self.device, self._nslots, self._slot_bytes, tel, bounce=self._bounce)
         for i in self.streamed_indices:
             self._packs[i].release()
-        enter, leave = self._timed(self._on_enter), self._timed(self._on_exit)
+        hooks = (self._on_enter, self._on_exit, self._on_block_enter, self._on_block_exit)
+        if tel.timeline is not None:  # chosen once per attach: while off, no hook looks for it
+            hooks = self._recording(tel.timeline)
+        enter, leave, block_enter, block_exit = (self._timed(h) for h in hooks)
         if self.granularity == "block":
             self._hooks.append(
                 BlockHooks([(i, self.blocks[i]) for i in self.streamed_indices], enter, leave)
@@ -133,7 +138,7 @@ class DeviceSchedule:
             self._hooks.append(BlockHooks(members, enter))
             streamed_blocks = sorted({self.units[i].block for i in self.streamed_indices})
             self._hooks.append(BlockHooks([(b, self.blocks[b]) for b in streamed_blocks],
-                                          self._timed(self._on_block_enter), self._timed(self._on_block_exit)))
+                                          block_enter, block_exit))
         self._fill()
         # A copy worker (the disk tier's, or the staging of pageable packs) may still be issuing the
         # copies queued so far, transforms included. A transform binds its unit's tensors while it
@@ -183,6 +188,45 @@ class DeviceSchedule:
                 tel.host_wait_s += time.perf_counter() - start
 
         return timed
+
+    def _recording(self, timeline: Timeline) -> tuple[Callable[[int], None], ...]:
+        """The four hooks, each telling ``timeline`` where a unit's wait and compute begin and end.
+
+        A unit's wait is its whole enter hook (on CUDA, the compute stream's wait for the slot
+        between two events; on the host, the hook's time, the way ``host_wait_s`` counts it);
+        its compute runs from there to its exit, or to the next unit's wait for a phase ended by
+        the next one. Not while torch.compile traces or a CUDA graph captures: the plain hooks
+        refuse those, and a mark there would be no graph op."""
+        on_enter, on_exit, on_block_enter, on_block_exit = (
+            self._on_enter, self._on_exit, self._on_block_enter, self._on_block_exit)
+        pos, units, cuda = self._pos, self.units, self.device.type == "cuda"
+
+        def enter(i: int) -> None:
+            if self._running == i or torch.compiler.is_compiling() or (
+                    cuda and torch.cuda.is_current_stream_capturing()):
+                on_enter(i)
+                return
+            timeline.wait_begins(i, first=pos[i] == 0)
+            on_enter(i)
+            timeline.compute_begins(i)
+
+        def leave(i: int) -> None:
+            timeline.compute_ends(i)
+            on_exit(i)
+
+        def block_enter(b: int) -> None:
+            running = self._running
+            if running is not None and units[running].block != b:
+                timeline.compute_ends(running)
+            on_block_enter(b)
+
+        def block_exit(b: int) -> None:
+            running = self._running
+            if running is not None and units[running].block == b:
+                timeline.compute_ends(running)
+            on_block_exit(b)
+
+        return enter, leave, block_enter, block_exit
 
     def _on_enter_resident(self, i: int) -> None:
         # torch.cuda.graph synchronizes the device before capture starts, so the upload is
@@ -237,16 +281,11 @@ class DeviceSchedule:
         if retarget:
             self._fill()
         slot = self._slot_of[i]
-        timeline = self.telemetry.timeline
-        if timeline is not None:
-            timeline.wait_begins(i, first=pos == 0)
         try:
             self._ring.wait_ready(slot)
         except BaseException:  # its copy failed: the slot holds nothing, the next entry loads it again
             self._unreserve(i)
             raise
-        if timeline is not None:
-            timeline.compute_begins(i)
         views = self._view_cache.get((i, slot))
         if views is None:
             views = self._view_cache[(i, slot)] = self._packs[i].views(
@@ -257,9 +296,6 @@ class DeviceSchedule:
     def _on_exit(self, i: int) -> None:
         if self._running != i:
             return
-        timeline = self.telemetry.timeline
-        if timeline is not None:
-            timeline.compute_ends(i)
         self._finish(i)
         self._expected = (self._pos[i] + 1) % len(self.streamed_indices)
         self._fill()

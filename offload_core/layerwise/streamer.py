@@ -173,12 +173,12 @@ class LayerwiseStreamer:
         """Record (or stop recording) a picture of each pass: copies, waits, compute, disk reads.
 
         Off by default, because the hot path should do nothing for a picture nobody looks at.
-        Each attach starts a fresh recording while it is on; turning it on while attached starts
-        one now, and turning it off drops what was recorded."""
+        It takes effect at the next attach, which chooses its hooks once (each attach starts a
+        fresh recording while it is on); turning it off while detached drops what was recorded."""
         if not isinstance(on, bool):
             raise ValueError(f"on must be a bool, got {on!r}")
         self._timeline_wanted = on
-        if self._attached or not on:
+        if not on and not self._attached:
             self._install_timeline()
 
     def _install_timeline(self) -> None:

@@ -48,3 +48,8 @@ def test_hook_overhead_bench_streams_every_block_in_order(tmp_path):
     (engine,) = result["engines"].values()
     assert engine["sync_fallbacks"] == 0 and engine["order_misses"] == 0
     assert result["plain"]["min_us"] > 0 and engine["streamed"]["min_us"] > 0
+    assert engine["timeline_recorded"] is False  # off unless asked for
+    # --timeline: the engine records the picture of each pass, and serves every block the same.
+    (engine,) = bench.main(["--blocks", "6", "--passes", "3", "--repeats", "2", "--timeline"])["engines"].values()
+    assert engine["timeline_recorded"] is True
+    assert engine["sync_fallbacks"] == 0 and engine["order_misses"] == 0
