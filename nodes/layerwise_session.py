@@ -222,7 +222,7 @@ class LayerwiseSession:
                 self.last_run = run_figures(self.streamer.figures(wait=True),
                                             time.perf_counter() - self.started,
                                             self.attach_seconds, self.device)
-                self.last_timeline = self.streamer.timeline()  # None unless recorded
+                self.last_timeline = self._timeline()
                 self.runs += 1
                 self.finished_at = time.time()
         finally:
@@ -239,6 +239,17 @@ class LayerwiseSession:
                 comfy_weights.return_to_core(patcher, self.prefixes, self.blocks)
                 self.core_view = {"model_size": int(patcher.model_size()),
                                   "loaded": int(model.model_loaded_weight_memory)}
+
+    def _timeline(self) -> dict[str, Any] | None:
+        """The run's picture, None unless it was recorded. A picture that cannot be resolved (a
+        CUDA event the device refuses to time) is logged and left out: it must never fail the
+        prompt, nor keep the model from going back to core."""
+        try:
+            return self.streamer.timeline()
+        except RuntimeError as e:
+            log.warning("Apply Layerwise Offload: the picture of %s's last run is left out: %s",
+                        self.model_class, e)
+            return None
 
     def _reclaim_before_host_move(self) -> None:
         if self.begun:  # the engine holds the blocks during a run

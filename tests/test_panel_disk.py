@@ -3,7 +3,8 @@
 A Tiered loader's six-block Wan runs with Apply Layerwise Offload as phases from disk through a
 host cache smaller than the model. The open panel, updated from the websocket alone, must show
 each block's place (GPU slot, RAM cache or disk) as the server reports it, the cache hit rate,
-the disk read rate and the time compute waited for the disk, and the model's bytes on disk.
+the disk read rate and the time compute waited for the disk, the model's bytes on disk, and the
+disk reads in the last run's picture.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import re
 import pytest
 
 import tiny_models
+from conftest import ARTIFACTS
 from test_panel import CHROMIUM, PanelPage, browser, sync_api  # noqa: F401  (browser is a fixture)
 from workflows import sample_workflow
 
@@ -47,7 +49,9 @@ def test_panel_shows_disk_streaming(comfy, browser, model):  # noqa: F811
     page = PanelPage(browser, comfy.url)
     try:
         page.load()
-        page.open_tab()
+        with page.page.expect_response(lambda r: r.url.endswith("/api/offload/timeline")) as lease:
+            page.open_tab()  # and takes the lease under which the run records its picture
+        assert lease.value.status == 200
         gets = page.tier_gets()
         comfy.run(_workflow(disk, seed=2))
         truth = next(m for m in comfy.get("/api/offload/tiers")["models"] if m["name"] == MODEL)
@@ -69,7 +73,14 @@ def test_panel_shows_disk_streaming(comfy, browser, model):  # noqa: F811
         assert re.search(rf"waited for disk\s+{tel['disk_wait_s']:.2f} s", stats), stats
         assert truth["bytes"]["disk"] > 0
         assert re.search(r"disk only \d", row.locator(".to-legend").first.inner_text()), "no disk share in the model bar"
+        # The last run's picture shows the disk reads of the units the cache did not hold.
+        reads = [sp for sp in lw["timeline"]["spans"] if sp["kind"] == "disk"]
+        assert reads and all(sp["bytes"] == lw["units"][sp["unit"]]["bytes"] for sp in reads), lw["timeline"]
+        sync_api.expect(row.locator('[data-role="tl-svg"] rect[data-kind="disk"]')).to_have_count(len(reads))
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        row.locator('[data-role="timeline"]').screenshot(path=str(ARTIFACTS / "panel_disk_timeline.png"))
         assert page.tier_gets() == gets, "the panel must update from the websocket, not a GET"
         page.shot("panel_disk_streaming.png")
     finally:
         page.page.close()
+        comfy.post("/offload/timeline", {"enabled": False})

@@ -242,8 +242,12 @@ function timelineHtml(tl, hasRun) {
   const label = 52, width = 260, plot = width - label - 6, axisH = 14;
   const x = (t) => label + (t1 > t0 ? ((t - t0) / (t1 - t0)) * plot : 0);
   const phase = tl.units.some((u) => u.name && u.name !== "block");
+  // A label on the first row of each block, where the previous label is far enough above it.
+  let lastLabel = -Infinity;
   const rows = tl.units.map((u, i) => {
     const name = phase ? tr("timeline.rowPhase", { block: u.block, name: u.name }) : tr("timeline.row", { block: u.block });
+    const labelled = (i === 0 || tl.units[i - 1].block !== u.block) && (i - lastLabel) * rowH >= 9;
+    if (labelled) lastLabel = i;
     const bars = spans.filter((s) => s.unit === u.unit).map((s) => {
       const [top, bottom] = TL_BAND[s.kind];
       const w = Math.max(0.5, x(s.end_ms) - x(s.start_ms));
@@ -251,13 +255,13 @@ function timelineHtml(tl, hasRun) {
       return `<rect class="to-tl-${s.kind}" data-kind="${s.kind}" x="${x(s.start_ms).toFixed(1)}" y="${(i * rowH + top * (rowH - 1)).toFixed(1)}" width="${w.toFixed(1)}" height="${((bottom - top) * (rowH - 1)).toFixed(1)}"><title>${esc(title)}</title></rect>`;
     });
     return `<g data-role="tl-row" data-unit="${esc(u.unit)}" data-block="${esc(u.block)}"><title>${esc(name)}</title>
-      ${i % Math.ceil(n / 16) === 0 ? `<text class="to-tl-label" x="${label - 4}" y="${(i * rowH + rowH / 2 + 3).toFixed(1)}">${esc(name)}</text>` : ""}
+      ${labelled ? `<text class="to-tl-label" x="${label - 4}" y="${(i * rowH + rowH / 2 + 3).toFixed(1)}">${esc(tr("timeline.row", { block: u.block }))}</text>` : ""}
       ${bars.join("")}</g>`;
   });
   const height = n * rowH;
   const ticks = [t0, 0, t1].filter((t, i, all) => all.indexOf(t) === i).map((t) =>
     `<line class="to-tl-tick" x1="${x(t).toFixed(1)}" x2="${x(t).toFixed(1)}" y1="0" y2="${height + 3}"></line>
-     <text class="to-tl-axis" x="${x(t).toFixed(1)}" y="${height + axisH - 2}">${esc(ms(t))}</text>`);
+     <text class="to-tl-axis" text-anchor="${t === t1 ? "end" : t === t0 && t0 < 0 ? "start" : "middle"}" x="${x(t).toFixed(1)}" y="${height + axisH - 2}">${esc(ms(t))}</text>`);
   const totals = tl.totals ?? {};
   const bound = ["link", "disk", "compute"].includes(tl.bound_by) ? tl.bound_by : null;
   return `<div class="to-tl" data-role="timeline">

@@ -7,8 +7,9 @@ waits for copies that run back to back), by the disk (the waits end where reads 
 compute (copies finish early and nothing waits).
 
 Why recording is off unless asked for: the hot path (a block hook) must not pay for a picture
-nobody looks at. The engine's hooks look at ``Telemetry.timeline`` once and do nothing else
-while it is None; a ``Timeline`` there is what turns recording on.
+nobody looks at. A ``Timeline`` in ``Telemetry.timeline`` when an attach starts is what turns
+recording on: the attach then installs recording hooks around the plain ones; without one it
+installs the plain hooks, and the slot ring checks it once per copy.
 
 Why one pass: a pass (one call of the model over its blocks; a sampling step makes one or more)
 repeats the same pattern, and one is enough to see it. The recorder keeps the pass under way and
