@@ -1,9 +1,14 @@
-"""The pack's ComfyUI side: thin adapters over offload_core, the node mappings, and the server wiring.
+"""The pack's ComfyUI side: thin adapters over offload_core, the nodes (V3 schema), and the server
+wiring.
 
 ARCHITECTURE.md at the pack's root says which module does what. Process-wide state lives in
-state.py; node modules import it, never each other's registries.
+state.py; node modules import it, never each other's registries. The nodes are `io.ComfyNode`
+classes of ComfyUI's versioned `comfy_api.v0_0_2` (not `latest`, which ComfyUI documents as
+unstable), handed to ComfyUI by `TieredOffloadExtension` through the root's `comfy_entrypoint`.
 """
 import logging
+
+from comfy_api.v0_0_2 import ComfyExtension, io
 
 from . import managed_models, preload, prompt_lifecycle, routes, tiered_loaders
 from .core_pins import install as share_pinned_budget_with_core
@@ -15,21 +20,19 @@ log = logging.getLogger(__name__)
 
 share_pinned_budget_with_core()
 
-NODE_CLASS_MAPPINGS = {
-    "ApplyLayerwiseOffload": ApplyLayerwiseOffload,
-    "ModelLevelSwap": ModelLevelSwap,
-    **tiered_loaders.LOADERS,
-    "VRAMTierManager": VRAMTierManager,
-}
-NODE_DISPLAY_NAME_MAPPINGS = {
-    "ApplyLayerwiseOffload": "Apply Layerwise Offload",
-    "ModelLevelSwap": "Model-Level Swap",
-    "TieredUNETLoader": "Tiered UNET Loader",
-    "TieredCheckpointLoader": "Tiered Checkpoint Loader",
-    "TieredCLIPLoader": "Tiered CLIP Loader",
-    "TieredVAELoader": "Tiered VAE Loader",
-    "VRAMTierManager": "VRAM Tier Manager",
-}
+NODES: tuple[type[io.ComfyNode], ...] = (
+    ApplyLayerwiseOffload,
+    ModelLevelSwap,
+    *tiered_loaders.LOADERS.values(),
+    VRAMTierManager,
+)
+
+
+class TieredOffloadExtension(ComfyExtension):
+    """What ComfyUI asks the pack for at start-up: its node classes."""
+
+    async def get_node_list(self) -> list[type[io.ComfyNode]]:
+        return list(NODES)
 
 
 def install() -> None:

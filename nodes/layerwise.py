@@ -16,9 +16,10 @@ from __future__ import annotations
 import logging
 
 import comfy.patcher_extension
+from comfy_api.v0_0_2 import io
 
 from ..offload_core.blocks.phases import GRANULARITIES
-from . import dynamic_cooperation, dynamic_vram
+from . import dynamic_cooperation, dynamic_vram, spill_folder
 from .core_models import is_dynamic
 from .layerwise_session import LayerwiseSession
 from .layerwise_settings import (MAX_DISK_WORKERS, MAX_HOST_CACHE_GB, MAX_PREFETCH,
@@ -58,77 +59,94 @@ def _classic_patcher(model, settings: LayerwiseSettings):
     return dynamic_vram.classic_delegate(model, settings.streamer_kwargs())
 
 
-class ApplyLayerwiseOffload:
+class ApplyLayerwiseOffload(io.ComfyNode):
     """Stream the diffusion model's blocks from pinned RAM while earlier blocks compute."""
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {
-            "model": ("MODEL", {"tooltip": "The diffusion model to stream."}),
-            "resident_blocks": ("INT", {
-                "default": -1, "min": -1, "max": MAX_RESIDENT_BLOCKS,
-                "tooltip": "Blocks kept on the GPU, spread evenly through the stack. -1 derives "
-                           "the number from vram_budget_gb."}),
-            "vram_budget_gb": ("FLOAT", {
-                "default": 0.0, "min": 0.0, "max": MAX_VRAM_BUDGET_GB, "step": 0.25,
-                "tooltip": "GPU memory in GiB for the model's blocks (resident blocks plus "
-                           "streaming slots) when resident_blocks is -1. 0 is auto: whatever the "
-                           "card has free once ComfyUI has made room for the rest of the run "
-                           "(other weights, activations, its reserve). A larger budget than that "
-                           "is lowered to it, with a log line."}),
-            "prefetch": ("INT", {
-                "default": 2, "min": 1, "max": MAX_PREFETCH,
-                "tooltip": "How many streamed blocks are copied ahead of the one computing. "
-                           "Each adds one block-sized GPU slot."}),
-            "pin": ("BOOLEAN", {
-                "default": True,
-                "tooltip": "Keep the block weights in pinned RAM for full-speed async copies. "
-                           "Falls back to pageable RAM (slower, logged) if pinning would exceed "
-                           "the RAM budget."}),
-        }, "optional": {
-            "mode": (list(dynamic_vram.MODES), {
-                "default": "auto",
-                "tooltip": "auto: on a model that ComfyUI runs with Dynamic VRAM (0.15 and later "
-                           "on NVIDIA), ComfyUI streams it and keeps this node's resident blocks "
-                           "in VRAM first, checked at every load, with no copy; on other models "
-                           "the pack's engine streams. engine: always the pack's engine; on a "
-                           "Dynamic VRAM model it runs on a twin of the model over its own host "
-                           "weights, with no reload (its cost is logged and shown in the "
-                           "Offload panel)."}),
-            "host_cache_gb": ("FLOAT", {
-                "default": 0.0, "min": 0.0, "max": MAX_HOST_CACHE_GB, "step": 0.25,
-                "tooltip": "RAM in GiB for the streamed weights. 0 keeps every block packed in "
-                           "RAM. When the blocks do not fit, they are written once to a spill "
-                           "file and read from it through a cache of this size, ahead of need."}),
-            "disk_workers": ("INT", {
-                "default": 2, "min": 1, "max": MAX_DISK_WORKERS,
-                "tooltip": "Threads reading blocks from disk ahead of need (disk streaming)."}),
-            "granularity": (list(GRANULARITIES), {
-                "default": "block",
-                "tooltip": "Stream whole blocks, or each block's phases (attention, cross-"
-                           "attention, FFN): phases need about a third of the GPU memory per "
-                           "slot, at more and smaller copies."}),
-            "spill_dir": ("STRING", {
-                "default": "",
-                "tooltip": "Folder for the spill file that blocks are streamed from when they "
-                           "do not fit host_cache_gb: as large as the streamed blocks, written "
-                           "once, gone with the engine. Empty: ComfyUI's temp folder."}),
-        }}
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="ApplyLayerwiseOffload",
+            display_name="Apply Layerwise Offload",
+            category="tiered_offload",
+            description=("Streams the transformer blocks from pinned RAM into a few GPU slots while "
+                         "earlier blocks compute. Results are bit-identical to core loading the "
+                         "whole model."),
+            inputs=[
+                io.Model.Input("model", tooltip="The diffusion model to stream."),
+                io.Int.Input(
+                    "resident_blocks", default=-1, min=-1, max=MAX_RESIDENT_BLOCKS,
+                    tooltip="Blocks kept on the GPU, spread evenly through the stack. -1 derives "
+                            "the number from vram_budget_gb."),
+                io.Float.Input(
+                    "vram_budget_gb", default=0.0, min=0.0, max=MAX_VRAM_BUDGET_GB, step=0.25,
+                    tooltip="GPU memory in GiB for the model's blocks (resident blocks plus "
+                            "streaming slots) when resident_blocks is -1. 0 is auto: whatever the "
+                            "card has free once ComfyUI has made room for the rest of the run "
+                            "(other weights, activations, its reserve). A larger budget than that "
+                            "is lowered to it, with a log line."),
+                io.Int.Input(
+                    "prefetch", default=2, min=1, max=MAX_PREFETCH,
+                    tooltip="How many streamed blocks are copied ahead of the one computing. "
+                            "Each adds one block-sized GPU slot."),
+                io.Boolean.Input(
+                    "pin", default=True,
+                    tooltip="Keep the block weights in pinned RAM for full-speed async copies. "
+                            "Falls back to pageable RAM (slower, logged) if pinning would exceed "
+                            "the RAM budget."),
+                io.Combo.Input(
+                    "mode", options=list(dynamic_vram.MODES), default="auto", optional=True,
+                    tooltip="auto: on a model that ComfyUI runs with Dynamic VRAM (0.15 and later "
+                            "on NVIDIA), ComfyUI streams it and keeps this node's resident blocks "
+                            "in VRAM first, checked at every load, with no copy; on other models "
+                            "the pack's engine streams. engine: always the pack's engine; on a "
+                            "Dynamic VRAM model it runs on a twin of the model over its own host "
+                            "weights, with no reload (its cost is logged and shown in the "
+                            "Offload panel)."),
+                io.Float.Input(
+                    "host_cache_gb", default=0.0, min=0.0, max=MAX_HOST_CACHE_GB, step=0.25,
+                    optional=True,
+                    tooltip="RAM in GiB for the streamed weights. 0 keeps every block packed in "
+                            "RAM. When the blocks do not fit, they are written once to a spill "
+                            "file and read from it through a cache of this size, ahead of need."),
+                io.Int.Input(
+                    "disk_workers", default=2, min=1, max=MAX_DISK_WORKERS, optional=True,
+                    tooltip="Threads reading blocks from disk ahead of need (disk streaming)."),
+                io.Combo.Input(
+                    "granularity", options=list(GRANULARITIES), default="block", optional=True,
+                    tooltip="Stream whole blocks, or each block's phases (attention, cross-"
+                            "attention, FFN): phases need about a third of the GPU memory per "
+                            "slot, at more and smaller copies."),
+                io.String.Input(
+                    "spill_dir", default="", optional=True,
+                    tooltip="Folder for the spill file that blocks are streamed from when they "
+                            "do not fit host_cache_gb: as large as the streamed blocks, written "
+                            "once, gone with the engine. Empty: ComfyUI's temp folder."),
+            ],
+            outputs=[io.Model.Output()],
+        )
 
-    RETURN_TYPES = ("MODEL",)
-    FUNCTION = "apply"
-    CATEGORY = "tiered_offload"
-    DESCRIPTION = ("Streams the transformer blocks from pinned RAM into a few GPU slots while "
-                   "earlier blocks compute. Results are bit-identical to core loading the whole "
-                   "model.")
+    @classmethod
+    def validate_inputs(cls, spill_dir: str | None = None) -> bool | str:
+        """Refuse at queue time, before anything loads, a spill folder the node would refuse at
+        run: outside the allowed folders, missing, or not writable. Only `spill_dir` is named:
+        ComfyUI repeats a refusal once per input the method names, and checks the other inputs'
+        ranges itself. A value that comes through a link is None here and is checked at run."""
+        if spill_dir is None:
+            return True
+        try:
+            spill_folder.spill_folder(spill_dir)
+        except ValueError as e:
+            return str(e)
+        return True
 
-    def apply(self, model, resident_blocks: int, vram_budget_gb: float, prefetch: int, pin: bool,
-              mode: str = "auto", host_cache_gb: float = 0.0, disk_workers: int = 2,
-              granularity: str = "block", spill_dir: str = ""):
+    @classmethod
+    def execute(cls, model, resident_blocks: int, vram_budget_gb: float, prefetch: int, pin: bool,
+                mode: str = "auto", host_cache_gb: float = 0.0, disk_workers: int = 2,
+                granularity: str = "block", spill_dir: str = "") -> io.NodeOutput:
         settings = LayerwiseSettings(resident_blocks, vram_budget_gb, prefetch, pin, host_cache_gb,
                                      disk_workers, granularity, spill_dir)
         if dynamic_vram.check_mode(mode) == "auto" and is_dynamic(model):
-            return (dynamic_cooperation.cooperate(model, settings.streamer_kwargs()),)
+            return io.NodeOutput(dynamic_cooperation.cooperate(model, settings.streamer_kwargs()))
         # Checked on the input (clones carry its wrappers), so a refusal costs no copy.
         if model.get_wrappers(comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING, SWAP_KEY):
             raise ValueError(
@@ -174,4 +192,4 @@ class ApplyLayerwiseOffload:
                                      LAYERWISE_KEY, outer_sample)
         patcher.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING,
                                      LAYERWISE_KEY, prepare_sampling)
-        return (patcher,)
+        return io.NodeOutput(patcher)

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 import comfy.patcher_extension
+from comfy_api.v0_0_2 import io
 
 from ..offload_core.models.swap import ModuleSwap
 from . import host_moves
@@ -155,24 +156,27 @@ def _master_refusal(patcher) -> str | None:
     return None
 
 
-class ModelLevelSwap:
+class ModelLevelSwap(io.ComfyNode):
     """The diffusion model and the text encoder take turns on the GPU, from pinned masters."""
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {
-            "model": ("MODEL", {"tooltip": "The diffusion model; it is parked while text is encoded."}),
-            "clip": ("CLIP", {"tooltip": "The text encoder(s); parked while sampling."}),
-        }}
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="ModelLevelSwap",
+            display_name="Model-Level Swap",
+            category="tiered_offload",
+            description=("Keeps the diffusion model and the text encoder as pinned host masters and "
+                         "lets them take turns on the GPU: loads read pinned memory, nothing is "
+                         "copied back when a model goes out."),
+            inputs=[
+                io.Model.Input("model", tooltip="The diffusion model; it is parked while text is encoded."),
+                io.Clip.Input("clip", tooltip="The text encoder(s); parked while sampling."),
+            ],
+            outputs=[io.Model.Output(), io.Clip.Output()],
+        )
 
-    RETURN_TYPES = ("MODEL", "CLIP")
-    FUNCTION = "apply"
-    CATEGORY = "tiered_offload"
-    DESCRIPTION = ("Keeps the diffusion model and the text encoder as pinned host masters and "
-                   "lets them take turns on the GPU: loads read pinned memory, nothing is copied "
-                   "back when a model goes out.")
-
-    def apply(self, model, clip):
+    @classmethod
+    def execute(cls, model, clip) -> io.NodeOutput:
         model = model.clone()
         clip = clip.clone()
         # A layerwise-offloaded model already keeps its blocks in pinned RAM; a second, whole-
@@ -201,4 +205,4 @@ class ModelLevelSwap:
                                    prepare_sampling)
         clip.patcher.set_injections(SWAP_KEY, [comfy.patcher_extension.PatcherInjection(
             inject=on_encoder_load, eject=lambda patcher: None)])
-        return (model, clip)
+        return io.NodeOutput(model, clip)

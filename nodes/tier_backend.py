@@ -6,7 +6,7 @@ bytes. Here that is always core's own load and unload path, so core's view
 
 Dropping a model to disk frees its weights even though ComfyUI's output cache still holds the
 loader's objects: the objects are emptied (moved to the meta device), and `generation` moves on
-with every drop, which the Tiered loader's `IS_CHANGED` carries (tiered_loaders.py), so no prompt
+with every drop, which the Tiered loader's `fingerprint_inputs` carries (tiered_loaders.py), so no prompt
 is ever handed the emptied objects: the loader runs again and reloads, or fails the prompt with the
 manager's clear refusal.
 """
@@ -78,7 +78,7 @@ class ComfyModelBackend:
 
     Going through `load_models_gpu` and `LoadedModel.model_unload` keeps core's view
     (`current_loaded_models`, free memory) the same as ours. `generation` counts drops: it is
-    part of the loader's `IS_CHANGED`, so emptied objects are never served from ComfyUI's cache.
+    part of the loader's `fingerprint_inputs`, so emptied objects are never served from ComfyUI's cache.
     Each step runs under `torch.inference_mode()`, as core's prompt worker runs everything: a
     REST call or the preload thread would otherwise move a model outside it, and moving a
     quantized weight (0.3.75's QuantizedTensor) outside it leaves a parameter that core's next

@@ -4,24 +4,30 @@ keeps across workflows, and what a prompt's graph of them holds from its start.
 Why drop-in "Tiered" loaders rather than patching core's loaders transparently: a transparent
 cache means replacing `comfy.sd` loader functions or core node classes at import time, which
 changes every workflow of every user silently and breaks whenever core changes those internals.
-The tiered loaders subclass the core loader nodes, take exactly the same inputs and call core's
-own loading code, so swapping a loader for its tiered twin is the only change a workflow needs,
-and its results are identical.
+The tiered loaders (V3 nodes) take their inputs, outputs and description from the core loader
+node they mirror, read from it each time the schema is asked for, and call its own loading code,
+so swapping a loader for its tiered twin is the only change a workflow needs, and its results are
+identical.
 
 Each tiered loader returns the manager's object for its (file, version, options) identity, so a
 workflow run again after another one gets its models from RAM instead of disk. A model is in use
 from the start of any prompt whose graph contains its loader until that prompt ends
 (`hold_graph` at the start, `managed_models.release_prompt` at the end). A loader reports itself
-changed after every drop of its model to disk, so ComfyUI's cache never serves the emptied objects.
+changed (`fingerprint_inputs`) after every drop of its model to disk, so ComfyUI's cache never
+serves the emptied objects.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 from typing import Any
 
 import nodes as core_nodes
+from comfy_api.v0_0_2 import io
 
 from . import prompt_lifecycle, state
+from .budgets import shorten
 from .managed_models import register_model, source_of
 from .tier_backend import Source
 
@@ -35,13 +41,71 @@ def managed_outputs(key: str) -> tuple:
     return state.MANAGER.get(key).backend.outputs
 
 
-class _TieredLoader:
-    """Shared body of the Tiered loaders: same inputs as the core loader they subclass."""
+def _v3_input(name: str, spec: tuple, optional: bool) -> io.Input:
+    """One input of a core (V1) node as the same input in the V3 schema: a list of choices is a
+    combo, any other type keeps its name; every option (default, tooltip, advanced, min, max...)
+    is passed on as core gives it."""
+    kind, options = spec[0], dict(spec[1]) if len(spec) > 1 else {}
+    tooltip = options.pop("tooltip", None)
+    if isinstance(kind, list):
+        made = io.Combo.Input(name, options=list(kind), default=options.pop("default", None),
+                              tooltip=tooltip, optional=optional)
+    else:
+        made = io.Custom(kind).Input(name, tooltip=tooltip, optional=optional)
+    made.extra_dict.update(options)
+    return made
+
+
+# `search_aliases` is a schema field of newer ComfyUI (0.33 has it, 0.3.75 does not).
+_SCHEMA_FIELDS = {f.name for f in dataclasses.fields(io.Schema)}
+
+
+class _TieredLoader(io.ComfyNode):
+    """Shared body of the Tiered loaders: the inputs, outputs and loading code of the core loader
+    `CORE`, read from it whenever the schema is asked for (its file lists change)."""
+    NODE_ID: str
+    DISPLAY_NAME: str
+    CORE: type  # core's loader node
+    LOAD: str  # its loading method
+    OUTPUTS: int  # how many of its outputs the tiered loader returns
     KIND: str
     FOLDER: str
     NAME_INPUT: str
-    FUNCTION = "load_tiered"
-    CATEGORY = "tiered_offload/loaders"
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        core = cls.CORE
+        declared = core.INPUT_TYPES()
+        inputs = [_v3_input(name, spec, section == "optional")
+                  for section in ("required", "optional")
+                  for name, spec in declared.get(section, {}).items()]
+        tooltips = list(getattr(core, "OUTPUT_TOOLTIPS", None) or ())
+        outputs = [io.Custom(kind).Output(tooltip=tooltips[i] if i < len(tooltips) else None)
+                   for i, kind in enumerate(core.RETURN_TYPES[:cls.OUTPUTS])]
+        extra = {}
+        if "search_aliases" in _SCHEMA_FIELDS and getattr(core, "SEARCH_ALIASES", None):
+            extra["search_aliases"] = list(core.SEARCH_ALIASES)
+        return io.Schema(node_id=cls.NODE_ID, display_name=cls.DISPLAY_NAME,
+                         category="tiered_offload/loaders",
+                         description=getattr(core, "DESCRIPTION", "") or "",
+                         inputs=inputs, outputs=outputs, **extra)
+
+    @classmethod
+    def validate_inputs(cls, **inputs: Any) -> bool | str:
+        """Refuse at queue time what core refuses for its own loader: a choice it does not offer
+        (a file that is not in the model folder) and a number out of its range. ComfyUI 0.3.75
+        checks the choices of a V1 node only, and with `**inputs` ComfyUI leaves every check of
+        these inputs to this method. A value that comes through a link is None here; the
+        loader meets it when it runs."""
+        declared = cls.CORE.INPUT_TYPES()
+        for section in ("required", "optional"):
+            for name, spec in declared.get(section, {}).items():
+                value = inputs.get(name)
+                if value is not None:
+                    problem = _out_of_spec(name, value, spec)
+                    if problem is not None:
+                        return f"{cls.DISPLAY_NAME}: {problem}"
+        return True
 
     @classmethod
     def _split(cls, inputs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -57,11 +121,11 @@ class _TieredLoader:
     @classmethod
     def register(cls, **inputs: Any) -> str:
         name, options = cls._split(inputs)
-        return register_model(cls.KIND, cls.FOLDER, name, options,
-                              lambda: tuple(cls.core_load(cls(), **inputs)))
+        load = functools.partial(_core_load, cls.CORE, cls.LOAD, cls.OUTPUTS, inputs)
+        return register_model(cls.KIND, cls.FOLDER, name, options, load)
 
     @classmethod
-    def IS_CHANGED(cls, **inputs):
+    def fingerprint_inputs(cls, **inputs):
         """Differs after every drop to disk (and for a new version of the file), so the loader
         runs again and reloads instead of ComfyUI's cache serving the emptied objects."""
         try:
@@ -70,55 +134,69 @@ class _TieredLoader:
         except Exception:  # unknown or missing: let the loader run and report it
             return float("nan")
 
-    def load_tiered(self, **inputs: Any) -> tuple:
-        return managed_outputs(type(self).register(**inputs))
+    @classmethod
+    def execute(cls, **inputs: Any) -> io.NodeOutput:
+        return io.NodeOutput(*managed_outputs(cls.register(**inputs)))
 
 
-class TieredUNETLoader(_TieredLoader, core_nodes.UNETLoader):
+def _out_of_spec(name: str, value: Any, spec: tuple) -> str | None:
+    """Why a widget value is not one a core input takes (core's own checks), or None."""
+    kind, options = spec[0], spec[1] if len(spec) > 1 else {}
+    if isinstance(kind, list):
+        if value in kind:
+            return None
+        shown = ", ".join(map(str, kind)) if len(kind) <= 20 else f"{len(kind)} choices"
+        return f"{name} '{shorten(value)}' is not one of the choices ({shown})"
+    if "min" in options and value < options["min"]:
+        return f"{name} is smaller than its minimum {options['min']}"
+    if "max" in options and value > options["max"]:
+        return f"{name} is larger than its maximum {options['max']}"
+    return None
+
+
+def _core_load(core: type, method: str, outputs: int, inputs: dict[str, Any]) -> tuple:
+    """Core's own loading code, on a new instance of its loader node, as core runs it."""
+    return tuple(getattr(core(), method)(**inputs)[:outputs])
+
+
+class TieredUNETLoader(_TieredLoader):
     """UNETLoader whose model is kept by the tier manager across workflows."""
+    NODE_ID, DISPLAY_NAME = "TieredUNETLoader", "Tiered UNET Loader"
+    CORE, LOAD, OUTPUTS = core_nodes.UNETLoader, "load_unet", 1
     KIND, FOLDER, NAME_INPUT = "diffusion_model", "diffusion_models", "unet_name"
 
-    def core_load(self, **inputs):
-        return self.load_unet(**inputs)
 
-
-class TieredCheckpointLoader(_TieredLoader, core_nodes.CheckpointLoaderSimple):
+class TieredCheckpointLoader(_TieredLoader):
     """CheckpointLoaderSimple whose model, CLIP and VAE are kept by the tier manager."""
+    NODE_ID, DISPLAY_NAME = "TieredCheckpointLoader", "Tiered Checkpoint Loader"
+    CORE, LOAD, OUTPUTS = core_nodes.CheckpointLoaderSimple, "load_checkpoint", 3
     KIND, FOLDER, NAME_INPUT = "checkpoint", "checkpoints", "ckpt_name"
 
-    def core_load(self, **inputs):
-        return self.load_checkpoint(**inputs)[:3]
 
-
-class TieredCLIPLoader(_TieredLoader, core_nodes.CLIPLoader):
+class TieredCLIPLoader(_TieredLoader):
     """CLIPLoader whose text encoder is kept by the tier manager."""
+    NODE_ID, DISPLAY_NAME = "TieredCLIPLoader", "Tiered CLIP Loader"
+    CORE, LOAD, OUTPUTS = core_nodes.CLIPLoader, "load_clip", 1
     KIND, FOLDER, NAME_INPUT = "clip", "text_encoders", "clip_name"
 
-    def core_load(self, **inputs):
-        return self.load_clip(**inputs)
 
-
-class TieredVAELoader(_TieredLoader, core_nodes.VAELoader):
+class TieredVAELoader(_TieredLoader):
     """VAELoader whose VAE is kept by the tier manager."""
+    NODE_ID, DISPLAY_NAME = "TieredVAELoader", "Tiered VAE Loader"
+    CORE, LOAD, OUTPUTS = core_nodes.VAELoader, "load_vae", 1
     KIND, FOLDER, NAME_INPUT = "vae", "vae", "vae_name"
-
-    def core_load(self, **inputs):
-        return self.load_vae(**inputs)
 
 
 LOADERS: dict[str, type[_TieredLoader]] = {
-    "TieredUNETLoader": TieredUNETLoader,
-    "TieredCheckpointLoader": TieredCheckpointLoader,
-    "TieredCLIPLoader": TieredCLIPLoader,
-    "TieredVAELoader": TieredVAELoader,
-}
+    loader.NODE_ID: loader
+    for loader in (TieredUNETLoader, TieredCheckpointLoader, TieredCLIPLoader, TieredVAELoader)}
 
 
 def hold_graph(prompt_id: str, graph: dict) -> None:
     """Hold every known model the graph's Tiered loaders name with constant inputs.
 
     A model that cannot be held now (its reload is refused) is logged and skipped: its drop
-    changed the loader's `IS_CHANGED`, so the loader runs and fails the prompt with the
+    changed the loader's `fingerprint_inputs`, so the loader runs and fails the prompt with the
     manager's refusal, and nothing else in the graph goes unheld.
     """
     for node in graph.values():

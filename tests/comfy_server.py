@@ -218,6 +218,13 @@ class ComfyServer:
             raise AssertionError(f"POST /prompt -> {status}: {json.dumps(resp)[:4000]}")
         return resp["prompt_id"]
 
+    def refused(self, workflow: dict, node: str) -> str:
+        """Queue a workflow that ComfyUI must refuse at queue time (400); return the details of
+        the errors it names for `node`, joined (one per input the node's check names)."""
+        status, body = self.request("POST", "/prompt", {"prompt": workflow})
+        assert status == 400, (status, json.dumps(body)[:4000])
+        return " ".join(e.get("details", "") for e in body["node_errors"][node]["errors"])
+
     def queue_running(self, workflow: dict, *, client_id: bool = True, timeout: float = 120) -> str:
         """Queue a workflow and return its prompt id once it has reported progress (a sampler
         step, the engine's packing): from then on an /interrupt stops it.

@@ -85,8 +85,8 @@ def classic_case(layerwise, state, path: Path) -> dict:
     settings = layerwise.LayerwiseSettings(**{k: SETTINGS[k] for k in ("resident_blocks", "vram_budget_gb",
                                                                           "prefetch", "pin")})
     got = layerwise._classic_patcher(classic, settings)
-    node = layerwise.ApplyLayerwiseOffload()
-    outs = {mode: node.apply(classic, **SETTINGS, mode=mode)[0] for mode in ("auto", "engine")}
+    node = layerwise.ApplyLayerwiseOffload
+    outs = {mode: node.execute(classic, **SETTINGS, mode=mode)[0] for mode in ("auto", "engine")}
     return {
         "input_dynamic": is_dynamic(classic),
         "is_clone": got is not classic,
@@ -149,7 +149,7 @@ def order_cases(layerwise, state, path: Path) -> dict:
     logs = LogLines()
     logging.getLogger("tiered_offload_probe").addHandler(logs)
     logging.getLogger("tiered_offload_probe").setLevel(logging.INFO)
-    node = layerwise.ApplyLayerwiseOffload()
+    node = layerwise.ApplyLayerwiseOffload
     out: dict = {}
 
     def report_of(dyn) -> dict:
@@ -171,7 +171,7 @@ def order_cases(layerwise, state, path: Path) -> dict:
                            ("default settings", dict(SETTINGS, resident_blocks=-1, vram_budget_gb=0.0)),
                            ("a budget for one block", dict(SETTINGS, resident_blocks=-1,
                                                           vram_budget_gb=one_block_budget))):
-        patcher = node.apply(dyn, **settings)[0]
+        patcher = node.execute(dyn, **settings)[0]
         hooks_before = block_hooks(patcher)
         latent = sample(patcher)
         r = report_of(dyn)
@@ -199,7 +199,7 @@ def order_cases(layerwise, state, path: Path) -> dict:
     before = layout_of(vbar_layout, held)
     held.model.diffusion_model.blocks[0]._comfy_graph = {"graph": None, "signature": None}
     logs.lines.clear()
-    latent = sample(node.apply(held, **SETTINGS)[0])
+    latent = sample(node.execute(held, **SETTINGS)[0])
     r = report_of(held)
     out["held"] = {"same_as_core": torch.equal(latent, held_core),
                    "layout_unchanged": layout_of(vbar_layout, held) == before,
@@ -237,14 +237,14 @@ def load_order(dyn) -> dict:
 def dynamic_cases(layerwise, state, path: Path) -> dict:
     import dynamic_vram_standin as standin
     report: dict = {}
-    node = layerwise.ApplyLayerwiseOffload()
+    node = layerwise.ApplyLayerwiseOffload
     source = comfy.sd.load_diffusion_model(str(path))
     loader = CountingLoader(source)
     dyn = standin.dynamic_from(source)
     loader.install(dyn)
 
     # auto: core streams; the node only orders the VBAR. No copy, no reload.
-    auto = node.apply(dyn, **SETTINGS, mode="auto")[0]
+    auto = node.execute(dyn, **SETTINGS, mode="auto")[0]
     units = standin_units(auto)
     resident, streamed = units() if units is not None else ([], [])
     blocks = list(dyn.model.diffusion_model.blocks)
@@ -260,21 +260,21 @@ def dynamic_cases(layerwise, state, path: Path) -> dict:
     }
 
     # Core's own load, with and without the node: which blocks get the low (kept) addresses.
-    for name, make in (("order_with_node", lambda d: node.apply(d, **SETTINGS, mode="auto")[0]),
+    for name, make in (("order_with_node", lambda d: node.execute(d, **SETTINGS, mode="auto")[0]),
                        ("order_core_alone", lambda d: d)):
         spent = standin.dynamic_from(comfy.sd.load_diffusion_model(str(path)))
         report[name] = load_order(make(spent))
 
     # engine: a classic twin over the model's own host tensors, made once per model.
-    first = node.apply(dyn, **SETTINGS, mode="engine")[0]
+    first = node.execute(dyn, **SETTINGS, mode="engine")[0]
     dyn_state = dyn.model.state_dict()
     block_keys = [k for k in dyn_state if k.startswith("diffusion_model.blocks.")]
     twin_state = first.model.state_dict()
     calls_first = loader.calls
     lora = standin.with_lora(dyn, 0.5)
-    after_lora = node.apply(lora, **SETTINGS, mode="engine")[0]
+    after_lora = node.execute(lora, **SETTINGS, mode="engine")[0]
     lora2 = standin.with_lora(dyn, 0.8)
-    other_settings = node.apply(lora2, **dict(SETTINGS, resident_blocks=1), mode="engine")[0]
+    other_settings = node.execute(lora2, **dict(SETTINGS, resident_blocks=1), mode="engine")[0]
     entry = state.DYNAMIC_DELEGATES.get(dyn.model)
     session = next((r for r in engine_sessions(state)
                     if r["module_id"] == id(first.model.diffusion_model)), None)
@@ -310,7 +310,7 @@ def dynamic_cases(layerwise, state, path: Path) -> dict:
              "unsupported_model": (bad, SETTINGS)}
     for name, (model, settings) in cases.items():
         try:
-            node.apply(model, **settings, mode="engine")
+            node.execute(model, **settings, mode="engine")
             refused[name] = "accepted"
         except Exception as e:  # noqa: BLE001 - the probe reports what the node raised
             refused[name] = type(e).__name__
@@ -319,30 +319,30 @@ def dynamic_cases(layerwise, state, path: Path) -> dict:
     # A model whose loader registered no way to rebuild it (core's loaders all do): the twin
     # needs none.
     no_loader = standin.dynamic_from(comfy.sd.load_diffusion_model(str(path)), with_loader=False)
-    twin = node.apply(no_loader, **SETTINGS, mode="engine")[0]
+    twin = node.execute(no_loader, **SETTINGS, mode="engine")[0]
     refused["no_loader_engine"] = (state.DYNAMIC_DELEGATES.get(no_loader.model).path,
                                    twin.model is not no_loader.model)
-    refused["no_loader_auto_dynamic"] = is_dynamic(node.apply(no_loader, **SETTINGS)[0])
+    refused["no_loader_auto_dynamic"] = is_dynamic(node.execute(no_loader, **SETTINGS)[0])
     # No twin (a model without the config core builds it from): a reload, counted, or where the
     # loader cannot reload either, a refusal that names auto.
     configless = standin.dynamic_from(comfy.sd.load_diffusion_model(str(path)))
     configless_loader = CountingLoader(configless)
     configless_loader.install(configless)
     configless.model.model_config = None
-    node.apply(configless, **SETTINGS, mode="engine")
+    node.execute(configless, **SETTINGS, mode="engine")
     fallback = state.DYNAMIC_DELEGATES.get(configless.model)
     refused["no_twin"] = {"path": fallback.path, "loader_calls": configless_loader.calls,
                           "cost": fallback.cost()}
     bare = standin.dynamic_from(comfy.sd.load_diffusion_model(str(path)), with_loader=False)
     bare.model.model_config = None
     try:
-        node.apply(bare, **SETTINGS, mode="engine")
+        node.execute(bare, **SETTINGS, mode="engine")
         refused["no_twin_no_loader"] = "accepted"
     except ValueError as e:
         refused["no_twin_no_loader"] = str(e)
     del twin, configless, fallback, bare
     try:
-        node.apply(dyn, **SETTINGS, mode="fastest")
+        node.execute(dyn, **SETTINGS, mode="fastest")
         refused["bad_mode"] = "accepted"
     except ValueError as e:
         refused["bad_mode"] = str(e)

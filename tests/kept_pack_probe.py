@@ -36,7 +36,7 @@ def main() -> None:
     path = Path(tempfile.mkdtemp()) / "wan.safetensors"
     tiny_models.write_tiny_wan21(path, layers=4)
     patcher = comfy.sd.load_diffusion_model(str(path))
-    model = layerwise.ApplyLayerwiseOffload().apply(patcher, resident_blocks=1, vram_budget_gb=0.0,
+    model = layerwise.ApplyLayerwiseOffload.execute(patcher, resident_blocks=1, vram_budget_gb=0.0,
                                                     prefetch=1, pin=True)[0]
     blocks = model.model.diffusion_model.blocks
     g = torch.Generator().manual_seed(0)

@@ -109,7 +109,7 @@ def pack_nodes(comfy) -> dict[str, dict]:
 
 
 def test_the_locales_name_exactly_the_packs_user_visible_nodes(comfy, pack_nodes):
-    """Every node of the pack's NODE_CLASS_MAPPINGS has its words; test-only nodes (another
+    """Every node the pack serves has its words; test-only nodes (another
     pack, tests/comfy_test_nodes) have none and are not the pack's."""
     info = comfy.get("/object_info")
     test_nodes = {n for n, d in info.items() if d.get("python_module", "").endswith("tiered_offload_test_nodes")}

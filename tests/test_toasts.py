@@ -59,9 +59,11 @@ def close_toasts(page) -> None:
 
 
 def test_a_refusal_in_a_pack_node_toasts_the_prompts_message(comfy, page):
-    """A refusal raised by Apply Layerwise Offload itself (a spill folder outside the allowed)."""
+    """A refusal raised by Apply Layerwise Offload itself when it runs (a host cache out of range
+    through a link: a widget's value would be refused at queue time, with no prompt to fail)."""
     close_toasts(page)
-    wf = sample_workflow("wan21", layerwise={"host_cache_gb": 0.01, "spill_dir": "/etc"}, seed=301)
+    wf = sample_workflow("wan21", layerwise={"host_cache_gb": ["cache", 0]}, seed=301)
+    wf["cache"] = {"class_type": "PrimitiveFloat", "inputs": {"value": 1e18}}
     error = run_failing(comfy, page, wf)
     assert error["node_type"] == "ApplyLayerwiseOffload", error
     toast = pack_toasts(page)

@@ -106,8 +106,10 @@ def main(argv: list[str] | None = None) -> dict:
         tiny_models.write_tiny_wan21(model_path, layers=args.layers, dim=args.dim,
                                      ffn_dim=args.ffn_dim, dtype=torch.float32)
     layerwise = import_nodes(args.pack.resolve())
-    node = layerwise.ApplyLayerwiseOffload()
-    has_mode = "mode" in inspect.signature(node.apply).parameters
+    node = layerwise.ApplyLayerwiseOffload
+    # A V3 node (the classmethod execute), or an older checkout's V1 node (apply on an instance).
+    apply = node.execute if hasattr(node, "define_schema") else node().apply
+    has_mode = "mode" in inspect.signature(apply).parameters
     settings = {"resident_blocks": args.layers // 4, "vram_budget_gb": 12.0, "prefetch": 2, "pin": True}
     impossible = dict(settings, resident_blocks=-1, vram_budget_gb=1e-6)
 
@@ -130,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
         start = time.perf_counter()
         error = None
         try:
-            keep.append(node.apply(model, **kwargs)[0])
+            keep.append(apply(model, **kwargs)[0])
         except Exception as e:  # noqa: BLE001 - a refusal is one of the measured outcomes
             error = f"{type(e).__name__}: {str(e)[:120]}"
         record(name, kwargs.get("mode", "engine"), before, time.perf_counter() - start, error)

@@ -48,10 +48,10 @@ def test_a_development_file_is_found(archive, tracked):
 
 
 def test_a_module_the_pack_imports_is_missing(archive, tracked):
-    del archive["nodes/tiers.py"]
+    del archive["nodes/routes.py"]
     found = check.problems(archive, tracked)
-    assert "tracked but not in the archive: nodes/tiers.py" in found
-    assert any(p.startswith("nodes/__init__.py imports tiers") for p in found), found
+    assert "tracked but not in the archive: nodes/routes.py" in found
+    assert any(p.startswith("nodes/__init__.py imports routes") for p in found), found
 
 
 def test_an_untracked_module_the_pack_imports_is_found(archive, tracked):
