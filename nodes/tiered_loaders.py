@@ -62,7 +62,12 @@ _SCHEMA_FIELDS = {f.name for f in dataclasses.fields(io.Schema)}
 
 class _TieredLoader(io.ComfyNode):
     """Shared body of the Tiered loaders: the inputs, outputs and loading code of the core loader
-    `CORE`, read from it whenever the schema is asked for (its file lists change)."""
+    `CORE`, read from it whenever the schema is asked for (its file lists change).
+
+    Each loader's `validate_inputs` names only its file input: ComfyUI repeats a refusal once per
+    input the method names (and skips its own checks of those), so a missing file is refused at
+    queue time once, on that input. Other options are checked by ComfyUI 0.33 at queue time and
+    by `execute` on 0.3.75, which checks a V3 node's choices only through validate_inputs."""
     NODE_ID: str
     DISPLAY_NAME: str
     CORE: type  # core's loader node
@@ -91,12 +96,10 @@ class _TieredLoader(io.ComfyNode):
                          inputs=inputs, outputs=outputs, **extra)
 
     @classmethod
-    def validate_inputs(cls, **inputs: Any) -> bool | str:
-        """Refuse at queue time what core refuses for its own loader: a choice it does not offer
-        (a file that is not in the model folder) and a number out of its range. ComfyUI 0.3.75
-        checks the choices of a V1 node only, and with `**inputs` ComfyUI leaves every check of
-        these inputs to this method. A value that comes through a link is None here; the
-        loader meets it when it runs."""
+    def refusal(cls, inputs: dict[str, Any]) -> str | None:
+        """What core refuses for its own loader among these inputs, or None: a choice it does
+        not offer (a file that is not in the model folder, an unknown option) or a number out
+        of its range. A value through a link is None at queue time and is skipped."""
         declared = cls.CORE.INPUT_TYPES()
         for section in ("required", "optional"):
             for name, spec in declared.get(section, {}).items():
@@ -105,7 +108,7 @@ class _TieredLoader(io.ComfyNode):
                     problem = _out_of_spec(name, value, spec)
                     if problem is not None:
                         return f"{cls.DISPLAY_NAME}: {problem}"
-        return True
+        return None
 
     @classmethod
     def _split(cls, inputs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -136,6 +139,11 @@ class _TieredLoader(io.ComfyNode):
 
     @classmethod
     def execute(cls, **inputs: Any) -> io.NodeOutput:
+        # ComfyUI 0.3.75 checks a V3 node's choices only through validate_inputs, which names
+        # only the file; core's loader would take an unknown option as its default.
+        problem = cls.refusal(inputs)
+        if problem is not None:
+            raise ValueError(problem)
         return io.NodeOutput(*managed_outputs(cls.register(**inputs)))
 
 
@@ -165,12 +173,20 @@ class TieredUNETLoader(_TieredLoader):
     CORE, LOAD, OUTPUTS = core_nodes.UNETLoader, "load_unet", 1
     KIND, FOLDER, NAME_INPUT = "diffusion_model", "diffusion_models", "unet_name"
 
+    @classmethod
+    def validate_inputs(cls, unet_name: str | None = None) -> bool | str:
+        return cls.refusal({"unet_name": unet_name}) or True
+
 
 class TieredCheckpointLoader(_TieredLoader):
     """CheckpointLoaderSimple whose model, CLIP and VAE are kept by the tier manager."""
     NODE_ID, DISPLAY_NAME = "TieredCheckpointLoader", "Tiered Checkpoint Loader"
     CORE, LOAD, OUTPUTS = core_nodes.CheckpointLoaderSimple, "load_checkpoint", 3
     KIND, FOLDER, NAME_INPUT = "checkpoint", "checkpoints", "ckpt_name"
+
+    @classmethod
+    def validate_inputs(cls, ckpt_name: str | None = None) -> bool | str:
+        return cls.refusal({"ckpt_name": ckpt_name}) or True
 
 
 class TieredCLIPLoader(_TieredLoader):
@@ -179,12 +195,20 @@ class TieredCLIPLoader(_TieredLoader):
     CORE, LOAD, OUTPUTS = core_nodes.CLIPLoader, "load_clip", 1
     KIND, FOLDER, NAME_INPUT = "clip", "text_encoders", "clip_name"
 
+    @classmethod
+    def validate_inputs(cls, clip_name: str | None = None) -> bool | str:
+        return cls.refusal({"clip_name": clip_name}) or True
+
 
 class TieredVAELoader(_TieredLoader):
     """VAELoader whose VAE is kept by the tier manager."""
     NODE_ID, DISPLAY_NAME = "TieredVAELoader", "Tiered VAE Loader"
     CORE, LOAD, OUTPUTS = core_nodes.VAELoader, "load_vae", 1
     KIND, FOLDER, NAME_INPUT = "vae", "vae", "vae_name"
+
+    @classmethod
+    def validate_inputs(cls, vae_name: str | None = None) -> bool | str:
+        return cls.refusal({"vae_name": vae_name}) or True
 
 
 LOADERS: dict[str, type[_TieredLoader]] = {
