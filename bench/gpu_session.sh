@@ -3,7 +3,10 @@
 #
 # Here, first: `make gpu-kit` (the ComfyUI trees and the wheels the offline GPU image lacks).
 # Then the device tool: carry [".comfyui", ".gpu_kit"], command `bench/gpu_session.sh STAGE`:
-#   tests   tests/unit with its CUDA-only tests, then every server test on CUDA (not the panel)
+#   tests-unit    tests/unit with its CUDA-only tests
+#   tests-server  the server tests on CUDA (not the browser's): layerwise with and without LoRA,
+#                 phases, from disk, quantized, Model-Level Swap, tiers, interrupt
+#                 (TESTS_SERVER=... names other test files)
 #   bench-engine  bench/layerwise.py (LAYERWISE_ARGS adds options)
 #   bench-comfy   bench/comfy_wan.py: core full / core partial / layerwise (COMFY_WAN_ARGS adds
 #                 options, e.g. "--visible-gb 8"; it writes an ~11 GB model first)
@@ -49,19 +52,33 @@ esac
 cat "$OUT/device.txt"
 
 rc=0
+# Every stage ends inside one 10-minute device call with its log written as it goes: the
+# command is interrupted after STAGE_SECONDS (pytest then tears its servers down and prints its
+# summary), and a test is stopped after TEST_SECONDS (pytest-timeout, in the
+# image), so a hang costs one test, not the call and everything it measured.
+STAGE_SECONDS=${STAGE_SECONDS:-540}
+PYTEST_TIMEOUT=()
+"$PY" -c "import pytest_timeout" 2>/dev/null && PYTEST_TIMEOUT=(--timeout "${TEST_SECONDS:-240}")
 run() {  # run NAME CMD...: log to $OUT/NAME.log, keep going, remember a failure
   local name=$1; shift
   echo "== $name: $*"
-  "$@" > "$OUT/$name.log" 2>&1 || { rc=1; echo "!! $name failed"; }
+  timeout -s INT -k 30 "$STAGE_SECONDS" "$@" > "$OUT/$name.log" 2>&1 || { rc=1; echo "!! $name failed"; }
   tail -n 25 "$OUT/$name.log"
 }
 
 case ${1:-} in
-  tests)
+  tests-unit)
     export OMP_NUM_THREADS=2
-    run tests-unit "$PY" -m pytest tests/unit -q -rs -p no:cacheprovider
-    run tests-server "$PY" -m pytest tests -q -rs -p no:cacheprovider --ignore=tests/unit \
-      --ignore=tests/test_panel.py
+    run tests-unit "$PY" -m pytest tests/unit -q -rs -p no:cacheprovider "${PYTEST_TIMEOUT[@]}"
+    ;;
+  tests-server)
+    export OMP_NUM_THREADS=2
+    # shellcheck disable=SC2086  # a word list of paths
+    run tests-server "$PY" -m pytest ${TESTS_SERVER:-tests/test_e2e_tiny_models.py \
+      tests/test_layerwise_nodes.py tests/test_layerwise_mode.py tests/test_phase_families.py \
+      tests/test_disk_streaming.py tests/test_quantized_models.py tests/test_model_swap.py \
+      tests/test_tiers_server.py tests/test_kept_pack.py tests/test_block_budget.py \
+      tests/test_timeline_routes.py} -q -rs -p no:cacheprovider "${PYTEST_TIMEOUT[@]}"
     ;;
   bench-engine)
     # shellcheck disable=SC2086  # a word list of options
@@ -77,7 +94,7 @@ case ${1:-} in
     # shellcheck disable=SC2086  # a word list of paths
     run tests-033 "$PY" -m pytest -m comfy_tree ${TESTS_033:-tests/test_dynamic_vram_gpu.py \
       tests/test_layerwise_mode.py tests/test_dynamic_vram_compat.py tests/test_loaded_models.py} \
-      -q -rs -p no:cacheprovider --ignore=tests/unit --ignore=tests/test_panel.py
+      -q -rs -p no:cacheprovider "${PYTEST_TIMEOUT[@]}" --ignore=tests/unit --ignore=tests/test_panel.py
     ;;
   bench-dynamic)
     # shellcheck disable=SC2086  # a word list of options
@@ -85,7 +102,7 @@ case ${1:-} in
       --out "$OUT/comfy_wan_dynamic.json"
     ;;
   *)
-    echo "usage: $0 tests|bench-engine|bench-comfy|tests-033|bench-dynamic" >&2
+    echo "usage: $0 tests-unit|tests-server|bench-engine|bench-comfy|tests-033|bench-dynamic" >&2
     exit 2
     ;;
 esac
