@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -30,13 +31,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-big", action="store_true",
                     help="leave out the 1.1 GB Wan (and so the interrupts during packing)")
     ap.add_argument("--no-interrupts", action="store_true")
-    ap.add_argument("--name", help="run folder under tests/artifacts/differential/ (default: a timestamp)")
+    ap.add_argument("--name", help="run folder under tests/artifacts/differential/ (default: a timestamp and the process id)")
     ap.add_argument("--replay", type=Path, help="run the steps of a replay.json on fresh servers")
     ap.add_argument("--minimize", type=Path, help="shrink a replay.json to the fewest steps that still mismatch")
     ap.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of both servers")
     a = ap.parse_args(argv)
     models_root = ARTIFACTS / "models"
-    name = a.name or time.strftime("run-%Y%m%d-%H%M%S")
+    # The process id too: two campaigns started in the same second (one per ComfyUI tree) must not
+    # share a folder.
+    name = a.name or time.strftime("run-%Y%m%d-%H%M%S") + f"-{os.getpid()}"
     if a.replay or a.minimize:
         source = a.replay or a.minimize
         work = ARTIFACTS / "work" / name
