@@ -84,6 +84,24 @@ def test_a_lease_records_one_pass_of_every_streamed_unit(comfy, lease_ended, kin
     assert _last_report(comfy)["timeline"] is None
 
 
+def test_a_recorded_run_with_a_lora_and_the_run_after_an_interrupt_give_cores_result(comfy, lease_ended):
+    """The recording hooks wrap the plain ones: with a LoRA merged on the copy path the latent is
+    core's, and an interrupted recorded run leaves the next recorded and plain prompts right."""
+    plain = sample_workflow("wan21", lora_strength=0.8, seed=10)
+    baseline = latent_sha(comfy.run(plain))
+    comfy.post("/offload/timeline", {"enabled": True})
+    recorded = sample_workflow("wan21", lora_strength=0.8, layerwise=ALL_STREAMED, seed=10)
+    assert latent_sha(comfy.run(recorded)) == baseline
+    assert _last_report(comfy)["timeline"] is not None
+    slow = sample_workflow("wan21", lora_strength=0.8, layerwise=ALL_STREAMED, seed=10, steps=10_000)
+    prompt_id = comfy.queue_running(slow)   # sampling has begun: the interrupt cannot be lost
+    comfy.interrupt()
+    entry = comfy.wait(prompt_id)
+    assert "execution_interrupted" in [kind for kind, _ in entry["status"]["messages"]], entry["status"]
+    assert latent_sha(comfy.run(recorded)) == baseline
+    assert latent_sha(comfy.run(plain)) == baseline
+
+
 @pytest.mark.parametrize("body,headers,status", [
     (b'{"enabled": true}', {"Content-Type": "text/plain"}, 415),
     (b'{"enabled": true}', {}, 415),
