@@ -139,7 +139,7 @@ gpu-kit: $(COMFY)/.ready $(COMFY033)/.ready
 clean:
 	rm -rf $(VENV) $(COMFY) $(VENV033) $(COMFY033) $(TOOLS_VENV) .demo .pytest_cache .gpu_kit
 
-# A long randomized differential campaign (tests/differential, README "Tests"): every prompt on a
+# A long randomized differential campaign (tests/differential, docs/tests.md): every prompt on a
 # server with the pack against its stripped twin on one without. make difftest SEED=7 PROMPTS=500
 SEED ?= 1
 PROMPTS ?= 300

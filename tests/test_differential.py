@@ -6,7 +6,7 @@ fails with the pack must fail the same way without it unless it is a documented 
 seed list is fixed, so CI runs the same prompts every time; the seeds were picked so that this
 short campaign covers every feature listed in REQUIRED (checked below, so a generator change
 that loses coverage fails here instead of silently testing less). Long campaigns with any seed:
-`python -m tests.differential --seed N --prompts 500` (see README, Tests).
+`python -m tests.differential --seed N --prompts 500` (see docs/tests.md).
 """
 import collections
 

@@ -109,10 +109,10 @@ def test_delegate_is_released_with_its_model(dynamic):
 
 
 def test_engine_on_a_dynamic_model_holds_one_host_copy(dynamic, tmp_path):
-    """tools/dynamic_vram_cost.py (the README's RAM figures) on a 150 MiB Wan whose weights are a
-    read-only map of its file, as core's Dynamic VRAM loader makes them: the engine's output copies
-    only the weights outside the blocks, its run adds the pack of the blocks and nothing else, so
-    the process holds the file's pages once and one anonymous copy of the model."""
+    """tools/dynamic_vram_cost.py (the RAM figures of docs/dynamic-vram.md) on a 150 MiB Wan whose
+    weights are a read-only map of its file, as core's Dynamic VRAM loader makes them: the engine's
+    output copies only the weights outside the blocks, its run adds the pack of the blocks and
+    nothing else, so the process holds the file's pages once and one anonymous copy of the model."""
     out = tmp_path / "cost.json"
     proc = subprocess.run([COMFY_PYTHON, "-W", "ignore", str(TESTS.parent / "tools" / "dynamic_vram_cost.py"),
                            "--out", str(out), "--layers", "8", "--dim", "512", "--ffn-dim", "2048"],

@@ -2,8 +2,9 @@
 
 The registry archive is the git-tracked files less .comfyignore. It must hold what a user runs
 and nothing of the repository's development: no tests, benchmarks, tools or CI files; the entry
-point, the license, the README and the package metadata; every tracked file of the folders the
-pack runs from; every module a shipped module imports (relative imports, followed from the files
+point, the license, the README with the pages it links (docs/, ARCHITECTURE.md: an installed copy
+reads the same manual as GitHub) and the package metadata; every tracked file of the folders the
+pack runs from or documents itself in; every module a shipped module imports (relative imports, followed from the files
 themselves, so a module added without being tracked or one .comfyignore drops is caught); every
 file the frontend extension imports; and the locales and help pages the frontend reads.
 
@@ -21,8 +22,8 @@ import zipfile
 from pathlib import Path
 
 DEVELOPMENT = ("tests/", "bench/", "tools/", ".ci/", "Makefile", ".gitignore", ".comfyignore")
-REQUIRED = ("__init__.py", "LICENSE", "README.md", "pyproject.toml", "requirements.txt")
-SHIPPED_FOLDERS = ("nodes/", "offload_core/", "web/", "locales/", "example_workflows/")
+REQUIRED = ("__init__.py", "LICENSE", "README.md", "ARCHITECTURE.md", "pyproject.toml", "requirements.txt")
+SHIPPED_FOLDERS = ("nodes/", "offload_core/", "web/", "locales/", "example_workflows/", "docs/")
 NOT_RUN = ("web/screenshot.png",)   # the README's picture: the frontend never loads it
 LANGUAGES = ("en", "zh")
 LOCALE_FILES = ("main.json", "nodeDefs.json", "settings.json", "commands.json")

@@ -1,6 +1,6 @@
 """What Apply Layerwise Offload costs on a Dynamic VRAM model, measured on CPU: RAM and seconds.
 
-Run with ComfyUI 0.33's Python from its tree (the figures in the README came from this):
+Run with ComfyUI 0.33's Python from its tree (the figures in docs/dynamic-vram.md came from this):
 
     cd .comfyui-033 && OMP_NUM_THREADS=2 ../.venv-033/bin/python ../tools/dynamic_vram_cost.py \
         --pack .. --out ../tests/artifacts/dynamic_vram_cost.json

@@ -33,10 +33,10 @@ class Refusal:
 
 DOCUMENTED: dict[str, Refusal] = {
     "swap_before_offload": Refusal(
-        "README, Known limits: Model-Level Swap placed before Apply Layerwise Offload",
+        "docs/known-limits.md: Model-Level Swap placed before Apply Layerwise Offload",
         nodes=("ApplyLayerwiseOffload",), message=r"swap"),
     "quantized_lora_streamed": Refusal(
-        "README, Known limits: a LoRA on a quantized weight with a custom set_func inside a "
+        "docs/known-limits.md: a LoRA on a quantized weight with a custom set_func inside a "
         "streamed block", message=r"quantized"),
     "resident_out_of_range": Refusal(
         "tests/test_layerwise_nodes.py::test_impossible_settings_fail_clearly: more resident "
@@ -47,10 +47,10 @@ DOCUMENTED: dict[str, Refusal] = {
         "small to stream every block", nodes=("ApplyLayerwiseOffload",), message=r"budget",
         terms=("vram_budget_gb",)),
     "tier_untracked": Refusal(
-        "README, VRAM Tier Manager: connect models loaded by the Tiered loaders",
+        "docs/vram-tier-manager.md: connect models loaded by the Tiered loaders",
         nodes=("VRAMTierManager",), message=r"Tiered"),
     "tier_capacity": Refusal(
-        "README, VRAM Tier Manager: a model in use is never evicted, so a RAM budget below "
+        "docs/tiered-loaders.md: a model in use is never evicted, so a RAM budget below "
         "what a prompt holds refuses the load", exception_suffix="TierCapacityError"),
 }
 

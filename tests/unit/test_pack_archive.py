@@ -82,3 +82,11 @@ def test_locales_and_help_pages_are_checked(archive, tracked):
     assert "missing: locales/zh/settings.json" in found
     assert "missing help page: web/docs/ModelLevelSwap/zh.md" in found
     assert any(p.startswith("locales/en/main.json is not JSON") for p in found), found
+
+
+def test_a_dropped_manual_page_is_found(archive, tracked):
+    """The README links docs/ and ARCHITECTURE.md: an installed copy must hold them too."""
+    del archive["docs/api.md"]
+    del archive["ARCHITECTURE.md"]
+    assert check.problems(archive, tracked) == ["missing: ARCHITECTURE.md",
+                                                "tracked but not in the archive: docs/api.md"]

@@ -1,0 +1,225 @@
+"""The documentation's links hold, and the README stays a front page.
+
+Every relative link in README.md, ARCHITECTURE.md and docs/ must name a file of the repository
+that GitHub shows (tracked, or new and not ignored: a link into tests/artifacts/ works only on the
+machine that wrote it), and every `#anchor` a heading of its page by GitHub's rules for heading
+anchors. The README's first screen must hold what a newcomer looks for first: the install, the
+two commands and the table of which node to use. Each check also runs on a page with the fault put
+in, so a checker that finds nothing fails here too.
+"""
+from __future__ import annotations
+
+import posixpath
+import re
+import subprocess
+from pathlib import Path
+from typing import Callable
+from urllib.parse import unquote
+
+ROOT = Path(__file__).resolve().parents[2]
+FIRST_SCREEN = 50   # lines: what a reader sees of the README without scrolling far
+NODE_PAGES = ("docs/layerwise-offload.md", "docs/model-level-swap.md", "docs/tiered-loaders.md",
+              "docs/vram-tier-manager.md")
+
+FENCE = re.compile(r"^\s*(```|~~~)")
+HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
+INLINE_CODE = re.compile(r"(`+)(.+?)\1")
+INLINE_LINK = re.compile(r"\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+REFERENCE_DEFINITION = re.compile(r"^\s{0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s+\"[^\"]*\")?\s*$")
+HTML_LINK = re.compile(r"""<(?:a|img)\b[^>]*?\b(?:href|src)\s*=\s*["']([^"']+)["']""", re.I)
+HTML_ANCHOR = re.compile(r"""<a\b[^>]*?\b(?:id|name)\s*=\s*["']([^"']+)["']""", re.I)
+EXTERNAL = re.compile(r"^[a-z][a-z0-9+.-]*:", re.I)   # http:, https:, mailto: ...
+
+
+def prose_lines(text: str) -> list[tuple[int, str]]:
+    """(line number, line) outside fenced code blocks: a link in a code sample is not a link."""
+    out, fenced = [], False
+    for number, line in enumerate(text.splitlines(), 1):
+        if FENCE.match(line):
+            fenced = not fenced
+            continue
+        if not fenced:
+            out.append((number, line))
+    return out
+
+
+def github_slug(heading: str) -> str:
+    """The anchor GitHub gives a heading: its rendered text in lower case, without punctuation
+    (letters, digits, `_`, `-` and spaces stay), spaces turned into `-`."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)   # a link or image: its text
+    text = re.sub(r"<[^>]+>", "", text)                          # inline HTML tags
+    return re.sub(r"[^\w\- ]", "", text.lower()).replace(" ", "-")
+
+
+def anchors(text: str) -> set[str]:
+    """Every anchor of a page: its headings' (a repeated heading gets -1, -2, ... as on GitHub)
+    and those of HTML anchors."""
+    found: set[str] = set()
+    seen: dict[str, int] = {}
+    for _, line in prose_lines(text):
+        found |= set(HTML_ANCHOR.findall(line))
+        match = HEADING.match(line)
+        if not match:
+            continue
+        slug = github_slug(match.group(2))
+        count = seen.get(slug, 0)
+        seen[slug] = count + 1
+        found.add(slug if count == 0 else f"{slug}-{count}")
+    return found
+
+
+def links(text: str) -> list[tuple[int, str]]:
+    """(line number, target) of every link and image of a page, outside code."""
+    out = []
+    for number, line in prose_lines(text):
+        line = INLINE_CODE.sub("", line)
+        targets = INLINE_LINK.findall(line) + HTML_LINK.findall(line)
+        definition = REFERENCE_DEFINITION.match(line)
+        if definition:
+            targets.append(definition.group(1))
+        out += [(number, target) for target in targets]
+    return out
+
+
+def link_problems(page: str, text: str, files: set[str], read: Callable[[str], str]) -> list[str]:
+    """What is broken among one page's relative links: a file the repository does not have, a
+    link above the repository's root, an anchor no heading of the target page makes."""
+    found = []
+    for number, target in links(text):
+        if EXTERNAL.match(target):
+            continue
+        path, _, anchor = target.partition("#")
+        path = unquote(path)
+        name = posixpath.normpath(posixpath.join(posixpath.dirname(page), path)) if path else page
+        where = f"{page}:{number}: {target}"
+        if name == ".." or name.startswith("../"):
+            found.append(f"{where}: leaves the repository")
+            continue
+        is_folder = any(f.startswith(name.rstrip("/") + "/") for f in files)
+        if name not in files and not is_folder:
+            found.append(f"{where}: no such file in the repository")
+            continue
+        if anchor and name.endswith(".md") and unquote(anchor) not in anchors(read(name)):
+            found.append(f"{where}: no heading makes the anchor #{anchor}")
+    return found
+
+
+def first_screen_problems(readme: str) -> list[str]:
+    """What the README's first screen lacks: the install, the two commands, and the table of
+    which node to use (its every row, linking every node's page)."""
+    lines = readme.splitlines()
+    heading_at = {}
+    for number, line in prose_lines(readme):
+        match = HEADING.match(line)
+        if match:
+            heading_at.setdefault(github_slug(match.group(2)), number)
+    found = [f"no heading '{slug}' in the first {FIRST_SCREEN} lines"
+             for slug in ("install", "try-it-two-commands", "which-node-when")
+             if heading_at.get(slug, FIRST_SCREEN + 1) > FIRST_SCREEN]
+    screen = "\n".join(lines[:FIRST_SCREEN])
+    found += [f"'{text}' is not in the first {FIRST_SCREEN} lines"
+              for text in ("pip install -r", "make demo", "make test") if text not in screen]
+    start = heading_at.get("which-node-when")
+    if start is not None:
+        rows, number = [], start
+        while number < len(lines) and not lines[number].startswith("|"):
+            number += 1
+        while number < len(lines) and lines[number].startswith("|"):
+            rows.append((number + 1, lines[number]))
+            number += 1
+        if len(rows) < 4:
+            found.append("the which-node table has fewer than two rows")
+        elif rows[-1][0] > FIRST_SCREEN:
+            found.append(f"the which-node table ends at line {rows[-1][0]}, past the first screen")
+        table = "\n".join(row for _, row in rows)
+        found += [f"the which-node table does not link {page}" for page in NODE_PAGES
+                  if posixpath.basename(page) not in table]
+    return found
+
+
+def repository_files() -> set[str]:
+    """What GitHub shows once this checkout is pushed: tracked files and new ones git does not
+    ignore; outside a git checkout, every file on disk."""
+    try:
+        listed = [subprocess.run(["git", "ls-files", *extra], cwd=ROOT, capture_output=True,
+                                 text=True, check=True).stdout.split("\n")
+                  for extra in ((), ("--others", "--exclude-standard"))]
+    except (OSError, subprocess.CalledProcessError):
+        return {p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*") if p.is_file()}
+    return {name for names in listed for name in names if name and (ROOT / name).is_file()}
+
+
+def pages() -> list[str]:
+    return ["README.md", "ARCHITECTURE.md",
+            *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").rglob("*.md"))]
+
+
+def read(name: str) -> str:
+    return (ROOT / name).read_text(encoding="utf-8")
+
+
+def test_every_relative_link_and_anchor_resolves():
+    files = repository_files()
+    checked = pages()
+    assert "docs/README.md" in checked and len(checked) > 10, checked
+    found = [p for page in checked for p in link_problems(page, read(page), files, read)]
+    assert found == [], "\n".join(found)
+
+
+def test_every_docs_page_is_reachable_from_the_index():
+    index = {posixpath.normpath(posixpath.join("docs", t.partition("#")[0]))
+             for _, t in links(read("docs/README.md")) if not EXTERNAL.match(t)}
+    assert [p for p in pages() if p.startswith("docs/") and p != "docs/README.md"
+            and p not in index] == []
+
+
+def test_the_readme_front_page_holds_install_commands_and_which_node_first():
+    found = first_screen_problems(read("README.md"))
+    assert found == [], "\n".join(found)
+
+
+def test_a_broken_link_or_anchor_is_found():
+    files = repository_files()
+    page = read("docs/README.md") + "\n".join([
+        "",
+        "[gone](no-such-page.md)",                            # a file that does not exist
+        "[bad anchor](api.md#no-such-heading)",                 # a heading that does not exist
+        "[own](#no-such-heading-here)",                         # the same page's anchor
+        "[up](../../outside.md)",                               # above the repository
+        "[artifact](../tests/artifacts/node.zip)",               # ignored: not on GitHub
+        "[ok](api.md#routes) [ok too](../README.md#install)",   # fine
+        "```",
+        "[in a code sample](not-a-link.md)",
+        "```",
+        "`[in code](not-a-link-either.md)`",
+    ])
+    found = link_problems("docs/README.md", page, files, read)
+    assert [p.split(": ", 1)[1] for p in found] == [
+        "no-such-page.md: no such file in the repository",
+        "api.md#no-such-heading: no heading makes the anchor #no-such-heading",
+        "#no-such-heading-here: no heading makes the anchor #no-such-heading-here",
+        "../../outside.md: leaves the repository",
+        "../tests/artifacts/node.zip: no such file in the repository",
+    ], found
+
+
+def test_anchors_follow_githubs_rules():
+    assert github_slug("Apply Layerwise Offload (`MODEL → MODEL`)") == "apply-layerwise-offload-model--model"
+    assert github_slug("`bench/disk_stream.py`: disk streaming against RAM") == \
+        "benchdisk_streampy-disk-streaming-against-ram"
+    assert github_slug("Tiered UNET / Checkpoint / CLIP / VAE Loader") == "tiered-unet--checkpoint--clip--vae-loader"
+    assert github_slug("How `auto` makes core keep the node's choice, at every load") == \
+        "how-auto-makes-core-keep-the-nodes-choice-at-every-load"
+    assert anchors("# A\n## A\n```\n# B\n```\n<a id=\"c\"></a>\n") == {"a", "a-1", "c"}
+
+
+def test_a_front_page_that_hides_its_first_screen_is_found():
+    readme = read("README.md")
+    pushed_down = "\n" * FIRST_SCREEN + readme
+    found = first_screen_problems(pushed_down)
+    assert "no heading 'install' in the first 50 lines" in found, found
+    assert "'make demo' is not in the first 50 lines" in found, found
+    assert any(p.startswith("the which-node table ends at line") for p in found), found
+    without_swap = readme.replace("(docs/model-level-swap.md)", "(docs/api.md)")
+    assert first_screen_problems(without_swap) == [
+        "the which-node table does not link docs/model-level-swap.md"]
