@@ -111,14 +111,15 @@ part_p4d() {
 part_finish() {
   # Everything else that should come back, in one file: the benches' JSON, the ComfyUI servers'
   # logs, what the tests wrote under tests/artifacts during this call.
-  (cd "$WORK" && find results -type f 2>/dev/null; find . -name 'comfy-*.log' -type f 2>/dev/null) \
+  find tests/artifacts -path "${OUT#"$REPO"/}" -prune -o -type f -newer "$WORK/started" -print0 \
+    2>/dev/null | xargs -0r cp --parents -t "$WORK"
+  (cd "$WORK" && find results tests -type f 2>/dev/null; find . -name 'comfy-*.log' -type f) \
     > "$WORK/extra.list"
-  find "$REPO/tests/artifacts" -path "$OUT" -prune -o -type f -newer "$WORK/started" -print \
-    2>/dev/null >> "$WORK/extra.list"
   tar -czf "$OUT/extra.tar.gz" -C "$WORK" -T "$WORK/extra.list" 2>&1 | tail -3
   # A log over the 16 MiB a file may bring back keeps its last 15 MiB.
   for log in "$OUT"/*.log; do
-    [ "$(stat -c %s "$log")" -gt $((16 << 20)) ] && { tail -c $((15 << 20)) "$log" > "$log.tmp"; mv "$log.tmp" "$log"; }
+    [ -f "$log" ] && [ "$(stat -c %s "$log")" -gt $((16 << 20)) ] || continue
+    tail -c $((15 << 20)) "$log" > "$log.tmp" && mv "$log.tmp" "$log"
   done
   local carry=()
   [ "$REHEARSE" = 1 ] && carry=(--rehearse --carry .gpu_kit)
@@ -172,12 +173,16 @@ export TIERED_GPU_SESSION_ROWS=$ROWS
 exec > >(tee -a "$OUT/session.log") 2>&1
 TEE=$!
 
+pgid_of() {  # the process group of a process, from /proc (the field after state and parent)
+  cut -d')' -f2 "/proc/$1/stat" 2>/dev/null | awk '{print $3}'
+}
+
 end_left_processes() {  # end_left_processes MARKER: kill every process group the part left behind
   local marker=$1 own env pid pgid
-  own=$(ps -o pgid= -p $$ | tr -d ' ')
+  own=$(pgid_of $$)
   for env in $(grep -lzxF "TIERED_GPU_SESSION_PART=$marker" /proc/[0-9]*/environ 2>/dev/null); do
     pid=${env#/proc/}; pid=${pid%/environ}
-    pgid=$(ps -o pgid= -p "$pid" 2>/dev/null | tr -d ' ')
+    pgid=$(pgid_of "$pid")
     if [ -n "$pgid" ] && [ "$pgid" != "$own" ] && kill -KILL -- "-$pgid" 2>/dev/null; then
       echo "   killed process group $pgid (pid $pid) that the part left running"
     fi

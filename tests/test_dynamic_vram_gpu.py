@@ -11,7 +11,8 @@ comfy_server.py), and:
   cost is reported, and merges a LoRA as core's classic full load does (in core's LoRA dtype on
   the device, then rounded stochastically to the weight's dtype): its result with a LoRA is the
   classic reference's, a server started with `--disable-dynamic-vram`. Core's Dynamic VRAM run
-  merges the LoRA per cast in the weight's dtype (LowVramPatch), without that rounding, so its
+  merges the LoRA on every cast, in the dtype it casts the weight to (LowVramPatch, for modules
+  over 16 KiB, which the tiny Wan's are), without that rounding, so its
   result with a LoRA may differ from both: the test records how it relates (a test property and
   tests/artifacts/.../dynamic_vram_lora.json) and asserts nothing about it. A LoRA change reuses
   the twin.
