@@ -75,8 +75,8 @@ run_pytest() {  # run_pytest PER_TEST_TIMEOUT ARGS...: pytest with the session's
   else
     echo "!! no pytest-timeout: a test that hangs costs the whole part"
   fi
-  OMP_NUM_THREADS=2 "$PY" -m pytest -q -rs -p no:cacheprovider -p pytest_session_rows \
-    --basetemp "$WORK/pytest-$PART" "${timeout_args[@]}" "$@"
+  OMP_NUM_THREADS=2 PYTHONPATH=$REPO/bench:$PYTHONPATH "$PY" -m pytest -q -rs -p no:cacheprovider \
+    -p pytest_session_rows --basetemp "$WORK/pytest-$PART" "${timeout_args[@]}" "$@"
 }
 
 part_unit() { run_pytest 45 tests/unit; }
@@ -166,7 +166,7 @@ ROWS=$OUT/rows.jsonl
 if [ "$MODE" = dynamic ]; then COMFY_ROOT=$WORK/comfyui-0.33/ComfyUI; else COMFY_ROOT=$WORK/comfyui-0.3.75/ComfyUI; fi
 export MODE REHEARSE PLAN PY COMFY_PY OUT WORK SITE ROWS COMFY_ROOT
 export PYTHONUNBUFFERED=1
-export PYTHONPATH=$SITE:$REPO/bench${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 export TIERED_OFFLOAD_COMFY_ROOT=$COMFY_ROOT TIERED_OFFLOAD_COMFY_PYTHON=$COMFY_PY
 export TIERED_GPU_SESSION_ROWS=$ROWS
 

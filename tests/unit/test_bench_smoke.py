@@ -10,7 +10,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "layerwise.py"
 
 
-def test_bench_smoke_writes_json(tmp_path):
+def _load_layerwise():
     spec = importlib.util.spec_from_file_location("bench_layerwise", BENCH)
     bench = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = bench  # dataclasses look their module up while the class is built
@@ -18,6 +18,11 @@ def test_bench_smoke_writes_json(tmp_path):
         spec.loader.exec_module(bench)
     finally:
         sys.modules.pop(spec.name, None)
+    return bench
+
+
+def test_bench_smoke_writes_json(tmp_path):
+    bench = _load_layerwise()
     out = tmp_path / "smoke.json"
     bench.main(["--smoke", "--out", str(out)])
     data = json.loads(out.read_text())
@@ -58,13 +63,7 @@ def test_hook_overhead_bench_streams_every_block_in_order(tmp_path):
 def test_bench_rows_give_the_session_its_figures(tmp_path):
     """--rows appends each measurement as it is taken, and bench/gpu_summary.py turns them into
     issue 34's engine figures: each one the ratio of the measurements it names."""
-    spec = importlib.util.spec_from_file_location("bench_layerwise_rows", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
-    try:
-        spec.loader.exec_module(bench)
-    finally:
-        sys.modules.pop(spec.name, None)
+    bench = _load_layerwise()
     rows_path = tmp_path / "rows.jsonl"
     data = bench.main(["--smoke", "--settings", "0:1,2:2", "--lora-settings", "2:2", "--lora-rank", "4",
                        "--skip-naive", "--rows", str(rows_path), "--out", str(tmp_path / "smoke.json")])

@@ -2,10 +2,13 @@
 limits (a rehearsal relies on these checks to say a call would come back whole)."""
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
+
+import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
@@ -60,6 +63,7 @@ def test_unpack_takes_the_wheels_this_python_imports_and_names_the_others(tmp_pa
     assert not (tmp_path / "site" / "otherpkg").exists()
 
 
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git (what a call carries is git's list)")
 def test_carried_counts_the_checkout_and_the_kit_and_refuses_bytecode_and_other_pythons(tmp_path):
     repo = tmp_path / "repo"
     repo.mkdir()
