@@ -1,5 +1,5 @@
 # `make demo` and `make test` build what they need once and reuse it; `make gpu-kit` prepares
-# what a lent GPU machine needs carried (bench/gpu_session.sh).
+# what a lent GPU machine needs carried (bench/gpu_session.sh, docs/gpu-session.md).
 # `make test` checks the registry archive (`make pack-check`), then runs two lanes: the whole
 # suite on ComfyUI 0.3.75 (.venv/, .comfyui/), then the tests that run ComfyUI (marker
 # comfy_tree) on ComfyUI 0.33.0 (.venv-033/, .comfyui-033/).
@@ -127,14 +127,11 @@ test-0.33: env env-033 /usr/bin/chromium
 	TIERED_OFFLOAD_COMFY_ROOT=$(CURDIR)/$(COMFY033) TIERED_OFFLOAD_COMFY_PYTHON=$(CURDIR)/$(PY033) \
 	OMP_NUM_THREADS=2 $(PY) -m pytest -m comfy_tree tests
 
-# What a lent GPU machine needs carried (see bench/gpu_session.sh): the ComfyUI tree without
-# bytecode, and the wheels its offline image lacks; for the ComfyUI 0.33 (Dynamic VRAM) stages,
-# the 0.33 tree as a tarball and its extra wheels. Everything one call carries must stay under
-# 64 MiB: the 0.3.75 stages carry .comfyui and .gpu_kit, the 0.33 stages .gpu_kit alone.
+# What a lent GPU machine needs carried, .gpu_kit/ (docs/gpu-session.md): both ComfyUI trees as
+# tarballs and the wheels its offline image lacks. With the checkout it stays under the 64 MiB a
+# device call carries; `bench/gpu_session.sh first --rehearse` measures what would travel.
 gpu-kit: $(COMFY)/.ready $(COMFY033)/.ready
-	find $(COMFY) -name __pycache__ -prune -exec rm -rf {} +
 	tools/gpu_kit.sh
-	du -csh --exclude=.git --exclude=.venv --exclude=.venv-033 --exclude=.comfyui-033 --exclude=.demo --exclude=tests/artifacts .
 
 clean:
 	rm -rf $(VENV) $(COMFY) $(VENV033) $(COMFY033) $(TOOLS_VENV) .demo .pytest_cache .gpu_kit

@@ -1,6 +1,8 @@
 """Mid-size Wan 2.1 through a real ComfyUI server: Apply Layerwise Offload against core's own
 partial loading at the same VRAM budget, and against no offload at all.
 
+One model file, written once, serves every workload (--workloads: latent sizes, each named) and
+every mode; a server runs each of its modes for every workload before the next server starts.
 Modes, each queued through POST /prompt --repeats times (the last run is reported, the first
 is the cold one that loads the model):
   core_full     the plain workflow; core loads the whole model. Its step time is the compute
@@ -24,7 +26,7 @@ for core_partial the bytes core left unloaded, once per model call.
 --dynamic compares instead, on one server with the same visible VRAM (--reserve-vram on CUDA):
   core_dynamic  the plain workflow: with ComfyUI 0.15 and later on NVIDIA, core's Dynamic VRAM
                 streams the model itself (run it with TIERED_OFFLOAD_COMFY_ROOT/_PYTHON naming a
-                0.33 tree; bench/gpu_session.sh bench-dynamic does)
+                0.33 tree; bench/gpu_session.sh dynamic does)
   auto          Apply Layerwise Offload, mode auto: core streams, in the node's order
   engine        Apply Layerwise Offload, mode engine: the pack's engine on a classic twin
 with step time, peak device memory (the device's own use: Dynamic VRAM maps weights outside
@@ -33,6 +35,11 @@ JSON says whether the server ran Dynamic VRAM at all (on CPU all three modes are
 
 The model is Wan 2.1 with 14B dimensions (dim 5120, ffn 13824, 40 heads) and --layers blocks,
 in random bf16 weights written here. The text context is 16 random tokens rather than T5's 512.
+A block of it is 0.65 GiB, about Flux-dev's double block (0.63 GiB): a workload of one
+1024x1024 frame (4096 tokens, Flux-dev's image tokens at 1024x1024) runs it in Flux's regime,
+where a block's copy takes longer than its compute; 480p video frames are Wan's, compute-bound.
+The JSON has, per workload, its modes and latents; --rows appends one JSON row per mode as it
+ends (bench/gpu_session.sh reads them back if a run is cut short).
 --smoke runs a 6-block dim-128 Wan, in well under a minute. On a CPU-only machine it skips
 core_partial, because with --cpu core keeps everything on the CPU and has no partial loading
 to compare.
@@ -60,6 +67,7 @@ sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "fixtures"), str(BENCH
 import tiny_models  # noqa: E402
 from comfy_server import ComfyServer  # noqa: E402
 from layerwise import link_peak  # noqa: E402
+from session_rows import append_row  # noqa: E402
 
 RESULTS = BENCH / "results"
 MODEL_FILE = "bench_wan21.safetensors"
@@ -108,7 +116,17 @@ def probe_in_child(link_bytes: int) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ the workflow
-def workflow(args: argparse.Namespace, label: str, seed: int,
+def parse_workloads(text: str) -> dict[str, dict[str, int]]:
+    """"NAME=WxHxF,..." (width, height, frames of the latent video) in order."""
+    out: dict[str, dict[str, int]] = {}
+    for item in text.split(","):
+        name, _, size = item.partition("=")
+        width, height, frames = (int(v) for v in size.split("x"))
+        out[name] = {"width": width, "height": height, "frames": frames}
+    return out
+
+
+def workflow(args: argparse.Namespace, latent: dict[str, int], label: str, seed: int,
              layerwise: dict[str, Any] | None) -> dict:
     """UNETLoader → [Apply Layerwise Offload] → clock → KSampler → latent sha + bench report."""
     wf: dict[str, dict] = {
@@ -117,8 +135,8 @@ def workflow(args: argparse.Namespace, label: str, seed: int,
         "pos": {"class_type": "TieredTestConditioning", "inputs": {"model_kind": "wan21", "seed": 1}},
         "neg": {"class_type": "TieredTestConditioning", "inputs": {"model_kind": "wan21", "seed": 2}},
         "latent": {"class_type": "EmptyHunyuanLatentVideo",
-                   "inputs": {"width": args.width, "height": args.height, "length": args.frames,
-                              "batch_size": 1}},
+                   "inputs": {"width": latent["width"], "height": latent["height"],
+                              "length": latent["frames"], "batch_size": 1}},
         "stats": {"class_type": "TieredTestLatentStats", "inputs": {"samples": ["sample", 0]}},
         "report": {"class_type": "TieredBenchReport",
                    "inputs": {"samples": ["sample", 0], "label": label}},
@@ -152,16 +170,18 @@ def _pack_report(reports: list[dict], core_streams: bool) -> dict | None:
                 None)
 
 
-def run_mode(server: ComfyServer, args: argparse.Namespace, mode: str,
+def run_mode(server: ComfyServer, args: argparse.Namespace, workload: str, mode: str,
              layerwise: dict[str, Any] | None) -> dict:
-    """Queue the mode's workflow --repeats times from a clean server; report the last run."""
+    """Queue the mode's workflow --repeats times from a clean server; report the last run (and
+    append it to --rows)."""
     server.free()
     runs = []
+    latent = args.workloads[workload]
     for i in range(args.repeats):
-        entry = server.wait(server.queue(workflow(args, mode, args.seed, layerwise)),
+        entry = server.wait(server.queue(workflow(args, latent, mode, args.seed, layerwise)),
                             timeout=args.prompt_timeout)
         if entry["status"]["status_str"] != "success":
-            raise RuntimeError(f"{mode} run {i} failed: {json.dumps(entry['status'])[:4000]}\n"
+            raise RuntimeError(f"{workload} {mode} run {i} failed: {json.dumps(entry['status'])[:4000]}\n"
                                f"{server.log_tail(60)}")
         figures = entry["outputs"]["report"]["bench"][0]
         figures["latent_sha256"] = entry["outputs"]["stats"]["latent_stats"][0]["sha256"]
@@ -178,7 +198,16 @@ def run_mode(server: ComfyServer, args: argparse.Namespace, mode: str,
         # auto on a Dynamic VRAM model: the order core streams in; anywhere else the engine's.
         auto = layerwise.get("mode") == "auto"
         last["layerwise"] = _pack_report(reports, auto) or _pack_report(reports, not auto)
+    append_row(args.rows, {"bench": "comfy_wan", "row": "mode", "workload": workload, "mode": mode,
+                           "dynamic": args.dynamic, "latent": latent,
+                           "budget_gib": (layerwise or {}).get("vram_budget_gb"),
+                           **{k: last.get(k) for k in ROW_FIELDS}})
     return last
+
+
+# What a row of a mode holds (the JSON has the rest).
+ROW_FIELDS = ("step_s", "calls", "calls_per_step", "call_s_median", "prompt_s", "cold_prompt_s",
+              "latent_sha256", "peak_allocated_bytes", "peak_device_used_bytes", "host_rss")
 
 
 # ------------------------------------------------------------------ figures
@@ -186,9 +215,8 @@ def wan_loaded_bytes(mode: dict) -> int:
     return sum(m["loaded_bytes"] for m in mode["loaded_models"] if m["class"] == "WAN21")
 
 
-def add_bounds(result: dict, link_gbps: float | None) -> None:
+def add_bounds(result: dict, modes: dict, link_gbps: float | None) -> None:
     """Streamed bytes per step, the bound and how close each streamed mode gets to it."""
-    modes = result["modes"]
     compute = modes["core_full"]["step_s"]
     total = result["model"]["bytes"]
     for name, mode in modes.items():
@@ -216,22 +244,24 @@ def print_table(result: dict) -> None:
     print(f"device: {result['device']}  torch {result['torch']}  model: {result['model']['layers']} "
           f"blocks, {_gib(result['model']['bytes'])} GiB  link: "
           f"{link['pinned_h2d_GBps']:.1f} GB/s pinned")
-    head = (f"{'mode':<13} {'step s':>8} {'bound s':>8} {'eff':>5} {'peak GiB':>9} "
+    head = (f"{'workload':<14} {'mode':<13} {'step s':>8} {'bound s':>8} {'eff':>5} {'peak GiB':>9} "
             f"{'core-loaded GiB':>16} {'streamed/step GiB':>18} {'cold prompt s':>14} {'sha':>10}")
     print(head)
     print("-" * len(head))
-    for name, m in result["modes"].items():
-        if "skipped" in m:
-            print(f"{name:<13} skipped: {m['skipped']}")
-            continue
-        bound = f"{m['bound_s']:.3f}" if "bound_s" in m else "-"
-        eff = f"{m['efficiency']:.2f}" if "efficiency" in m else "-"
-        print(f"{name:<13} {m['step_s']:>8.3f} {bound:>8} {eff:>5} {_gib(m['peak_allocated_bytes']):>9} "
-              f"{_gib(wan_loaded_bytes(m)):>16} {_gib(m.get('streamed_bytes_per_step')):>18} "
-              f"{m['cold_prompt_s'] or 0:>14.2f} {m['latent_sha256'][:10]:>10}")
-    print(f"layerwise latent equals core's full load (the reference): "
-          f"{result['layerwise_matches_reference']}; core's partial load equals it: "
-          f"{result['core_partial_matches_reference']}")
+    for workload, run in result["workloads"].items():
+        for name, m in run["modes"].items():
+            if "skipped" in m:
+                print(f"{workload:<14} {name:<13} skipped: {m['skipped']}")
+                continue
+            bound = f"{m['bound_s']:.3f}" if "bound_s" in m else "-"
+            eff = f"{m['efficiency']:.2f}" if "efficiency" in m else "-"
+            print(f"{workload:<14} {name:<13} {m['step_s']:>8.3f} {bound:>8} {eff:>5} "
+                  f"{_gib(m['peak_allocated_bytes']):>9} {_gib(wan_loaded_bytes(m)):>16} "
+                  f"{_gib(m.get('streamed_bytes_per_step')):>18} {m['cold_prompt_s'] or 0:>14.2f} "
+                  f"{m['latent_sha256'][:10]:>10}")
+        print(f"{workload}: layerwise latent equals core's full load (the reference): "
+              f"{run['layerwise_matches_reference']}; core's partial load equals it: "
+              f"{run['core_partial_matches_reference']}")
 
 
 def run_dynamic(args: argparse.Namespace, base: Path, result: dict, cuda: bool,
@@ -239,42 +269,47 @@ def run_dynamic(args: argparse.Namespace, base: Path, result: dict, cuda: bool,
     """core_dynamic, auto and engine on one server: the same visible VRAM for all three. The
     node's budget is --budget-gb, else its own default (from what is free at each run); on a
     CPU, where that default keeps every block resident, one resident block so that it streams."""
-    modes = result["modes"]
+    runs = result["workloads"] = {name: {"latent": latent, "modes": {}}
+                                  for name, latent in args.workloads.items()}
     extra: tuple[str, ...] = ()
     if cuda:
         reserve_gib = max(0.0, result["device_total_bytes"] / GIB - args.visible_gb)
         result["settings"]["reserve_vram_gib"] = reserve_gib
         extra = ("--reserve-vram", f"{reserve_gib:.3f}")
     budget = args.budget_gb or (0.0 if cuda else cpu_budget_gib)
-    with _server(base, extra, torch.get_num_threads()) as server:
-        modes["core_dynamic"] = run_mode(server, args, "core_dynamic", None)
-        modes["auto"] = run_mode(server, args, "auto", {"mode": "auto", "vram_budget_gb": budget})
-        modes["engine"] = run_mode(server, args, "engine", {"mode": "engine", "vram_budget_gb": budget})
-        log = server.log_text()
-    result["dynamic_vram"] = "DynamicVRAM support detected and enabled" in log
     result["settings"]["layerwise_budget_gib"] = budget
-    reference = modes["core_dynamic"]["latent_sha256"]
     result["reference"] = "core_dynamic"
-    result["auto_matches_reference"] = modes["auto"]["latent_sha256"] == reference
-    result["engine_matches_reference"] = modes["engine"]["latent_sha256"] == reference
+    with _server(base, extra, torch.get_num_threads(), dynamic_vram=True) as server:
+        result["dynamic_vram"] = "DynamicVRAM support detected and enabled" in server.log_text()
+        for workload, run in runs.items():
+            modes = run["modes"]
+            modes["core_dynamic"] = run_mode(server, args, workload, "core_dynamic", None)
+            modes["auto"] = run_mode(server, args, workload, "auto",
+                                     {"mode": "auto", "vram_budget_gb": budget})
+            modes["engine"] = run_mode(server, args, workload, "engine",
+                                       {"mode": "engine", "vram_budget_gb": budget})
+            reference = modes["core_dynamic"]["latent_sha256"]
+            run["auto_matches_reference"] = modes["auto"]["latent_sha256"] == reference
+            run["engine_matches_reference"] = modes["engine"]["latent_sha256"] == reference
 
 
 def print_dynamic_table(result: dict) -> None:
     print(f"device: {result['device']}  torch {result['torch']}  Dynamic VRAM: "
           f"{result['dynamic_vram']}  model: {result['model']['layers']} blocks, "
           f"{_gib(result['model']['bytes'])} GiB")
-    head = (f"{'mode':<13} {'step s':>8} {'peak device GiB':>16} {'host anon GiB':>14} "
+    head = (f"{'workload':<14} {'mode':<13} {'step s':>8} {'peak device GiB':>16} {'host anon GiB':>14} "
             f"{'host file GiB':>14} {'host peak GiB':>14} {'cold prompt s':>14} {'sha':>10}")
     print(head)
     print("-" * len(head))
-    for name, m in result["modes"].items():
-        rss = m.get("host_rss") or {}
-        print(f"{name:<13} {m['step_s']:>8.3f} {_gib(m.get('peak_device_used_bytes')):>16} "
-              f"{_gib(rss.get('anon_bytes')):>14} {_gib(rss.get('file_bytes')):>14} "
-              f"{_gib(rss.get('peak_bytes')):>14} {m['cold_prompt_s'] or 0:>14.2f} "
-              f"{m['latent_sha256'][:10]:>10}")
-    print(f"latent equals core_dynamic's: auto {result['auto_matches_reference']}, "
-          f"engine {result['engine_matches_reference']}")
+    for workload, run in result["workloads"].items():
+        for name, m in run["modes"].items():
+            rss = m.get("host_rss") or {}
+            print(f"{workload:<14} {name:<13} {m['step_s']:>8.3f} "
+                  f"{_gib(m.get('peak_device_used_bytes')):>16} {_gib(rss.get('anon_bytes')):>14} "
+                  f"{_gib(rss.get('file_bytes')):>14} {_gib(rss.get('peak_bytes')):>14} "
+                  f"{m['cold_prompt_s'] or 0:>14.2f} {m['latent_sha256'][:10]:>10}")
+        print(f"{workload}: latent equals core_dynamic's: auto {run['auto_matches_reference']}, "
+              f"engine {run['engine_matches_reference']}")
 
 
 # ------------------------------------------------------------------ main
@@ -288,9 +323,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dim", type=int, default=5120)
     ap.add_argument("--ffn", type=int, default=13824)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--width", type=int, default=832)
-    ap.add_argument("--height", type=int, default=480)
-    ap.add_argument("--frames", type=int, default=33)
+    ap.add_argument("--workloads",
+                    help="NAME=WIDTHxHEIGHTxFRAMES list: the latents every mode samples, in order "
+                         "(default wan-480p=832x480x33; --smoke: smoke=64x64x5)")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--cfg", type=float, default=5.0)
     ap.add_argument("--seed", type=int, default=42)
@@ -303,11 +338,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--prompt-timeout", type=float, default=1200)
     ap.add_argument("--base", type=Path, help="ComfyUI base directory (kept; reuses the model)")
     ap.add_argument("--out", type=Path, help="JSON path (default: bench/results/comfy_wan-<device>-<time>.json)")
+    ap.add_argument("--rows", type=Path, help="append one JSON row per mode here as it ends")
     ap.add_argument("--probe-device", type=int, metavar="LINK_BYTES", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.smoke:
         args.layers, args.dim, args.ffn, args.dtype, args.prefetch = 6, 128, 256, "float32", 1
-        args.width, args.height, args.frames, args.steps = 64, 64, 5, 3
+        args.steps = 3
+        args.workloads = args.workloads or "smoke=64x64x5"
+    args.workloads = parse_workloads(args.workloads or "wan-480p=832x480x33")
     return args
 
 
@@ -340,43 +378,51 @@ def main(argv: list[str] | None = None) -> dict:
                   "bytes": sum(sizes.values()), "block_bytes": block_bytes,
                   "bytes_per_block": bytes_per_block},
         "link": link,
-        "modes": {},
     }
     if args.dynamic:
         run_dynamic(args, base, result, cuda, min_budget + block_bytes / args.layers / GIB)
         print_dynamic_table(result)
         return _write(result, args)
-    modes = result["modes"]
+    runs = result["workloads"] = {name: {"latent": latent, "modes": {}}
+                                  for name, latent in args.workloads.items()}
+    result["settings"]["layerwise_min_budget_gib"] = min_budget
     threads = torch.get_num_threads()
     with _server(base, SERVER_ARGS, threads) as server:
-        modes["core_full"] = run_mode(server, args, "core_full", None)
-        if not cuda:
-            modes["core_partial"] = {"skipped": "with --cpu core keeps the whole model on the CPU; "
-                                                "it has no partial loading to compare"}
-            budget = args.budget_gb or min_budget + block_bytes / args.layers / GIB  # 1 resident
-            modes["layerwise"] = run_mode(server, args, "layerwise", {"vram_budget_gb": budget})
+        for workload, run in runs.items():
+            modes = run["modes"]
+            modes["core_full"] = run_mode(server, args, workload, "core_full", None)
+            if not cuda:
+                modes["core_partial"] = {"skipped": "with --cpu core keeps the whole model on the "
+                                                    "CPU; it has no partial loading to compare"}
+                budget = args.budget_gb or min_budget + block_bytes / args.layers / GIB  # 1 resident
+                run["layerwise_budget_gib"] = budget
+                modes["layerwise"] = run_mode(server, args, workload, "layerwise",
+                                              {"vram_budget_gb": budget})
     if cuda:
         reserve_gib = max(0.0, total_vram / 2**30 - args.visible_gb)
         result["settings"]["reserve_vram_gib"] = reserve_gib
         with _server(base, (*SERVER_ARGS, "--reserve-vram", f"{reserve_gib:.3f}"), threads) as server:
-            modes["core_partial"] = run_mode(server, args, "core_partial", None)
-            nonblock = result["model"]["bytes"] - block_bytes
-            kept = max(0, wan_loaded_bytes(modes["core_partial"]) - nonblock)
-            budget = args.budget_gb or max(kept / GIB, min_budget)
-            result["settings"]["core_kept_block_gib"] = kept / GIB
-            modes["layerwise"] = run_mode(server, args, "layerwise", {"vram_budget_gb": budget})
-    result["settings"]["layerwise_budget_gib"] = budget
-    result["settings"]["layerwise_min_budget_gib"] = min_budget
+            for workload, run in runs.items():
+                modes = run["modes"]
+                modes["core_partial"] = run_mode(server, args, workload, "core_partial", None)
+                nonblock = result["model"]["bytes"] - block_bytes
+                kept = max(0, wan_loaded_bytes(modes["core_partial"]) - nonblock)
+                budget = args.budget_gb or max(kept / GIB, min_budget)
+                run.update(core_kept_block_gib=kept / GIB, layerwise_budget_gib=budget)
+                modes["layerwise"] = run_mode(server, args, workload, "layerwise",
+                                              {"vram_budget_gb": budget})
     # The reference is core's full load (what a user whose card fits the model gets); core's
     # partial load may differ from it with a LoRA on bf16/fp16/fp8 weights (it applies the LoRA
     # at forward time without stochastic rounding), so it is reported, not required.
-    reference = modes["core_full"]["latent_sha256"]
     result["reference"] = "core_full"
-    result["layerwise_matches_reference"] = modes["layerwise"].get("latent_sha256") == reference
-    result["core_partial_matches_reference"] = (
-        modes["core_partial"]["latent_sha256"] == reference
-        if "latent_sha256" in modes["core_partial"] else None)
-    add_bounds(result, link["pinned_h2d_GBps"] if cuda else None)
+    for run in runs.values():
+        modes = run["modes"]
+        reference = modes["core_full"]["latent_sha256"]
+        run["layerwise_matches_reference"] = modes["layerwise"].get("latent_sha256") == reference
+        run["core_partial_matches_reference"] = (
+            modes["core_partial"]["latent_sha256"] == reference
+            if "latent_sha256" in modes["core_partial"] else None)
+        add_bounds(result, modes, link["pinned_h2d_GBps"] if cuda else None)
     print_table(result)
     return _write(result, args)
 
@@ -394,9 +440,11 @@ def _write(result: dict, args: argparse.Namespace) -> dict:
 
 
 @contextlib.contextmanager
-def _server(base: Path, extra_args: tuple[str, ...], threads: int) -> Iterator[ComfyServer]:
+def _server(base: Path, extra_args: tuple[str, ...], threads: int,
+            dynamic_vram: bool = False) -> Iterator[ComfyServer]:
     """A ComfyServer with the bench nodes, stopped on exit; its log is kept beside the base."""
-    server = ComfyServer(base, extra_args=extra_args, threads=threads, extra_nodes=BENCH_NODES)
+    server = ComfyServer(base, extra_args=extra_args, threads=threads, extra_nodes=BENCH_NODES,
+                         dynamic_vram=dynamic_vram)
     server.start()
     try:
         yield server

@@ -7,8 +7,12 @@ What one run measures, per model:
   * the pinned host->device peak (one large copy) and per-block copy bandwidth;
   * efficiency = max(compute, streamed bytes / peak) / measured, i.e. how close a
     setting gets to the physical bound (1.0 is the bound itself);
-  * pinned RAM / packed bytes (the budget is <= 1.05).
-Prints a table and writes JSON (device, torch version, settings) to bench/results/.
+  * pinned RAM / packed bytes (the budget is <= 1.05);
+  * with --lora-settings, those settings again with a rank --lora-rank LoRA merged into every
+    block's device copy (as the node merges one: factors uploaded beside the block, merged on the
+    copy stream in the merge dtype, then stochastically rounded to bf16).
+Prints a table and writes JSON (device, torch version, settings) to bench/results/; --rows also
+appends one JSON row per measurement as it is taken (bench/gpu_session.sh reads them back).
 ComfyUI's own offloading is compared in a real workflow by bench/comfy_wan.py.
 ``--smoke`` runs tiny shapes on CPU in a few seconds so the script never rots.
 
@@ -26,6 +30,7 @@ import logging
 import statistics
 import sys
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,8 +39,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 from offload_core import HostStorage, LayerwiseStreamer  # noqa: E402
+from offload_core.host.side_tensors import SideTensors  # noqa: E402
+from session_rows import append_row  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GB = 1e9
@@ -200,8 +207,9 @@ class Stack(nn.Module):
 def specs(args: argparse.Namespace) -> list[Spec]:
     if args.smoke:
         return [
-            Spec("wan-smoke", "wan", dim=64, heads=4, tokens=64, ctx=16, blocks=4, ffn=128),
-            Spec("flux-smoke", "flux", dim=64, heads=4, tokens=48, ctx=16, blocks=2, singles=3),
+            # Six blocks each: with two resident and three slots, blocks are still copied every pass.
+            Spec("wan-smoke", "wan", dim=64, heads=4, tokens=64, ctx=16, blocks=6, ffn=128),
+            Spec("flux-smoke", "flux", dim=64, heads=4, tokens=48, ctx=16, blocks=2, singles=4),
         ]
     out = []
     if "wan" in args.models:
@@ -274,6 +282,55 @@ def peak_memory(device: torch.device) -> int | None:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
 
 
+# ------------------------------------------------------------------ a LoRA on every block
+class BenchLora:
+    """A random rank-``rank`` LoRA on every linear weight of every block, merged the way the node
+    merges core's patches into a streamed copy: the factors of one block are uploaded beside it
+    (SideTensors, no host wait), the product is taken in float32, added to the weight in the merge
+    dtype (float16 on a GPU, as core's ``lora_compute_dtype``; float32 on a CPU), and the sum is
+    rounded stochastically to the weight's bf16 with a seed of its own. Only the cost matters
+    here, so the seed is per tensor name and the factors are small random values."""
+
+    def __init__(self, blocks: list[nn.Module], rank: int, device: torch.device) -> None:
+        self.device = device
+        self.merge_dtype = torch.float16 if device.type == "cuda" else torch.float32
+        self.names: list[dict[str, int]] = []
+        groups: list[list[torch.Tensor]] = []
+        g = torch.Generator().manual_seed(32)
+        for block in blocks:
+            names, factors = {}, []
+            for mod_name, mod in block.named_modules():
+                if isinstance(mod, nn.Linear):
+                    out_f, in_f = mod.weight.shape
+                    names[f"{mod_name}.weight"] = len(factors)
+                    factors.append(torch.randn(rank, in_f, generator=g).mul_(in_f ** -0.5).to(torch.bfloat16))
+                    factors.append(torch.randn(out_f, rank, generator=g).mul_(0.01).to(torch.bfloat16))
+            self.names.append(names)
+            groups.append(factors)
+        self.scale = 1.0  # alpha / rank with alpha = rank
+        self.side = SideTensors(groups, device)
+        self.generator = torch.Generator(device=device)
+
+    def __call__(self, block_index: int, name: str, view: torch.Tensor) -> torch.Tensor:
+        index = self.names[block_index].get(name)
+        if index is None:
+            return view
+        factors = self.side.load(block_index)
+        down, up = factors[index], factors[index + 1]
+        work = view.to(self.merge_dtype, copy=True)
+        work += (up.float() @ down.float()).mul_(self.scale).to(self.merge_dtype)
+        if view.dtype != torch.bfloat16:
+            return work.to(view.dtype)
+        self.generator.manual_seed(zlib.crc32(f"{block_index}.{name}".encode()))
+        bits = work.float().view(torch.int32)
+        bits += torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=bits.device,
+                              generator=self.generator)
+        return bits.bitwise_and_(-65536).view(torch.float32).to(torch.bfloat16)
+
+    def close(self) -> None:
+        self.side.close()
+
+
 # ------------------------------------------------------------------ runs
 def parse_settings(text: str, n: int) -> list[tuple[int, int]]:
     """"R:P,..." with R a block count or a percentage of the stack; duplicates dropped."""
@@ -306,10 +363,12 @@ def run_naive(stack: Stack, device: torch.device, steps: int) -> float:
     return step
 
 
-def run_streaming(stack: Stack, device: torch.device, resident: int, prefetch: int, args, ref_step: float, link: float) -> dict:
+def run_streaming(stack: Stack, device: torch.device, resident: int, prefetch: int, args, ref_step: float,
+                  link: float, lora_rank: int = 0) -> dict:
     st = LayerwiseStreamer(stack.blocks, device, resident=resident, prefetch=prefetch, pin=True)
+    lora = BenchLora(list(stack.blocks), lora_rank, device) if lora_rank else None
     t0 = time.perf_counter()
-    st.attach()
+    st.attach(transform=lora)
     attach_s = time.perf_counter() - t0
     stack()  # warm-up pass, also wraps the prefetch around
     peak_memory_reset(device)
@@ -326,6 +385,9 @@ def run_streaming(stack: Stack, device: torch.device, resident: int, prefetch: i
     result = {
         "resident": resident,
         "prefetch": prefetch,
+        "lora_rank": lora_rank,
+        "blocks": len(stack.blocks),
+        "streamed": len(st.streamed_indices),
         "step_s": step,
         "step_s_all": steps,
         "attach_s": attach_s,
@@ -342,10 +404,13 @@ def run_streaming(stack: Stack, device: torch.device, resident: int, prefetch: i
                       for k, v in tel.items()},
     }
     st.close()
+    if lora is not None:
+        lora.close()
     return result
 
 
 def bench_model(spec: Spec, device: torch.device, args: argparse.Namespace, link: float) -> dict:
+    """Every measurement of one model, each appended to --rows as soon as it is taken."""
     torch.manual_seed(0)
     stack = Stack(spec, device)
     block_bytes = [sum(t.numel() * t.element_size() for t in b.state_dict().values()) for b in stack.blocks]
@@ -353,9 +418,23 @@ def bench_model(spec: Spec, device: torch.device, args: argparse.Namespace, link
     peak_memory_reset(device)
     resident_step = statistics.median(timed(device, stack, args.steps))
     resident_peak = peak_memory(device)
-    settings = parse_settings(args.settings, len(stack.blocks))
-    streaming = [run_streaming(stack, device, r, p, args, resident_step, link) for r, p in settings]
+    append_row(args.rows, {"bench": "layerwise", "row": "resident", "model": spec.name,
+                           "blocks": len(stack.blocks), "weights_bytes": sum(block_bytes),
+                           "step_s": resident_step, "peak_vram_bytes": resident_peak})
+    runs = [(r, p, 0) for r, p in parse_settings(args.settings, len(stack.blocks))]
+    if args.lora_rank:
+        runs += [(r, p, args.lora_rank) for r, p in parse_settings(args.lora_settings, len(stack.blocks))]
+    streaming = []
+    for r, p, rank in runs:
+        streaming.append(run_streaming(stack, device, r, p, args, resident_step, link, rank))
+        row = {k: v for k, v in streaming[-1].items() if k not in ("step_s_all", "host", "telemetry")}
+        append_row(args.rows, {"bench": "layerwise", "row": "streaming", "model": spec.name,
+                               "link_GBps": link, "resident_step_s": resident_step, **row,
+                               "compute_wait_s": streaming[-1]["telemetry"]["compute_wait_s"],
+                               "transforms": streaming[-1]["telemetry"]["transforms"]})
     naive = run_naive(stack, device, max(1, args.steps // 2)) if not args.skip_naive else None
+    if naive is not None:
+        append_row(args.rows, {"bench": "layerwise", "row": "naive", "model": spec.name, "step_s": naive})
     return {
         "spec": asdict(spec),
         "blocks": len(stack.blocks),
@@ -389,7 +468,8 @@ def print_table(result: dict) -> None:
         for s in m["streaming"]:
             bw = f"{s['per_block_copy_GBps']:.1f}" if s["per_block_copy_GBps"] else "-"
             pin = f"{s['pinned_over_packed']:.3f}" if s["pinned_over_packed"] is not None else "-"
-            print(f"{name:<12} {'r%d p%d' % (s['resident'], s['prefetch']):<10} {s['step_s']:>9.4f} {s['bound_s']:>9.4f} "
+            setting = f"r{s['resident']} p{s['prefetch']}" + (f" L{s['lora_rank']}" if s["lora_rank"] else "")
+            print(f"{name:<12} {setting:<10} {s['step_s']:>9.4f} {s['bound_s']:>9.4f} "
                   f"{s['efficiency']:>6.2f} {100 * s['overhead_vs_resident']:>6.1f}% {bw:>9} "
                   f"{s['telemetry']['compute_wait_s']:>8.4f} {_gib(s['peak_vram_bytes']):>9} {pin:>8}")  # fmt: skip
 
@@ -404,7 +484,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--settings", default="0:1,0:2,25%:1,50%:1", help="resident:prefetch list; resident may be N%%")
     ap.add_argument("--steps", type=int, default=3, help="timed passes per measurement")
     ap.add_argument("--link-bytes", type=int, default=1 << 30, help="size of the link-peak copy")
+    ap.add_argument("--lora-settings", default="2:2",
+                    help="resident:prefetch list measured again with a LoRA on every block")
+    ap.add_argument("--lora-rank", type=int, default=0, help="rank of that LoRA; 0: no LoRA runs")
     ap.add_argument("--skip-naive", action="store_true")
+    ap.add_argument("--rows", type=Path, help="append one JSON row per measurement here")
     ap.add_argument("--out", type=Path, help="JSON path (default: bench/results/layerwise-<device>-<time>.json)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -415,6 +499,8 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     link = link_peak(device, args.link_bytes, 3 if args.smoke else 5)
+    append_row(args.rows, {"bench": "layerwise", "row": "link", "device": name, "torch": torch.__version__,
+                           **link})
     result = {
         "device": name,
         "device_type": device.type,

@@ -3,6 +3,12 @@
 The server runs from the ComfyUI tree the Makefile builds (.comfyui/) with an isolated base
 directory, so tests never touch a user's models or settings. Our pack and the test-only nodes
 are linked into that base's custom_nodes/.
+
+Models are classic unless a server asks for Dynamic VRAM: ComfyUI 0.15 and later load every
+model with Dynamic VRAM on NVIDIA, where the suite's tests (written against classic models, as
+every CPU run has them) would test something else, so on CUDA a tree that has the switch gets
+`--disable-dynamic-vram`. tests/test_dynamic_vram_gpu.py and bench/comfy_wan.py --dynamic ask
+for Dynamic VRAM (`dynamic_vram=True`) and get core's default.
 """
 from __future__ import annotations
 
@@ -54,6 +60,14 @@ def run_tree_script(script: Path, out: Path, *, threads: int, timeout: int) -> d
     return json.loads(out.read_text())
 
 
+def has_dynamic_vram_switch(root: Path) -> bool:
+    """Whether a ComfyUI tree can turn Dynamic VRAM off (0.15 and later: `--disable-dynamic-vram`)."""
+    try:
+        return "--disable-dynamic-vram" in (root / "comfy" / "cli_args.py").read_text()
+    except FileNotFoundError:
+        return False
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -94,10 +108,12 @@ class ComfyServer:
     def __init__(self, base: Path, *, extra_args: tuple[str, ...] = (), threads: int = 2,
                  port: int | None = None, extra_nodes: dict[str, Path] | None = None,
                  env: dict[str, str] | None = None, with_pack: bool = True,
-                 test_nodes: bool = True) -> None:
+                 test_nodes: bool = True, dynamic_vram: bool = False) -> None:
         # with_pack=False: the same ComfyUI without the pack, as the reference of the
-        # differential test (the test-only nodes are still there).
+        # differential test (the test-only nodes are still there). dynamic_vram=True: core's
+        # default loading on this tree and device (see the module docstring).
         self.with_pack = with_pack
+        self.dynamic_vram = dynamic_vram
         self.base = prepare_base(base, extra_nodes, with_pack=with_pack, test_nodes=test_nodes)
         self.env = env or {}
         self.port = port or free_port()
@@ -114,7 +130,7 @@ class ComfyServer:
                "--disable-auto-launch", "--disable-api-nodes",
                "--base-directory", str(self.base),
                "--database-url", f"sqlite:///{self.base / 'user' / 'comfyui.db'}",
-               "--log-stdout", *self.cpu_args(), *self.extra_args]
+               "--log-stdout", *self.cpu_args(), *self.classic_args(), *self.extra_args]
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, cwd=COMFY_ROOT, stdout=self._log, stderr=subprocess.STDOUT,
                                      env=env, start_new_session=True)
@@ -137,6 +153,13 @@ class ComfyServer:
     def cpu_args() -> tuple[str, ...]:
         import torch
         return () if torch.cuda.is_available() else ("--cpu",)
+
+    def classic_args(self) -> tuple[str, ...]:
+        """`--disable-dynamic-vram` where core would otherwise load with Dynamic VRAM (CUDA and a
+        tree that has the switch), unless this server asks for Dynamic VRAM."""
+        import torch
+        wanted = self.dynamic_vram or not torch.cuda.is_available()
+        return () if wanted or not has_dynamic_vram_switch(COMFY_ROOT) else ("--disable-dynamic-vram",)
 
     def check_pack_loaded(self) -> None:
         ours = [link.name for link in (self.base / "custom_nodes").iterdir()]

@@ -24,14 +24,22 @@ def _load_bench():
 
 def test_comfy_wan_smoke(tmp_path):
     bench = _load_bench()
-    out = tmp_path / "comfy_wan.json"
-    bench.main(["--smoke", "--base", str(tmp_path / "base"), "--out", str(out)])
+    out, rows = tmp_path / "comfy_wan.json", tmp_path / "rows.jsonl"
+    bench.main(["--smoke", "--base", str(tmp_path / "base"), "--out", str(out), "--rows", str(rows)])
     data = json.loads(out.read_text())
-    assert {"device", "torch", "settings", "model", "link", "modes", "reference",
-            "layerwise_matches_reference", "core_partial_matches_reference"} <= set(data)
-    modes = data["modes"]
+    assert {"device", "torch", "settings", "model", "link", "workloads", "reference"} <= set(data)
+    (run,) = data["workloads"].values()
+    assert {"modes", "layerwise_matches_reference", "core_partial_matches_reference"} <= set(run)
+    modes = run["modes"]
     assert set(modes) == {"core_full", "core_partial", "layerwise"}
-    assert data["layerwise_matches_reference"] is True and data["reference"] == "core_full"
+    assert run["layerwise_matches_reference"] is True and data["reference"] == "core_full"
+    # One row per mode that ran, written as it ended, with the figures the JSON has.
+    written = [json.loads(line) for line in rows.read_text().splitlines()]
+    ran = [name for name, mode in modes.items() if "skipped" not in mode]
+    assert [r["mode"] for r in written] == ran
+    for row in written:
+        assert row["step_s"] == modes[row["mode"]]["step_s"]
+        assert row["latent_sha256"] == modes[row["mode"]]["latent_sha256"]
     assert modes["core_full"]["latent_sha256"] == modes["layerwise"]["latent_sha256"]
     steps = data["settings"]["steps"]
     for name in ("core_full", "layerwise"):
@@ -68,9 +76,10 @@ def test_comfy_wan_dynamic_smoke(tmp_path):
     out = tmp_path / "comfy_wan_dynamic.json"
     bench.main(["--smoke", "--dynamic", "--base", str(tmp_path / "base"), "--out", str(out)])
     data = json.loads(out.read_text())
-    modes = data["modes"]
+    (run,) = data["workloads"].values()
+    modes = run["modes"]
     assert set(modes) == {"core_dynamic", "auto", "engine"} and data["reference"] == "core_dynamic"
-    assert data["auto_matches_reference"] is True and data["engine_matches_reference"] is True
+    assert run["auto_matches_reference"] is True and run["engine_matches_reference"] is True
     if not torch.cuda.is_available():
         assert data["dynamic_vram"] is False  # --cpu turns Dynamic VRAM off
     for mode in modes.values():

@@ -1,6 +1,7 @@
 """Apply Layerwise Offload's `mode` input through a real server (both lanes).
 
-On CPU every model is classic (`--cpu` turns Dynamic VRAM off), so both modes run the pack's
+Every model here is classic (on CPU `--cpu` turns Dynamic VRAM off; on CUDA the harness starts
+ComfyUI 0.33 with `--disable-dynamic-vram`, see comfy_server.py), so both modes run the pack's
 engine and must give core's own result. The Dynamic VRAM side is in test_dynamic_vram_compat.py
 (against 0.33's classes on CPU) and test_dynamic_vram_gpu.py (CUDA).
 """

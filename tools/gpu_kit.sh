@@ -1,24 +1,28 @@
 #!/usr/bin/env bash
-# Build the GPU kit: the wheels that the lent GPU machine (offline, Python 3.12, its own torch)
-# lacks for ComfyUI 0.3.75 + this pack + tests/. It travels as a carried path, so it is capped.
+# Build the GPU kit: everything the lent GPU machine (offline, Python 3.12, its own torch) lacks
+# to run bench/gpu_session.sh, in .gpu_kit/, the one path both of its calls carry
+# (docs/gpu-session.md):
+#   wheels/                 the wheels ComfyUI 0.3.75 + this pack + tests/ need
+#                           (tools/gpu-kit-requirements.txt)
+#   comfyui-0.3.75.tar.gz   the 0.3.75 tree (from .comfyui/, or COMFY_TREE), without bytecode
+#   comfyui-033/            ComfyUI 0.33 with Dynamic VRAM: its tree as a tarball (from
+#                           .comfyui-033/, or COMFY033_TREE) and the wheels 0.33 needs on top of
+#                           wheels/: comfy-aimdo (Dynamic VRAM itself), comfy-kitchen without its
+#                           compiled kernels (see below), ... (tools/gpu-kit-033-requirements.txt)
+# The session unpacks the wheels onto PYTHONPATH (no pip) and the trees outside the checkout.
 #
 #   tools/gpu_kit.sh [--python-version 3.12] [--dest .gpu_kit/wheels]
-#   on the GPU machine: python3 -m pip install --no-index --no-deps .gpu_kit/wheels/*.whl
 #
-# --python-version 3.11 rehearses on this machine (same versions, cp311 wheels).
-# GPU_KIT_BUDGET_MIB (default 35): repo + .comfyui/ + kit must stay under the 64 MiB carry limit.
-#
-# Beside it, for ComfyUI 0.33 with Dynamic VRAM (a device call of its own, carrying .gpu_kit
-# without .comfyui/): .gpu_kit/comfyui-033/ holds the 0.33 tree as a tarball (from .comfyui-033/,
-# or COMFY033_TREE) and the wheels 0.33 needs on top of wheels/: comfy-aimdo (Dynamic VRAM
-# itself) and comfy-kitchen without its compiled kernels (see below), from
-# tools/gpu-kit-033-requirements.txt. GPU_KIT_033_BUDGET_MIB (default 24) caps that part.
+# --python-version 3.11 builds cp311 wheels of the same versions. GPU_KIT_BUDGET_MIB (default
+# 56): the whole kit; with the checkout (about 2 MiB) it must stay under the 64 MiB a device
+# call carries, and the trees travel as tarballs so that no bytecode a test run left in them
+# can push it over.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PYVER=3.12
 DEST=$REPO/.gpu_kit/wheels
-BUDGET_MIB=${GPU_KIT_BUDGET_MIB:-35}
+BUDGET_MIB=${GPU_KIT_BUDGET_MIB:-56}
 while [ $# -gt 0 ]; do
   case $1 in
     --python-version) PYVER=${2:?}; shift 2 ;;
@@ -88,11 +92,30 @@ EOF
 rm -rf "$DEST"
 mv "$TMP" "$DEST"
 
-# ---- ComfyUI 0.33 (Dynamic VRAM): its tree and the wheels it needs on top of the kit above.
+# pack_tree TREE TARBALL: the ComfyUI tree as TARBALL, unpacking to ComfyUI/ (as
+# ../shared/comfyui's tarball does), without bytecode or git history.
+pack_tree() {
+  local tree=$1 tarball=$2 stage
+  stage=$(mktemp -d)
+  ln -s "$(cd "$tree" && pwd -P)" "$stage/ComfyUI"
+  tar -czhf "$tarball" -C "$stage" --exclude=__pycache__ --exclude=.git ComfyUI
+  rm -rf "$stage"
+}
+
 KIT=$(dirname "$DEST")
+# ---- ComfyUI 0.3.75: the tree `make env` unpacked.
+TREE0375=${COMFY_TREE:-$REPO/.comfyui}
+if [ -f "$TREE0375/comfy/model_patcher.py" ]; then
+  pack_tree "$TREE0375" "$KIT/comfyui-0.3.75.tar.gz.tmp"
+  mv "$KIT/comfyui-0.3.75.tar.gz.tmp" "$KIT/comfyui-0.3.75.tar.gz"
+else
+  echo "no ComfyUI 0.3.75 tree at $TREE0375 (make env): bench/gpu_session.sh first cannot run" >&2
+  exit 1
+fi
+
+# ---- ComfyUI 0.33 (Dynamic VRAM): its tree and the wheels it needs on top of the kit above.
 DEST033=$KIT/comfyui-033
 TREE033=${COMFY033_TREE:-$REPO/.comfyui-033}
-BUDGET033_MIB=${GPU_KIT_033_BUDGET_MIB:-24}
 TMP033=$DEST033.tmp
 rm -rf "$TMP033"
 mkdir -p "$TMP033"
@@ -137,29 +160,19 @@ with zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as z:
         z.writestr(zipfile.ZipInfo(n, (2020, 1, 1, 0, 0, 0)), d)
 os.remove(src)
 EOF
-# The tree `make env-033` unpacked (ComfyUI/ inside, as in ../shared/comfyui's tarball), without
-# bytecode or git history.
+# The tree `make env-033` unpacked.
 if [ -f "$TREE033/comfy/model_patcher.py" ]; then
-  mkdir -p "$TMP033/tree" && ln -s "$(cd "$TREE033" && pwd -P)" "$TMP033/tree/ComfyUI"
-  tar -czhf "$TMP033/comfyui-0.33.tar.gz" -C "$TMP033/tree" --exclude=__pycache__ --exclude=.git ComfyUI
-  rm -rf "$TMP033/tree"
+  pack_tree "$TREE033" "$TMP033/comfyui-0.33.tar.gz"
 else
-  echo "no ComfyUI 0.33 tree at $TREE033 (make env-033): the 0.33 stages of bench/gpu_session.sh cannot run" >&2
+  echo "no ComfyUI 0.33 tree at $TREE033 (make env-033): bench/gpu_session.sh dynamic cannot run" >&2
 fi
 rm -rf "$DEST033"
 mv "$TMP033" "$DEST033"
 
-ls -l "$DEST"
-BYTES=$(du -cb "$DEST"/*.whl | tail -1 | cut -f1)
-echo "GPU kit (cp${PYVER/./}): $(ls "$DEST"/*.whl | wc -l) wheels, $BYTES bytes ($((BYTES / 1048576)) MiB) in $DEST"
+ls -lR "$KIT"
+BYTES=$(find "$KIT" -type f -printf '%s\n' | awk '{s += $1} END {print s}')
+echo "GPU kit (cp${PYVER/./}): $BYTES bytes ($((BYTES / 1048576)) MiB) in $KIT"
 if [ "$BYTES" -gt $((BUDGET_MIB * 1048576)) ]; then
   echo "GPU kit is over its budget of $BUDGET_MIB MiB" >&2
-  exit 1
-fi
-ls -l "$DEST033"
-BYTES033=$(du -cb "$DEST033"/* | tail -1 | cut -f1)
-echo "GPU kit for ComfyUI 0.33: $BYTES033 bytes ($((BYTES033 / 1048576)) MiB) in $DEST033"
-if [ "$BYTES033" -gt $((BUDGET033_MIB * 1048576)) ]; then
-  echo "GPU kit's 0.33 part is over its budget of $BUDGET033_MIB MiB" >&2
   exit 1
 fi

@@ -10,7 +10,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "layerwise.py"
 
 
-def test_bench_smoke_writes_json(tmp_path):
+def _load_layerwise():
     spec = importlib.util.spec_from_file_location("bench_layerwise", BENCH)
     bench = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = bench  # dataclasses look their module up while the class is built
@@ -18,6 +18,11 @@ def test_bench_smoke_writes_json(tmp_path):
         spec.loader.exec_module(bench)
     finally:
         sys.modules.pop(spec.name, None)
+    return bench
+
+
+def test_bench_smoke_writes_json(tmp_path):
+    bench = _load_layerwise()
     out = tmp_path / "smoke.json"
     bench.main(["--smoke", "--out", str(out)])
     data = json.loads(out.read_text())
@@ -53,3 +58,32 @@ def test_hook_overhead_bench_streams_every_block_in_order(tmp_path):
     (engine,) = bench.main(["--blocks", "6", "--passes", "3", "--repeats", "2", "--timeline"])["engines"].values()
     assert engine["timeline_recorded"] is True
     assert engine["sync_fallbacks"] == 0 and engine["order_misses"] == 0
+
+
+def test_bench_rows_give_the_session_its_figures(tmp_path):
+    """--rows appends each measurement as it is taken, and bench/gpu_summary.py turns them into
+    issue 34's engine figures: each one the ratio of the measurements it names."""
+    bench = _load_layerwise()
+    rows_path = tmp_path / "rows.jsonl"
+    data = bench.main(["--smoke", "--settings", "0:1,2:2", "--lora-settings", "2:2", "--lora-rank", "4",
+                       "--skip-naive", "--rows", str(rows_path), "--out", str(tmp_path / "smoke.json")])
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        import gpu_summary
+        from session_rows import read_rows
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    rows = read_rows(rows_path)
+    assert [r["row"] for r in rows] == ["link"] + ["resident", "streaming", "streaming", "streaming"] * 2
+    figures = gpu_summary.engine_figures(rows)
+    assert sorted({f["id"] for f in figures}) == ["P1", "P11", "P12", "P2", "P3"]
+    wan = data["models"]["wan-smoke"]
+    plain, lora = (next(s for s in wan["streaming"] if (s["resident"], s["lora_rank"]) == (2, rank))
+                   for rank in (0, 4))
+    assert lora["telemetry"]["transforms"] > 0, "the LoRA was merged into no streamed copy"
+    (p11,) = [f for f in figures if f["id"] == "P11"]
+    assert p11["value"] == plain["step_s"] / wan["resident_step_s"]
+    p12 = [f for f in figures if f["id"] == "P12" and f["where"].startswith("wan-smoke")]
+    assert [f["value"] for f in p12] == [lora["step_s"] / plain["step_s"]]
+    p2 = [f["value"] for f in figures if f["id"] == "P2" and f["where"].startswith("wan-smoke")]
+    assert p2 == [s["step_s"] / s["bound_s"] for s in wan["streaming"] if not s["lora_rank"]]
