@@ -123,6 +123,8 @@ def test_the_sidebar_picture_keeps_its_rows_and_labels_apart(disk_run):
     assert not overlapping(labels), overlapping(labels)
     ticks = boxes(picture.locator('[data-role="tl-tick"]'))
     assert "0" in [t["text"] for t in ticks] and not overlapping(ticks), ticks
+    chart = picture.locator('[data-role="tl-chart"]').bounding_box()
+    assert all(chart["x"] - 0.5 <= t["x"] and t["x"] + t["w"] <= chart["x"] + chart["width"] + 0.5 for t in ticks), (chart, ticks)
     start = picture.locator('[data-role="tl-start"]').bounding_box()
     shaded = picture.locator('[data-role="tl-ahead"]').bounding_box()
     assert abs(shaded["x"] + shaded["width"] - (start["x"] + start["width"] / 2)) <= 1.5, (shaded, start)
@@ -174,6 +176,8 @@ def test_the_full_view_draws_one_labelled_row_per_unit(disk_run):
     assert not [b["text"] for b in labels + marks if b["cut"]], "words cut short"
     ticks = boxes(picture.locator('[data-role="tl-tick"]'))
     assert "0" in [t["text"] for t in ticks] and not overlapping(ticks), ticks
+    chart = picture.locator('[data-role="tl-chart"]').bounding_box()
+    assert all(chart["x"] - 0.5 <= t["x"] and t["x"] + t["w"] <= chart["x"] + chart["width"] + 0.5 for t in ticks), (chart, ticks)
     start = picture.locator('[data-role="tl-start"]').bounding_box()
     shaded = picture.locator('[data-role="tl-ahead"]').bounding_box()
     assert abs(shaded["x"] + shaded["width"] - (start["x"] + start["width"] / 2)) <= 1.5, (shaded, start)

@@ -5,7 +5,7 @@
 
 import { tr } from "./i18n.js";
 import { esc, legend, num } from "./html.js";
-import { compactTimelineHtml } from "./timeline.js";
+import { compactTimelineHtml, fitMarks } from "./timeline.js";
 import { View } from "./view.js";
 
 const TIER_LABEL = { vram: "VRAM", ram: "RAM", disk: "DISK" };
@@ -586,6 +586,7 @@ export class Panel extends View {
     const active = this.root.contains(document.activeElement) ? document.activeElement : null;
     this.rendering = true;  // removing a focused input is no commit
     this.root.innerHTML = head + notice + body;
+    fitMarks(this.root);
     const slot = this.root.querySelector('[data-role="budget-editor-slot"]');
     if (slot && this.editor) slot.replaceWith(this.editor);
     if (active?.dataset?.key) {

@@ -23,8 +23,9 @@ export const TIMELINE_TAB = "tiered-offload-timeline";
 const KINDS = ["disk", "copy", "wait", "compute"];
 const LABEL_H = 12;  // px of one label line (panel.css .to-tl-label)
 // compact: the rows share `height` px, each between minRow and maxRow px; full: fixed rows.
-const COMPACT = { height: 180, minRow: 3, maxRow: 12, ticks: 5 };
-const FULL = { row: 17, ticks: 10 };
+// ticks: about how many; edge: how near an end (in % of the plot) a tick's number ends there.
+const COMPACT = { height: 180, minRow: 3, maxRow: 12, ticks: 5, edge: 10 };
+const FULL = { row: 16, ticks: 10, edge: 4 };
 
 export const ms = (v) => (Math.abs(v) >= 100 ? v.toFixed(0) : Math.abs(v) >= 10 ? v.toFixed(1) : v.toFixed(2));
 const msText = (v) => tr("timeline.msValue", { value: ms(v) });
@@ -140,13 +141,16 @@ function chartHtml(tl, fig, full) {
   ];
   const axis = ticks(fig.t0, fig.t1, full ? FULL.ticks : COMPACT.ticks);
   const grid = axis.filter((t) => t !== 0).map((t) => `<i class="to-tl-grid" style="left:${fig.pct(t).toFixed(2)}%"></i>`);
+  // A tick's number is centred on it, except near an end, where half of it would stick out.
+  const edge = full ? FULL.edge : COMPACT.edge;
   const tickLabels = axis.map((t) => {
     const p = fig.pct(t);
-    const at = p < 4 ? `left:${p.toFixed(2)}%` : p > 96 ? `right:${(100 - p).toFixed(2)}%` : `left:${p.toFixed(2)}%;transform:translateX(-50%)`;
+    const at = p < edge ? `left:${p.toFixed(2)}%` : p > 100 - edge ? `right:${(100 - p).toFixed(2)}%`
+      : `left:${p.toFixed(2)}%;transform:translateX(-50%)`;
     return `<span class="to-tl-tick${t === 0 ? " to-tl-tick-zero" : ""}" data-role="tl-tick" style="${at}">${esc(String(t))}</span>`;
   });
   return `<div class="to-tl-chart${full ? " to-tl-chart-full" : ""}" data-role="tl-chart" role="img" aria-label="${esc(tr("timeline.figure"))}">
-    <div class="to-tl-marks" data-role="tl-marks">${marks.join("")}</div>
+    <div class="to-tl-strip to-tl-strip-top"><div class="to-tl-marks" data-role="tl-marks">${marks.join("")}</div></div>
     <div class="to-tl-body" style="height:${n * rowH}px">
       <div class="to-tl-labels">${(full ? unitLabels(tl, fig, rowH) : blockLabels(tl, rowH)).join("")}</div>
       <div class="to-tl-plot">
@@ -156,8 +160,8 @@ function chartHtml(tl, fig, full) {
         ${rowsHtml(tl, fig, rowH).join("")}
       </div>
     </div>
-    <div class="to-tl-axis" data-role="tl-axis">${tickLabels.join("")}</div>
-    <div class="to-muted to-tl-axis-name">${esc(tr("timeline.axis"))}</div>
+    <div class="to-tl-strip to-tl-strip-bottom"><div class="to-tl-axis" data-role="tl-axis">${tickLabels.join("")}</div>
+      <div class="to-muted to-tl-axis-name">${esc(tr("timeline.axis"))}</div></div>
   </div>`;
 }
 
@@ -193,6 +197,14 @@ export function compactTimelineHtml(tl, hasRun, open) {
   </div>`;
 }
 
+// After a picture is drawn into `root`: a mark whose name does not fit where it stands (a
+// narrow fetch-ahead, typical of a long pass) is left out; the notes say the same in words.
+export function fitMarks(root) {
+  for (const mark of root.querySelectorAll('[data-role="tl-marks"] > *')) {
+    if (mark.scrollWidth > mark.clientWidth + 1) mark.remove();
+  }
+}
+
 // The figures beside the full picture: [key, value] with a tooltip each.
 function figuresHtml(tl, fig) {
   const totals = tl.totals ?? {};
@@ -207,8 +219,9 @@ function figuresHtml(tl, fig) {
     disk && ["diskBusy", msText(num(totals.disk_busy_ms))],
     fig.t0 < 0 && ["ahead", tr("timeline.aheadFigure", { units: fig.ahead.size, ms: ms(-fig.t0) })],
   ].filter(Boolean);
-  return `<div class="to-stats" data-role="tl-figures">${rows.map(([key, value]) =>
-    `<div class="to-stat" data-figure="${key}" title="${esc(tr(`timeline.figures.${key}Title`))}"><span>${esc(tr(`timeline.figures.${key}`))}</span><b>${esc(value)}</b></div>`).join("")}</div>`;
+  return `<div class="to-tl-figs" data-role="tl-figures">${rows.map(([key, value]) =>
+    `<div class="to-tl-fig${key === "ahead" ? " to-tl-fig-wide" : ""}" data-figure="${key}" title="${esc(tr(`timeline.figures.${key}Title`))}">
+      <span>${esc(tr(`timeline.figures.${key}`))}</span><b>${esc(value)}</b></div>`).join("")}</div>`;
 }
 
 // The bottom panel's view: `card` {id, name, lw} whose picture it shows, or null.
@@ -219,11 +232,12 @@ export function fullTimelineHtml(card) {
       <div class="to-empty" data-role="tl-none">${esc(tr("timeline.noPicture"))}</div>`;
   }
   const fig = figure(tl);
-  return `<div class="to-head"><span class="to-title">${esc(tr("timeline.head"))}</span>
-      <span class="to-muted to-ellipsis" data-role="tl-model" title="${esc(card.name)}">${esc(card.name)}</span></div>
-    <div class="to-tl-full" data-role="timeline" data-timeline-card="${esc(card.id)}">
+  // The chart takes the panel's height; its title, the verdict and the figures stand beside it.
+  return `<div class="to-tl-full" data-role="timeline" data-timeline-card="${esc(card.id)}">
       <div class="to-tl-main">${chartHtml(tl, fig, true)}</div>
       <aside class="to-tl-aside" data-role="tl-aside">
+        <div class="to-tl-title"><b>${esc(tr("timeline.head"))}</b>
+          <span class="to-muted to-ellipsis" data-role="tl-model" title="${esc(card.name)}">${esc(card.name)}</span></div>
         ${verdictHtml(tl)}
         ${figuresHtml(tl, fig)}
         ${legendHtml(fig)}
@@ -260,5 +274,6 @@ export class TimelineView extends View {
     if (!this.root) return;
     this.dirty = false;
     this.root.innerHTML = fullTimelineHtml(this.shown());
+    fitMarks(this.root);
   }
 }

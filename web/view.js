@@ -5,12 +5,19 @@
 
 const CSS_URL = new URL("./panel.css", import.meta.url).href;
 
+// Resolves once the stylesheet has loaded (or failed to): a view draws again then, since what
+// it measures after drawing (web/timeline.js fitMarks) depends on the styles.
+let stylesReady = null;
 function loadStyles() {
-  if (document.querySelector(`link[href="${CSS_URL}"]`)) return;
-  const link = document.createElement("link");
-  link.rel = "stylesheet";
-  link.href = CSS_URL;
-  document.head.appendChild(link);
+  stylesReady ??= new Promise((resolve) => {
+    const link = document.createElement("link");
+    link.rel = "stylesheet";
+    link.href = CSS_URL;
+    link.addEventListener("load", resolve);
+    link.addEventListener("error", resolve);
+    document.head.appendChild(link);
+  });
+  return stylesReady;
 }
 
 export class View {
@@ -28,7 +35,7 @@ export class View {
   mount(el) {
     if (this.root && this.root.parentElement === el) { this.update(); return; }
     this.unmount();
-    loadStyles();
+    loadStyles().then(() => this.update());
     const root = document.createElement("div");
     root.id = this.rootId;
     root.className = this.rootClass;
