@@ -104,6 +104,24 @@ def _ahead(timeline: dict) -> set[int]:
     return {sp["unit"] for sp in timeline["spans"] if sp["start_ms"] < 0}
 
 
+def _readable_and_marked(picture, labels: list[dict]) -> dict:
+    """What both sizes of the picture must show: its row labels and its marks apart and whole,
+    the tick numbers apart and inside the chart (0 among them), the pass start marked and named,
+    the fetch-ahead named and shaded up to the pass start's line. Returns the shade's box."""
+    marks = boxes(picture.locator('[data-role="tl-marks"] > *'))
+    assert [m["text"] for m in marks] == ["fetched ahead", "pass start"] and not overlapping(marks), marks
+    assert not overlapping(labels), overlapping(labels)
+    assert not [b["text"] for b in labels + marks if b["cut"]], "words cut short"
+    ticks = boxes(picture.locator('[data-role="tl-tick"]'))
+    assert "0" in [t["text"] for t in ticks] and not overlapping(ticks), ticks
+    chart = picture.locator('[data-role="tl-chart"]').bounding_box()
+    assert all(chart["x"] - 0.5 <= t["x"] and t["x"] + t["w"] <= chart["x"] + chart["width"] + 0.5 for t in ticks), (chart, ticks)
+    start = picture.locator('[data-role="tl-start"]').bounding_box()
+    shaded = picture.locator('[data-role="tl-ahead"]').bounding_box()
+    assert abs(shaded["x"] + shaded["width"] - (start["x"] + start["width"] / 2)) <= 1.5, (shaded, start)
+    return shaded
+
+
 def test_the_sidebar_picture_keeps_its_rows_and_labels_apart(disk_run):
     """18 rows in the 330-pixel sidebar: each row its own strip, one label per block where it
     fits and none on another, the pass start marked and the axis's start before 0 explained."""
@@ -120,17 +138,7 @@ def test_the_sidebar_picture_keeps_its_rows_and_labels_apart(disk_run):
     assert all(a["y"] + a["h"] <= b["y"] + 0.5 for a, b in zip(drawn, drawn[1:])), "rows drawn on top of each other"
     labels = boxes(picture.locator('[data-role="tl-label"]'))
     assert [label["text"] for label in labels] == [f"block {b}" for b in sorted({u["block"] for u in units})]
-    assert not overlapping(labels), overlapping(labels)
-    ticks = boxes(picture.locator('[data-role="tl-tick"]'))
-    assert "0" in [t["text"] for t in ticks] and not overlapping(ticks), ticks
-    chart = picture.locator('[data-role="tl-chart"]').bounding_box()
-    assert all(chart["x"] - 0.5 <= t["x"] and t["x"] + t["w"] <= chart["x"] + chart["width"] + 0.5 for t in ticks), (chart, ticks)
-    start = picture.locator('[data-role="tl-start"]').bounding_box()
-    shaded = picture.locator('[data-role="tl-ahead"]').bounding_box()
-    assert abs(shaded["x"] + shaded["width"] - (start["x"] + start["width"] / 2)) <= 1.5, (shaded, start)
-    marks = boxes(picture.locator('[data-role="tl-marks"] > *'))
-    assert [m["text"] for m in marks] == ["fetched ahead", "pass start"] and not overlapping(marks), marks
-    assert not [b["text"] for b in labels + marks if b["cut"]], "words cut short"
+    _readable_and_marked(picture, labels)
     sync_api.expect(picture.locator('[data-role="tl-ahead-note"]')).to_contain_text("during the previous pass")
     assert picture.locator('[data-role="tl-verdict"]').inner_text() == f"Bound by: {VERDICT[timeline['bound_by']]}"
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
@@ -161,7 +169,6 @@ def test_the_full_view_draws_one_labelled_row_per_unit(disk_run):
     labels = boxes(picture.locator('[data-role="tl-label"]'))
     assert [(label["unit"], label["text"]) for label in labels] == [
         (str(u["unit"]), f"block {u['block']} · {u['name']}") for u in units]
-    assert not overlapping(labels), overlapping(labels)
     for row, label in zip(drawn, labels):  # each label beside its own row
         assert row["y"] <= label["y"] + label["h"] / 2 <= row["y"] + row["h"] + 1, (row, label)
     # The same kinds of spans per row as the server recorded.
@@ -173,16 +180,7 @@ def test_the_full_view_draws_one_labelled_row_per_unit(disk_run):
     window = page.page.viewport_size["width"]
     assert view.bounding_box()["width"] >= 0.7 * window and plot["width"] > 1.5 * compact["width"], (plot, compact)
 
-    marks = boxes(picture.locator('[data-role="tl-marks"] > *'))
-    assert [m["text"] for m in marks] == ["fetched ahead", "pass start"] and not overlapping(marks), marks
-    assert not [b["text"] for b in labels + marks if b["cut"]], "words cut short"
-    ticks = boxes(picture.locator('[data-role="tl-tick"]'))
-    assert "0" in [t["text"] for t in ticks] and not overlapping(ticks), ticks
-    chart = picture.locator('[data-role="tl-chart"]').bounding_box()
-    assert all(chart["x"] - 0.5 <= t["x"] and t["x"] + t["w"] <= chart["x"] + chart["width"] + 0.5 for t in ticks), (chart, ticks)
-    start = picture.locator('[data-role="tl-start"]').bounding_box()
-    shaded = picture.locator('[data-role="tl-ahead"]').bounding_box()
-    assert abs(shaded["x"] + shaded["width"] - (start["x"] + start["width"] / 2)) <= 1.5, (shaded, start)
+    shaded = _readable_and_marked(picture, labels)
     assert shaded["width"] > 0 and shaded["height"] >= drawn[-1]["y"] + drawn[-1]["h"] - drawn[0]["y"] - 1
     aside = picture.locator('[data-role="tl-aside"]')
     sync_api.expect(aside.locator('[data-role="tl-start-note"]')).to_contain_text("pass start (0 ms)")
