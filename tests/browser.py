@@ -45,3 +45,23 @@ def load_template(page, module: str, name: str) -> None:
         const res = await fetch(`/api/workflow_templates/${module}/${name}.json`);
         await app.loadGraphData(await res.json(), true, true, name);
     }""", [module, name])
+
+
+def boxes(locator) -> list[dict]:
+    """The bounding boxes of every element `locator` matches, with their text, data-unit and
+    whether their text is cut short (an ellipsis): what the user sees of each, to check that none
+    hides another and each can be read."""
+    return locator.evaluate_all("""els => els.map((e) => { const r = e.getBoundingClientRect();
+        return { x: r.x, y: r.y, w: r.width, h: r.height, text: e.textContent.trim(),
+                 unit: e.dataset.unit ?? null, cut: e.scrollWidth > e.clientWidth }; })""")
+
+
+def overlapping(found: list[dict], slack: float = 0.5) -> list[tuple[str, str]]:
+    """The pairs of boxes that overlap by more than `slack` px both ways (a shared edge is not)."""
+    pairs = []
+    for i, a in enumerate(found):
+        for b in found[i + 1:]:
+            if (min(a["x"] + a["w"], b["x"] + b["w"]) - max(a["x"], b["x"]) > slack
+                    and min(a["y"] + a["h"], b["y"] + b["h"]) - max(a["y"], b["y"]) > slack):
+                pairs.append((a["text"], b["text"]))
+    return pairs

@@ -221,7 +221,8 @@ def frontend_version(page) -> str:
 def asked_keys(page, pack_nodes: dict[str, dict]) -> dict[str, list[str]]:
     """The keys the frontend asks for the pack's words, by where they are asked, in the key
     shapes of the frontend's own code (see the module docstring), for what this frontend has
-    registered: the pack's node definitions, its settings, its sidebar tab and its command, and
+    registered: the pack's node definitions, its settings, its sidebar tab, its bottom panel tab
+    (the full view of the last run's picture) and their commands, and
     every key the open panel has asked for (web/i18n.js records them)."""
     nodes = []
     for name, d in pack_nodes.items():
@@ -244,6 +245,9 @@ def asked_keys(page, pack_nodes: dict[str, dict]) -> dict[str, list[str]]:
         }
         const tab = em.getSidebarTabs().find((t) => t.id === 'tiered-offload');
         keys.push(tab.title, tab.tooltip, `commands.${norm('Workspace.ToggleSidebarTab.' + tab.id)}.label`);
+        const bottom = Object.values(em.bottomPanel.panels).flatMap((p) => p.tabs)
+            .find((t) => t.id === 'tiered-offload-timeline');
+        keys.push(bottom.titleKey, `commands.${norm('Workspace.ToggleBottomPanelTab.' + bottom.id)}.label`);
         return keys;
     }""", PACK_LINK_NAME)
     panel = page.evaluate(f"""async () => {{

@@ -1,13 +1,15 @@
 """The Offload panel draws the last layerwise run's picture, in headless Chromium on a real server.
 
 Opening the tab takes the server's recording lease (POST /api/offload/timeline); a run made while
-it is open then shows, under the model's layerwise figures, an SVG time line with one row per
-streamed unit and the verdict on what bound the run, as the server reported them.
+it is open then shows, under the model's layerwise figures, a time line with one row per
+streamed unit and the verdict on what bound the run, as the server reported them, its rows and
+labels apart. (tests/test_panel_disk.py checks an 18-unit pass in the sidebar and its full view.)
 """
 from __future__ import annotations
 
 import pytest
 
+from browser import boxes, overlapping
 from test_panel import CHROMIUM, PanelPage, browser, sync_api  # noqa: F401  (browser is a fixture)
 from workflows import sample_workflow
 
@@ -50,13 +52,17 @@ def test_the_open_panel_draws_the_last_run(comfy, browser):  # noqa: F811
         assert shown == [(str(u["unit"]), str(u["block"])) for u in timeline["units"]]
         # Every streamed unit's row holds its compute and its wait; copies where the server saw them.
         for i, unit in enumerate(timeline["units"]):
-            kinds = sorted(rows.nth(i).locator("rect").evaluate_all("rs => rs.map(r => r.dataset.kind)"))
+            kinds = sorted(rows.nth(i).locator("[data-kind]").evaluate_all("ss => ss.map((s) => s.dataset.kind)"))
             want = sorted(s["kind"] for s in timeline["spans"] if s["unit"] == unit["unit"])
             assert kinds == want, (unit, kinds, want)
         verdict = row.locator('[data-role="tl-verdict"]')
         sync_api.expect(verdict).to_have_attribute("data-bound", timeline["bound_by"])
         assert verdict.inner_text() == f"Bound by: {VERDICT[timeline['bound_by']]}"
-        assert row.locator('[data-role="tl-svg"]').get_attribute("role") == "img"
+        assert row.locator('[data-role="tl-chart"]').get_attribute("role") == "img"
+        drawn = boxes(rows)
+        assert all(a["y"] + a["h"] <= b["y"] + 0.5 for a, b in zip(drawn, drawn[1:])), "rows on top of each other"
+        labels = boxes(row.locator('[data-role="timeline"] [data-role="tl-label"]'))
+        assert labels and not overlapping(labels) and not [b for b in labels if b["cut"]], labels
         page.shot("panel_timeline.png")
     finally:
         page.page.close()

@@ -4,8 +4,9 @@
 // comes from tr() (web/i18n.js): the frontend's language, English where it has none.
 
 import { tr } from "./i18n.js";
-
-const CSS_URL = new URL("./panel.css", import.meta.url).href;
+import { esc, legend, num } from "./html.js";
+import { compactTimelineHtml, fitMarks } from "./timeline.js";
+import { View } from "./view.js";
 
 const TIER_LABEL = { vram: "VRAM", ram: "RAM", disk: "DISK" };
 const TIER_ACTIONS = [
@@ -25,11 +26,6 @@ const UNITS = ["B", "KiB", "MiB", "GiB", "TiB"];
 // The unit every size is shown in (the panel's "units shown" setting): "auto" picks the unit
 // that fits each figure; a fixed binary unit makes figures comparable at a glance.
 let shownUnit = "auto";
-
-export function esc(v) {
-  return String(v ?? "").replace(/[&<>"']/g, (c) =>
-    ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" })[c]);
-}
 
 // Binary units everywhere, labelled as such: the pack's inputs named _gb are GiB too.
 // `unit`: "auto" (the largest unit that keeps the figure at 1 or more) or one of UNITS.
@@ -57,7 +53,6 @@ export function fmtAgo(unixSeconds, now = Date.now() / 1000) {
   return tr("ago.days", { n: Math.round(s / 86400) });
 }
 
-const num = (v) => (typeof v === "number" && Number.isFinite(v) ? v : 0);
 const pct = (part, whole) => (whole > 0 ? Math.max(0, Math.min(100, (100 * part) / whole)) : 0);
 const gib = (bytes) => (typeof bytes === "number" ? String(Math.round((bytes / GIB) * 100) / 100) : "");
 
@@ -73,11 +68,6 @@ function bar(segments, total, { marker = null, cls = "" } = {}) {
     ? `<span class="to-marker" style="left:${pct(marker.bytes, total).toFixed(2)}%" title="${esc(marker.title)}"></span>`
     : "";
   return `<div class="to-bar ${cls}">${parts.join("")}${mark}</div>`;
-}
-
-function legend(items, role = "") {
-  return `<div class="to-legend"${role ? ` data-role="${role}"` : ""}>${items.filter(Boolean).map(([cls, text]) =>
-    `<span>${cls ? `<i class="to-dot ${cls}"></i>` : ""}${esc(text)}</span>`).join("")}</div>`;
 }
 
 // Splits a model's bytes into parts that add up to its total: on the GPU, in RAM, on disk only.
@@ -222,63 +212,6 @@ function telemetryHtml(raw) {
   return `<div class="to-stats">${rows.join("")}</div>`;
 }
 
-// The last run's picture (offload_core/device/timeline.py): one row per streamed unit on a time
-// axis in ms from the pass start. In each row the unit's disk read (a thin band on top), its copy
-// (upper half), the time compute waited for it (full height, highlighted) and its compute (lower
-// half); a unit fetched during the previous pass starts left of 0. The verdict is the engine's.
-const TL_KINDS = ["disk", "copy", "wait", "compute"];
-const TL_BAND = { disk: [0, 0.2], copy: [0.2, 0.55], wait: [0, 1], compute: [0.55, 1] };
-const ms = (v) => (Math.abs(v) >= 100 ? v.toFixed(0) : Math.abs(v) >= 10 ? v.toFixed(1) : v.toFixed(2));
-
-function timelineHtml(tl, hasRun) {
-  if (!tl || !Array.isArray(tl.units) || !Array.isArray(tl.spans)) {
-    return hasRun ? `<div class="to-muted" data-role="tl-none">${esc(tr("timeline.notRecorded"))}</div>` : "";
-  }
-  const spans = tl.spans.filter((s) => TL_KINDS.includes(s.kind) && Number.isFinite(s.start_ms) && Number.isFinite(s.end_ms));
-  const t0 = Math.min(0, ...spans.map((s) => s.start_ms));
-  const t1 = Math.max(num(tl.pass_ms), ...spans.map((s) => s.end_ms));
-  const n = tl.units.length;
-  const rowH = n > 40 ? 6 : n > 12 ? 10 : 16;
-  const label = 52, width = 260, plot = width - label - 6, axisH = 14;
-  const x = (t) => label + (t1 > t0 ? ((t - t0) / (t1 - t0)) * plot : 0);
-  const phase = tl.units.some((u) => u.name && u.name !== "block");
-  // A label on the first row of each block, where the previous label is far enough above it.
-  let lastLabel = -Infinity;
-  const rows = tl.units.map((u, i) => {
-    const name = phase ? tr("timeline.rowPhase", { block: u.block, name: u.name }) : tr("timeline.row", { block: u.block });
-    const labelled = (i === 0 || tl.units[i - 1].block !== u.block) && (i - lastLabel) * rowH >= 9;
-    if (labelled) lastLabel = i;
-    const bars = spans.filter((s) => s.unit === u.unit).map((s) => {
-      const [top, bottom] = TL_BAND[s.kind];
-      const w = Math.max(0.5, x(s.end_ms) - x(s.start_ms));
-      const title = tr("timeline.span", { kind: tr(`timeline.kind.${s.kind}`), start: ms(s.start_ms), end: ms(s.end_ms) });
-      return `<rect class="to-tl-${s.kind}" data-kind="${s.kind}" x="${x(s.start_ms).toFixed(1)}" y="${(i * rowH + top * (rowH - 1)).toFixed(1)}" width="${w.toFixed(1)}" height="${((bottom - top) * (rowH - 1)).toFixed(1)}"><title>${esc(title)}</title></rect>`;
-    });
-    return `<g data-role="tl-row" data-unit="${esc(u.unit)}" data-block="${esc(u.block)}"><title>${esc(name)}</title>
-      ${labelled ? `<text class="to-tl-label" x="${label - 4}" y="${(i * rowH + rowH / 2 + 3).toFixed(1)}">${esc(tr("timeline.row", { block: u.block }))}</text>` : ""}
-      ${bars.join("")}</g>`;
-  });
-  const height = n * rowH;
-  const ticks = [t0, 0, t1].filter((t, i, all) => all.indexOf(t) === i).map((t) =>
-    `<line class="to-tl-tick" x1="${x(t).toFixed(1)}" x2="${x(t).toFixed(1)}" y1="0" y2="${height + 3}"></line>
-     <text class="to-tl-axis" text-anchor="${t === t1 ? "end" : t === t0 && t0 < 0 ? "start" : "middle"}" x="${x(t).toFixed(1)}" y="${height + axisH - 2}">${esc(ms(t))}</text>`);
-  const totals = tl.totals ?? {};
-  const bound = ["link", "disk", "compute"].includes(tl.bound_by) ? tl.bound_by : null;
-  return `<div class="to-tl" data-role="timeline">
-    <div class="to-lw-head"><b>${esc(tr("timeline.head"))}</b>
-      <span class="to-muted">${esc(tr("timeline.summary", { units: n, ms: ms(num(tl.pass_ms)) }))}</span></div>
-    ${bound ? `<div class="to-tl-verdict to-tl-bound-${bound}" data-role="tl-verdict" data-bound="${bound}">${esc(tr("timeline.boundBy", { what: tr(`timeline.bound.${bound}`) }))}</div>` : ""}
-    <svg class="to-tl-svg" data-role="tl-svg" viewBox="0 0 ${width} ${height + axisH}" width="100%"
-      role="img" aria-label="${esc(tr("timeline.figure"))}">
-      ${ticks.join("")}${rows.join("")}
-    </svg>
-    <div class="to-muted to-tl-axis-name">${esc(tr("timeline.axis"))}</div>
-    ${legend(TL_KINDS.filter((k) => spans.some((s) => s.kind === k)).map((k) => [`to-tl-${k}`, tr(`timeline.kind.${k}`)]), "tl-legend")}
-    <div class="to-muted" data-role="tl-totals">${esc(tr("timeline.totals", {
-      compute: ms(num(totals.compute_ms)), link: ms(num(totals.link_wait_ms)), disk: ms(num(totals.disk_wait_ms)) }))}</div>
-  </div>`;
-}
-
 // Apply Layerwise Offload's auto mode on a Dynamic VRAM model: core streams, in the node's order.
 // The order's message and the streaming note are the server's (English) words.
 function dynamicOrderHtml(lw, showStrip) {
@@ -313,7 +246,8 @@ function streamedPill(lw) {
     : `<span class="to-pill">${esc(tr("layerwise.pill"))}</span>`;
 }
 
-function layerwiseHtml(lw, showStrip) {
+// `open`: {card, offered}, the card's id and whether the full view of its picture can be opened.
+function layerwiseHtml(lw, showStrip, open) {
   if (!lw) return "";
   if (lw.dynamic_vram?.path === "core streams") return dynamicOrderHtml(lw, showStrip);
   // Resident and streamed counts are in units: blocks, or phases of blocks.
@@ -330,7 +264,7 @@ function layerwiseHtml(lw, showStrip) {
     ${lw.dynamic_vram?.cost ? `<div class="to-muted" data-role="lw-cost">${esc(tr("layerwise.cost", { cost: lw.dynamic_vram.cost }))}</div>` : ""}
     ${showStrip ? stripHtml(lw) : ""}
     ${telemetryHtml(lw.telemetry)}
-    ${timelineHtml(lw.timeline, !!lw.telemetry && num(lw.streamed_indices?.length) > 0)}
+    ${compactTimelineHtml(lw.timeline, !!lw.telemetry && num(lw.streamed_indices?.length) > 0, open)}
   </div>`;
 }
 
@@ -366,6 +300,19 @@ function partsLine(parts) {
     .filter(Boolean).join(" · ")).join("; ");
 }
 
+// A tier-managed model's streaming report: its own, or that of its part in core.
+const managedLayerwise = (m, parts) => m.layerwise ?? parts.find((l) => l.layerwise)?.layerwise;
+
+// Every card whose last run has a picture, as the full view picks from them: {id, name, lw}.
+export function timelineCards(payload) {
+  const managed = Array.isArray(payload?.models) ? payload.models : [];
+  const loaded = Array.isArray(payload?.loaded) ? payload.loaded : [];
+  return [
+    ...managed.map((m) => ({ id: m.id, name: m.name ?? m.id, lw: managedLayerwise(m, loaded.filter((l) => l.tier_id === m.id)) })),
+    ...loaded.filter((l) => !l.tier_id).map((l) => ({ id: l.id, name: l.file ?? l.class ?? l.id, lw: l.layerwise })),
+  ].filter((c) => c.lw?.timeline);
+}
+
 // A model the tier manager owns: tier, its parts in core, policy and tier actions.
 function managedHtml(m, parts, ctx) {
   const { strips, pending, notice, cpu } = ctx;
@@ -376,7 +323,7 @@ function managedHtml(m, parts, ctx) {
   const busy = pending[m.id];
   const users = num(m.in_use);
   const pol = m.policy ?? {};
-  const lw = m.layerwise ?? parts.find((l) => l.layerwise)?.layerwise;
+  const lw = managedLayerwise(m, parts);
   const sw = parts.find((l) => l.swap)?.swap;
   const pills = [
     `<span class="to-pill to-pill-tier" title="${esc(tr("card.tierManagedTitle"))}">${esc(tr("card.tierManaged"))}</span>`,
@@ -405,7 +352,7 @@ function managedHtml(m, parts, ctx) {
       <label title="${esc(tr("card.priorityTitle"))}">${esc(tr("card.priority"))}
         <input type="number" min="-100" max="100" step="1" value="${num(pol.priority)}" data-policy="priority" data-key="prio-${esc(m.id)}"${busy ? " disabled" : ""}></label>
     </div>
-    ${layerwiseHtml(lw, strips)}
+    ${layerwiseHtml(lw, strips, { card: m.id, offered: ctx.fullView })}
     ${swapHtml(sw)}
     <div class="to-actions">${buttons.join("")}</div>
     ${notice?.model_id === m.id ? noticeHtml(notice) : ""}
@@ -446,7 +393,7 @@ function coreHtml(l, ctx) {
     <div class="to-muted to-sub" data-role="class">${esc(sub)}${l.file ? "" : ` · ${esc(tr("card.fileNotRecorded"))}`}</div>
     <div class="to-meta">${pills}</div>
     ${figures}
-    ${layerwiseHtml(l.layerwise, strips)}
+    ${layerwiseHtml(l.layerwise, strips, { card: l.id, offered: ctx.fullView })}
     ${swapHtml(l.swap)}
     ${l.core ? `<div class="to-actions to-actions-1">${button("unload", "pi-eject", { disabled: !!busy, busy: !!busy })}</div>` : ""}
     ${notice?.model_id === l.id ? noticeHtml(notice) : ""}
@@ -502,29 +449,15 @@ export function budgetBody(form) {
   return { body };
 }
 
-export class Panel {
-  constructor({ state, settings, onAction, onUnload, onPolicy, onBudgets, onRefresh, onDismiss }) {
-    Object.assign(this, { state, settings, onAction, onUnload, onPolicy, onBudgets, onRefresh, onDismiss });
-    this.root = null;
-    this.dirty = true;
-    this.frame = 0;
+export class Panel extends View {
+  constructor({ state, settings, onAction, onUnload, onPolicy, onBudgets, onRefresh, onDismiss, onOpenTimeline }) {
+    super("tiered-offload-panel", "to-panel");
+    Object.assign(this, { state, settings, onAction, onUnload, onPolicy, onBudgets, onRefresh, onDismiss, onOpenTimeline });
     this.clock = 0;
-    this.observer = null;
     this.editor = null;   // the budgets form while it is open: kept across renders
   }
 
-  mount(el) {
-    if (this.root && this.root.parentElement === el) { this.update(); return; }
-    this.unmount();
-    if (!document.querySelector(`link[href="${CSS_URL}"]`)) {
-      const link = document.createElement("link");
-      link.rel = "stylesheet";
-      link.href = CSS_URL;
-      document.head.appendChild(link);
-    }
-    const root = document.createElement("div");
-    root.id = "tiered-offload-panel";
-    root.className = "to-panel";
+  setUp(root) {
     root.addEventListener("click", (e) => this.onClick(e));
     root.addEventListener("change", (e) => this.onChange(e));
     // A priority is sent when the input loses focus or on Enter. Not on "change": the input may
@@ -533,42 +466,13 @@ export class Panel {
     root.addEventListener("focusout", (e) => this.commitPriority(e.target));
     root.addEventListener("keydown", (e) => e.key === "Enter" && this.commitPriority(e.target));
     root.addEventListener("submit", (e) => { e.preventDefault(); this.submitBudgets(e.target); });
-    el.replaceChildren(root);
-    this.root = root;
-    // Handles frontends that keep a closed tab alive but hidden: draw again once it shows.
-    this.observer = new IntersectionObserver((entries) => {
-      if (entries.some((x) => x.isIntersecting) && this.dirty) this.update();
-    });
-    this.observer.observe(root);
     // Relative "last used" times age; refresh only that text, only while open.
     this.clock = setInterval(() => this.isOpen() && this.tick(), 30000);
-    this.dirty = true;
-    this.render();
   }
 
-  unmount() {
-    cancelAnimationFrame(this.frame);
+  tearDown() {
     clearInterval(this.clock);
-    this.observer?.disconnect();
-    this.observer = null;
-    this.frame = 0;
-    this.root = null;
     this.editor = null;
-  }
-
-  isMounted() {
-    return !!this.root;
-  }
-
-  isOpen() {
-    return !!this.root && this.root.isConnected && this.root.getClientRects().length > 0;
-  }
-
-  // Cheap to call from any event: while the tab is closed it only marks the view stale.
-  update() {
-    this.dirty = true;
-    if (!this.isOpen() || this.frame) return;
-    this.frame = requestAnimationFrame(() => { this.frame = 0; this.render(); });
   }
 
   onClick(e) {
@@ -582,6 +486,7 @@ export class Panel {
       if (row) this.onAction(row.dataset.modelId, btn.dataset.action);
     } else if (role === "refresh") this.onRefresh();
     else if (role === "dismiss") this.onDismiss();
+    else if (role === "open-timeline") this.onOpenTimeline?.(btn.dataset.timelineCard);
     else if (role === "edit-budgets") { this.state.budgetError = null; this.openEditor(); }
     else if (role === "cancel-budgets") { this.editor = null; this.state.budgetError = null; this.update(); }
   }
@@ -642,7 +547,7 @@ export class Panel {
     this.dirty = false;
     if (window.__tieredOffload) window.__tieredOffload.renders += 1;
     const { state } = this;
-    const { strips, units, showCore } = this.settings();
+    const { strips, units, showCore, fullView } = this.settings();
     shownUnit = units;
     const p = state.payload;
     const head = `<div class="to-head">
@@ -663,7 +568,7 @@ export class Panel {
     } else if (!p) {
       body = `<div class="to-empty" data-role="status">${esc(tr("panel.loading"))}</div>`;
     } else {
-      const ctx = { strips, pending: state.pending, notice: state.notice, cpu: isCpu(p) };
+      const ctx = { strips, pending: state.pending, notice: state.notice, cpu: isCpu(p), fullView: !!fullView };
       const cards = [
         ...managed.map((m) => managedHtml(m, loaded.filter((l) => l.tier_id === m.id), ctx)),
         ...shown.map((l) => coreHtml(l, ctx)),
@@ -681,6 +586,7 @@ export class Panel {
     const active = this.root.contains(document.activeElement) ? document.activeElement : null;
     this.rendering = true;  // removing a focused input is no commit
     this.root.innerHTML = head + notice + body;
+    fitMarks(this.root);
     const slot = this.root.querySelector('[data-role="budget-editor-slot"]');
     if (slot && this.editor) slot.replaceWith(this.editor);
     if (active?.dataset?.key) {

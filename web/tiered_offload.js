@@ -8,11 +8,14 @@
 // it, which shows models core loads in the middle of a prompt (core sends no event for those).
 // Refusals of the panel's requests and errors the pack's code raises in a prompt also show as
 // toasts. While the tab is open it renews a lease (POST /api/offload/timeline) under which the
-// server records a picture of each layerwise run. Words: web/i18n.js.
+// server records a picture of each layerwise run; the picture opens full width in a tab of the
+// frontend's bottom panel (web/timeline.js), which holds the lease too while it shows.
+// Words: web/i18n.js.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import { frontendKey, tr } from "./i18n.js";
-import { Panel } from "./panel.js";
+import { Panel, timelineCards } from "./panel.js";
+import { TIMELINE_TAB, TimelineView } from "./timeline.js";
 
 const TAB_ID = "tiered-offload";
 const SETTING_STRIPS = "TieredOffload.Panel.ShowBlockStrips";
@@ -34,6 +37,7 @@ const state = {
   notice: null,       // {kind: "error"|"info", text, model_id} shown in that card (or on top)
   pending: {},        // card id -> action in flight
   stale: true,        // a GET is due the next time the tab opens
+  timelineCard: null, // the card whose picture the full view shows (null: the latest picture)
 };
 
 function setting(id, fallback) {
@@ -51,6 +55,7 @@ const panel = new Panel({
     strips: setting(SETTING_STRIPS, true),
     units: setting(SETTING_UNITS, "auto"),
     showCore: setting(SETTING_CORE, true),
+    fullView: fullViewOffered(),
   }),
   onAction: (id, action) => post(id, action, `/offload/models/${encodeURIComponent(id)}/${action}`),
   onUnload: (id) => post(id, "unload", `/offload/loaded/${encodeURIComponent(id)}/unload`),
@@ -58,7 +63,37 @@ const panel = new Panel({
   onBudgets: (body) => saveBudgets(body),
   onRefresh: () => fetchTiers(),
   onDismiss: () => { state.notice = null; panel.update(); },
+  onOpenTimeline: (id) => openTimeline(id),
 });
+const timelineView = new TimelineView({ state, cards: () => timelineCards(state.payload) });
+
+// Both views draw from `state`: each draws only while it shows.
+function redraw() {
+  panel.update();
+  timelineView.update();
+}
+
+// The bottom panel took the pack's tab: frontends 1.32 to 1.49 register an extension's
+// `bottomPanelTabs` and make a toggle command of each, the command openTimeline runs. Where there
+// is no such command the panel offers no full view.
+const TIMELINE_COMMAND = `Workspace.ToggleBottomPanelTab.${TIMELINE_TAB}`;
+function fullViewOffered() {
+  const command = app.extensionManager?.command;
+  return typeof command?.execute === "function"
+    && !!command.commands?.some?.((c) => c.id === TIMELINE_COMMAND);
+}
+
+// Shows `id`'s picture in the bottom panel's tab, opening the panel on it unless it shows already
+// (the frontend's command toggles: run on an open tab it would close it).
+async function openTimeline(id) {
+  state.timelineCard = id;
+  if (timelineView.isOpen()) { timelineView.update(); return; }
+  try {
+    await app.extensionManager.command.execute(TIMELINE_COMMAND);
+  } catch (e) {
+    toast("warn", tr("timeline.openFailed"), String(e?.message ?? e));
+  }
+}
 
 let fetching = null;
 function fetchTiers() {
@@ -69,7 +104,7 @@ function fetchTiers() {
 async function getTiers() {
   state.status = state.payload ? state.status : "loading";
   state.stale = false;
-  panel.update();
+  redraw();
   try {
     const res = await api.fetchApi("/offload/tiers", { cache: "no-store" });
     if (res.status === 404) {
@@ -88,7 +123,7 @@ async function getTiers() {
     state.error = tr("panel.getFailed", { error: e?.message ?? e });
     state.stale = true;
   }
-  panel.update();
+  redraw();
 }
 
 async function errorText(res) {
@@ -211,14 +246,15 @@ function scheduleRefresh(value = setting(SETTING_REFRESH, 0)) {
   refreshTimer = setInterval(() => panel.isOpen() && fetchTiers(), seconds * 1000);
 }
 
-// While the tab is open the server records a picture of each layerwise run (its timeline): the
-// tab renews a lease every TIMELINE_RENEW_S, and the server stops recording when the lease runs
-// out (twice that), so a closed tab leaves nothing recording. Nothing is recorded otherwise.
+// While the tab (or the full view of the picture) is open the server records a picture of each
+// layerwise run (its timeline): the view renews a lease every TIMELINE_RENEW_S, and the server
+// stops recording when the lease runs out (twice that), so closed views leave nothing recording.
+// Nothing is recorded otherwise.
 const TIMELINE_RENEW_S = 30;
 let timelineTimer = 0;
-// `opening`: the tab is being drawn (it may not be laid out yet); later renewals only while it shows.
+// `opening`: a view is being drawn (it may not be laid out yet); later renewals only while one shows.
 function renewTimeline(opening = false) {
-  if (!opening && !panel.isOpen()) return;
+  if (!opening && !panel.isOpen() && !timelineView.isOpen()) return;
   api.fetchApi("/offload/timeline", {
     method: "POST", body: JSON.stringify({ enabled: true }), headers: { "Content-Type": "application/json" },
   }).catch(() => { /* an older server without the route: no picture */ });
@@ -227,7 +263,7 @@ function renewTimeline(opening = false) {
 function scheduleTimeline() {
   clearInterval(timelineTimer);
   timelineTimer = 0;
-  if (!panel.isMounted()) return;
+  if (!panel.isMounted() && !timelineView.isMounted()) return;
   renewTimeline(true);
   timelineTimer = setInterval(renewTimeline, TIMELINE_RENEW_S * 1000);
 }
@@ -237,7 +273,7 @@ function onTiers(e) {
   state.payload = e.detail;
   state.status = "ok";
   state.error = null;
-  panel.update();
+  redraw();
 }
 
 // A sampling run ended: its figures go into the card of the model it streamed.
@@ -249,7 +285,7 @@ function onLayerwise(e) {
   for (const card of state.payload.loaded ?? []) {
     if (card.layerwise?.module_id === layerwise.module_id) card.layerwise = layerwise;
   }
-  panel.update();
+  redraw();
 }
 
 function onReconnected() {
@@ -300,6 +336,23 @@ app.registerExtension({
       onChange: (value) => scheduleRefresh(value),
     },
   ],
+  // The full view of the last run's picture. Title: English for the frontend's command ("Toggle
+  // … Bottom Panel"), the key for the tab, which the frontend translates.
+  bottomPanelTabs: [{
+    id: TIMELINE_TAB,
+    title: "Offload timeline",
+    titleKey: frontendKey("timeline.tab"),
+    type: "custom",
+    render: (el) => {
+      timelineView.mount(el);
+      if (state.stale) fetchTiers();
+      scheduleTimeline();
+    },
+    destroy: () => {
+      timelineView.unmount();
+      scheduleTimeline();
+    },
+  }],
   async beforeRegisterNodeDef(nodeType, nodeData) {
     if (String(nodeData?.python_module ?? "").split(".")[1] === PACK) packNodes.add(nodeData.name);
   },

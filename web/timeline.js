@@ -1,0 +1,279 @@
+// The last run's picture (offload_core/device/timeline.py): one pass of the streamed units on a
+// time axis in ms from the pass start. In each unit's row its disk read (a thin band on top), its
+// copy (upper band), the time compute waited for it (full height, highlighted) and its compute
+// (lower band). The verdict is the engine's.
+//
+// Two sizes. In the sidebar (about 300 px) a compact picture: the rows share a fixed height, one
+// label per block where it fits, and a button that opens the full view. The full view lives in
+// the frontend's bottom panel, full width: one labelled row per unit, the verdict and the figures
+// beside it. Both mark the pass start (0 ms) and shade the units fetched ahead: the prefetch
+// wraps around, so the first units of a pass are read and copied while the previous pass still
+// computes, and their spans start before 0. The words say so; a bare negative axis does not.
+//
+// Drawn as HTML (rows and spans placed in %, labels in px), not a scaled SVG: labels keep their
+// size at any width, and a label's box is what the user reads.
+
+import { tr } from "./i18n.js";
+import { esc, legend, num } from "./html.js";
+import { View } from "./view.js";
+
+// The bottom panel tab's id; the frontend makes "Workspace.ToggleBottomPanelTab.<id>" of it.
+export const TIMELINE_TAB = "tiered-offload-timeline";
+
+const KINDS = ["disk", "copy", "wait", "compute"];
+const LABEL_H = 12;  // px of one label line (panel.css .to-tl-label)
+// compact: the rows share `height` px, each between minRow and maxRow px; full: fixed rows.
+// ticks: about how many; edge: how near an end (in % of the plot) a tick's number ends there.
+const COMPACT = { height: 180, minRow: 3, maxRow: 12, ticks: 5, edge: 10 };
+const FULL = { row: 16, ticks: 10, edge: 4 };
+
+export const ms = (v) => (Math.abs(v) >= 100 ? v.toFixed(0) : Math.abs(v) >= 10 ? v.toFixed(1) : v.toFixed(2));
+const msText = (v) => tr("timeline.msValue", { value: ms(v) });
+
+const hasPicture = (tl) => !!tl && Array.isArray(tl.units) && Array.isArray(tl.spans);
+
+// The pass as drawn: the spans with known kinds and times; the axis from the earliest start (a
+// unit fetched ahead starts before 0) to the pass end; `pct(t)`, where t lies on it in %.
+function figure(tl) {
+  const spans = tl.spans.filter((s) => KINDS.includes(s.kind) && Number.isFinite(s.start_ms) && Number.isFinite(s.end_ms));
+  const t0 = Math.min(0, ...spans.map((s) => s.start_ms));
+  const t1 = Math.max(num(tl.pass_ms), ...spans.map((s) => s.end_ms));
+  const pct = (t) => (t1 > t0 ? (100 * (t - t0)) / (t1 - t0) : 0);
+  const ahead = new Set(spans.filter((s) => s.start_ms < 0).map((s) => s.unit));
+  const phase = tl.units.some((u) => u.name && u.name !== "block");
+  return { spans, t0, t1, pct, ahead, phase, zero: pct(0) };
+}
+
+const unitName = (u, phase) =>
+  (phase ? tr("timeline.rowPhase", { block: u.block, name: u.name }) : tr("timeline.row", { block: u.block }));
+
+// Where each kind sits in a row of `rowH` px (the last px is the gap to the next row): [top,
+// bottom] in px. Rows too thin for three bands draw the disk read and the copy in the upper half
+// (a unit's read ends before its copy starts).
+function bands(rowH) {
+  const u = rowH - 1;
+  if (u >= 6) {
+    const d = Math.max(1, Math.round(u * 0.2)), c = Math.round(u * 0.55);
+    return { disk: [0, d], copy: [d, c], compute: [c, u], wait: [0, u] };
+  }
+  const h = Math.floor(u / 2);
+  return { disk: [0, h], copy: [0, h], compute: [h, u], wait: [0, u] };
+}
+
+// Ticks at a round step (1, 2 or 5 times a power of ten) giving at most about `target` of them;
+// 0 is always one of them (the axis spans it).
+function ticks(t0, t1, target) {
+  if (!(t1 > t0)) return [0];
+  const raw = (t1 - t0) / target;
+  const mag = 10 ** Math.floor(Math.log10(raw));
+  const step = [1, 2, 5, 10].map((m) => m * mag).find((s) => s >= raw);
+  const digits = Math.max(0, -Math.floor(Math.log10(step)));
+  const out = [];
+  for (let k = Math.ceil(t0 / step); k * step <= t1 + step * 1e-9; k++) out.push(Number((k * step).toFixed(digits)));
+  return out;
+}
+
+function rowsHtml(tl, fig, rowH) {
+  const band = bands(rowH);
+  let parity = 0;
+  return tl.units.map((u, i) => {
+    if (i > 0 && tl.units[i - 1].block !== u.block) parity ^= 1;
+    // Waits first: the unit's own bars draw over its highlighted wait.
+    const bars = fig.spans.filter((s) => s.unit === u.unit)
+      .sort((a, b) => (a.kind === "wait" ? 0 : 1) - (b.kind === "wait" ? 0 : 1)).map((s) => {
+        const [top, bottom] = band[s.kind];
+        const left = fig.pct(s.start_ms);
+        const title = tr("timeline.span", { kind: tr(`timeline.kind.${s.kind}`), start: ms(s.start_ms), end: ms(s.end_ms) });
+        return `<span class="to-tl-span to-tl-${s.kind}" data-kind="${s.kind}" title="${esc(title)}"
+          style="left:${left.toFixed(2)}%;width:${(fig.pct(s.end_ms) - left).toFixed(2)}%;top:${top}px;height:${bottom - top}px"></span>`;
+      });
+    return `<div class="to-tl-row${parity ? " to-tl-odd" : ""}" data-role="tl-row" data-unit="${esc(u.unit)}" data-block="${esc(u.block)}"
+      title="${esc(unitName(u, fig.phase))}" style="top:${i * rowH}px;height:${rowH - 1}px">${bars.join("")}</div>`;
+  });
+}
+
+// The full view: a label per row, centred on it.
+function unitLabels(tl, fig, rowH) {
+  return tl.units.map((u, i) => {
+    const name = unitName(u, fig.phase);
+    return `<span class="to-tl-label" data-role="tl-label" data-unit="${esc(u.unit)}" title="${esc(name)}"
+      style="top:${(i * rowH + (rowH - 1 - LABEL_H) / 2).toFixed(1)}px">${esc(name)}</span>`;
+  });
+}
+
+// The compact picture: one label per block, centred on its rows, where it clears the one above.
+function blockLabels(tl, rowH) {
+  const height = tl.units.length * rowH;
+  const out = [];
+  let clear = -Infinity;
+  for (let i = 0; i < tl.units.length;) {
+    let j = i;
+    while (j < tl.units.length && tl.units[j].block === tl.units[i].block) j++;
+    const top = Math.max(0, Math.min(height - LABEL_H, i * rowH + ((j - i) * rowH - 1 - LABEL_H) / 2));
+    if (top >= clear) {
+      const name = tr("timeline.row", { block: tl.units[i].block });
+      out.push(`<span class="to-tl-label" data-role="tl-label" data-block="${esc(tl.units[i].block)}" title="${esc(name)}"
+        style="top:${top.toFixed(1)}px">${esc(name)}</span>`);
+      clear = top + LABEL_H;
+    }
+    i = j;
+  }
+  return out;
+}
+
+// The chart: marks above (the fetch-ahead and the pass start, named), the labels and rows, the
+// axis below. `full`: one labelled row per unit at a fixed height, more ticks.
+function chartHtml(tl, fig, full) {
+  const n = tl.units.length;
+  const rowH = full ? FULL.row
+    : Math.max(COMPACT.minRow, Math.min(COMPACT.maxRow, Math.floor(COMPACT.height / Math.max(1, n))));
+  const zero = fig.zero.toFixed(2);
+  const ahead = fig.t0 < 0;
+  // The fetch-ahead's name ends at the pass start's line and may reach into the labels' column
+  // (empty above the rows); the pass start's name starts at the line. Where 0 lies past the
+  // middle, the pass start's name ends at the line instead and the note names the fetch-ahead.
+  const startRight = fig.zero > 55;
+  const marks = [
+    ahead && !startRight ? `<span class="to-tl-ahead-mark" data-role="tl-ahead-mark"
+      style="right:${(100 - fig.zero).toFixed(2)}%;max-width:calc(${zero}% + var(--to-tl-label) + var(--to-tl-gap))">${esc(tr("timeline.ahead"))}</span>` : "",
+    `<span class="to-tl-start-mark${startRight ? " to-tl-start-mark-end" : ""}" data-role="tl-start-mark"
+      style="${startRight ? `right:${(100 - fig.zero).toFixed(2)}%;max-width:${zero}%` : `left:${zero}%;max-width:${(100 - fig.zero).toFixed(2)}%`}">${esc(tr("timeline.passStart"))}</span>`,
+  ];
+  const axis = ticks(fig.t0, fig.t1, full ? FULL.ticks : COMPACT.ticks);
+  const grid = axis.filter((t) => t !== 0).map((t) => `<i class="to-tl-grid" style="left:${fig.pct(t).toFixed(2)}%"></i>`);
+  // A tick's number is centred on it, except near an end, where half of it would stick out.
+  const edge = full ? FULL.edge : COMPACT.edge;
+  const tickLabels = axis.map((t) => {
+    const p = fig.pct(t);
+    const at = p < edge ? `left:${p.toFixed(2)}%` : p > 100 - edge ? `right:${(100 - p).toFixed(2)}%`
+      : `left:${p.toFixed(2)}%;transform:translateX(-50%)`;
+    return `<span class="to-tl-tick${t === 0 ? " to-tl-tick-zero" : ""}" data-role="tl-tick" style="${at}">${esc(String(t))}</span>`;
+  });
+  return `<div class="to-tl-chart${full ? " to-tl-chart-full" : ""}" data-role="tl-chart" role="img" aria-label="${esc(tr("timeline.figure"))}">
+    <div class="to-tl-strip to-tl-strip-top"><div class="to-tl-marks" data-role="tl-marks">${marks.join("")}</div></div>
+    <div class="to-tl-body" style="height:${n * rowH}px">
+      <div class="to-tl-labels">${(full ? unitLabels(tl, fig, rowH) : blockLabels(tl, rowH)).join("")}</div>
+      <div class="to-tl-plot">
+        ${grid.join("")}
+        ${ahead ? `<div class="to-tl-ahead" data-role="tl-ahead" style="width:${zero}%" title="${esc(tr("timeline.aheadNote"))}"></div>` : ""}
+        <div class="to-tl-start" data-role="tl-start" style="left:${zero}%"></div>
+        ${rowsHtml(tl, fig, rowH).join("")}
+      </div>
+    </div>
+    <div class="to-tl-strip to-tl-strip-bottom"><div class="to-tl-axis" data-role="tl-axis">${tickLabels.join("")}</div>
+      <div class="to-muted to-tl-axis-name">${esc(tr("timeline.axis"))}</div></div>
+  </div>`;
+}
+
+function verdictHtml(tl) {
+  const bound = ["link", "disk", "compute"].includes(tl.bound_by) ? tl.bound_by : null;
+  return bound ? `<div class="to-tl-verdict to-tl-bound-${bound}" data-role="tl-verdict" data-bound="${bound}">${
+    esc(tr("timeline.boundBy", { what: tr(`timeline.bound.${bound}`) }))}</div>` : "";
+}
+
+const legendHtml = (fig) =>
+  legend(KINDS.filter((k) => fig.spans.some((s) => s.kind === k)).map((k) => [`to-tl-${k}`, tr(`timeline.kind.${k}`)]), "tl-legend");
+
+// The sidebar's picture, under a layerwise card's figures. `open`: {card, offered} where the
+// full view can be opened for that card; `hasRun`: a run streamed something, so a missing
+// picture is worth a word.
+export function compactTimelineHtml(tl, hasRun, open) {
+  if (!hasPicture(tl)) {
+    return hasRun ? `<div class="to-muted" data-role="tl-none">${esc(tr("timeline.notRecorded"))}</div>` : "";
+  }
+  const fig = figure(tl);
+  const totals = tl.totals ?? {};
+  return `<div class="to-tl" data-role="timeline">
+    <div class="to-lw-head"><b>${esc(tr("timeline.head"))}</b>
+      <span class="to-muted">${esc(tr("timeline.summary", { units: tl.units.length, ms: ms(num(tl.pass_ms)) }))}</span></div>
+    ${verdictHtml(tl)}
+    ${chartHtml(tl, fig, false)}
+    ${fig.t0 < 0 ? `<div class="to-muted to-tl-note" data-role="tl-ahead-note">${esc(tr("timeline.aheadNote"))}</div>` : ""}
+    ${legendHtml(fig)}
+    <div class="to-muted" data-role="tl-totals">${esc(tr("timeline.totals", {
+      compute: ms(num(totals.compute_ms)), link: ms(num(totals.link_wait_ms)), disk: ms(num(totals.disk_wait_ms)) }))}</div>
+    ${open?.offered ? `<div class="to-actions to-actions-1"><button class="to-btn" data-role="open-timeline" data-timeline-card="${esc(open.card)}"
+      title="${esc(tr("timeline.openFullTitle"))}"><i class="pi pi-window-maximize"></i><span class="to-label">${esc(tr("timeline.openFull"))}</span></button></div>` : ""}
+  </div>`;
+}
+
+// After a picture is drawn into `root`: a mark whose name does not fit where it stands (a
+// narrow fetch-ahead, typical of a long pass) is left out; the notes say the same in words.
+export function fitMarks(root) {
+  for (const mark of root.querySelectorAll('[data-role="tl-marks"] > *')) {
+    if (mark.scrollWidth > mark.clientWidth + 1) mark.remove();
+  }
+}
+
+// The figures beside the full picture: [key, value] with a tooltip each.
+function figuresHtml(tl, fig) {
+  const totals = tl.totals ?? {};
+  const disk = fig.spans.some((s) => s.kind === "disk");
+  const rows = [
+    ["pass", msText(num(tl.pass_ms))],
+    ["units", String(tl.units.length)],
+    ["compute", msText(num(totals.compute_ms))],
+    ["linkWait", msText(num(totals.link_wait_ms))],
+    disk && ["diskWait", msText(num(totals.disk_wait_ms))],
+    ["copyBusy", msText(num(totals.copy_busy_ms))],
+    disk && ["diskBusy", msText(num(totals.disk_busy_ms))],
+    fig.t0 < 0 && ["ahead", tr("timeline.aheadFigure", { units: fig.ahead.size, ms: ms(-fig.t0) })],
+  ].filter(Boolean);
+  return `<div class="to-tl-figs" data-role="tl-figures">${rows.map(([key, value]) =>
+    `<div class="to-tl-fig${key === "ahead" ? " to-tl-fig-wide" : ""}" data-figure="${key}" title="${esc(tr(`timeline.figures.${key}Title`))}">
+      <span>${esc(tr(`timeline.figures.${key}`))}</span><b>${esc(value)}</b></div>`).join("")}</div>`;
+}
+
+// The bottom panel's view: `card` {id, name, lw} whose picture it shows, or null.
+export function fullTimelineHtml(card) {
+  const tl = card?.lw?.timeline;
+  if (!hasPicture(tl)) {
+    return `<div class="to-head"><span class="to-title">${esc(tr("timeline.head"))}</span></div>
+      <div class="to-empty" data-role="tl-none">${esc(tr("timeline.noPicture"))}</div>`;
+  }
+  const fig = figure(tl);
+  // The chart takes the panel's height; its title, the verdict and the figures stand beside it.
+  return `<div class="to-tl-full" data-role="timeline" data-timeline-card="${esc(card.id)}">
+      <div class="to-tl-main">${chartHtml(tl, fig, true)}</div>
+      <aside class="to-tl-aside" data-role="tl-aside">
+        <div class="to-tl-title"><b>${esc(tr("timeline.head"))}</b>
+          <span class="to-muted to-ellipsis" data-role="tl-model" title="${esc(card.name)}">${esc(card.name)}</span></div>
+        ${verdictHtml(tl)}
+        ${figuresHtml(tl, fig)}
+        ${legendHtml(fig)}
+        <p class="to-tl-explain" data-role="tl-start-note"><b>${esc(tr("timeline.passStart"))}</b> ${esc(tr("timeline.startExplain"))}</p>
+        ${fig.t0 < 0 ? `<p class="to-tl-explain" data-role="tl-ahead-note"><b>${esc(tr("timeline.ahead"))}</b> ${esc(tr("timeline.aheadExplain"))}</p>` : ""}
+        <p class="to-tl-explain to-muted">${esc(tr("timeline.rowsExplain"))}</p>
+      </aside>
+    </div>`;
+}
+
+// The full view in the bottom panel. It shows the picture of the card the user opened it from
+// (state.timelineCard), or, opened from the panel's tab bar, the latest picture of any card.
+export class TimelineView extends View {
+  // `cards()`: [{id, name, lw}] of every card whose layerwise report holds a picture.
+  constructor({ state, cards }) {
+    super("tiered-offload-timeline", "to-panel to-tl-view");
+    this.state = state;
+    this.cards = cards;
+  }
+
+  mount(el) {
+    // The bottom panel hands its tab a bare element with no height: fill the panel, scroll inside.
+    el.style.height = "100%";
+    super.mount(el);
+  }
+
+  shown() {
+    const cards = this.cards();
+    return cards.find((c) => c.id === this.state.timelineCard)
+      ?? cards.reduce((a, b) => (a && num(a.lw.finished_at) >= num(b.lw.finished_at) ? a : b), null);
+  }
+
+  render() {
+    if (!this.root) return;
+    this.dirty = false;
+    this.root.innerHTML = fullTimelineHtml(this.shown());
+    fitMarks(this.root);
+  }
+}
