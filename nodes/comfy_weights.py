@@ -59,28 +59,47 @@ class MergeFailed(RuntimeError):
     """Core could not merge a weight patch into a block and carried on with the base weight."""
 
 
-class _LoggedErrors(logging.Handler):
-    """ERROR records logged on a thread while it merges (see ``lora_transform``).
+class _MergeErrors:
+    """The errors core reports on a thread while it merges (see ``lora_transform``).
 
     Core's weight adapters (LoRA, LoHa, LoKr, GLoRA, OFT, BOFT) catch every exception of their
-    math, out of memory included, log "ERROR <adapter> <key> <exception>" and return the
-    weight unmerged. That log record is the only sign of the failure.
+    math, out of memory included, call ``logging.error("ERROR <adapter> <key> <exception>")`` and
+    return the weight unmerged: that call is the only sign of the failure. A log handler misses
+    it whenever the root logger's level hides ERROR (ComfyUI's ``--verbose CRITICAL``): logging
+    then makes no record at all. So the root logger's ``error`` is wrapped, once: on a thread
+    that is merging, the message is kept before logging tests its level; the call then goes on
+    as it would have, and the log shows what the user's level lets through.
     """
 
     def __init__(self) -> None:
-        super().__init__(logging.ERROR)
         self._local = threading.local()
+        self._lock = threading.Lock()
+        self._installed = False
 
-    def emit(self, record: logging.LogRecord) -> None:
-        box = getattr(self._local, "box", None)
-        if box is not None:
-            box.append(record.getMessage())
+    def _install(self) -> None:
+        with self._lock:
+            if self._installed:
+                return
+            root = logging.getLogger()
+            original = root.error  # the class's method, or whatever stands in for it already
+            local = self._local
+
+            def error(msg: object, *args: Any, **kwargs: Any) -> None:
+                box = getattr(local, "box", None)
+                if box is not None:
+                    try:
+                        box.append(str(msg) % args if args else str(msg))
+                    except (TypeError, ValueError):  # logging's own formatting would fail too
+                        box.append(str(msg))
+                original(msg, *args, **kwargs)
+
+            root.error = error
+            self._installed = True
 
     @contextmanager
     def collect(self) -> Iterator[list[str]]:
-        root = logging.getLogger()
-        if self not in root.handlers:
-            root.addHandler(self)
+        if not self._installed:
+            self._install()
         previous = getattr(self._local, "box", None)
         self._local.box = box = []
         try:
@@ -89,13 +108,13 @@ class _LoggedErrors(logging.Handler):
             self._local.box = previous
 
 
-_LOGGED_ERRORS = _LoggedErrors()
+_MERGE_ERRORS = _MergeErrors()
 _ADAPTER = getattr(comfy.weight_adapter, "WeightAdapterBase", ())  # () matches nothing
 
 
 def _calculate_weight(patches, weight: torch.Tensor, key: str) -> torch.Tensor:
-    """Core's `calculate_weight`, raising MergeFailed where core logs a failure and goes on."""
-    with _LOGGED_ERRORS.collect() as errors:
+    """Core's `calculate_weight`, raising MergeFailed where core reports a failure and goes on."""
+    with _MERGE_ERRORS.collect() as errors:
         merged = comfy.lora.calculate_weight(patches, weight, key)
     if errors:
         raise MergeFailed(
