@@ -31,6 +31,7 @@ import comfy.utils
 import comfy.weight_adapter
 
 from ..offload_core.host.side_tensors import SideTensors
+from .block_budget import cached_bytes, cublas_workspace_bytes
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +51,12 @@ def block_keys(prefix: str, block: torch.nn.Module) -> list[str]:
     return [f"{prefix}.{name}" for name, _ in block.named_parameters()]
 
 
-# Core's merge, at most: the weight in the merge dtype, the patch's product and its scaled copy
-# (in the adapters' fp32 intermediate dtype) and the rounded result, all of the weight's size.
-MERGE_WORKSPACE_FACTOR = 4
+# Core's merge holds at most this many temporaries of the weight's size at once, each in fp32 (the
+# adapters' intermediate dtype) or the merge dtype if wider: DoRA over LoHa holds six (the weight
+# in the merge dtype, LoHa's two products, their product, DoRA's merged weight and its scaled
+# copy; LoRA three, LoHa five), and one more stands for what rides beside them (factors cast to
+# fp32, DoRA's norms, OFT's rotations). tests/budget_probe.py measures each adapter against it.
+MERGE_TEMPORARIES = 7
 
 
 class MergeFailed(RuntimeError):
@@ -125,18 +129,37 @@ def _calculate_weight(patches, weight: torch.Tensor, key: str) -> torch.Tensor:
     return merged
 
 
-def merge_workspace_bytes(patcher, block_prefixes: Sequence[str],
+def merge_temporary_bytes(patcher, block_prefixes: Sequence[str],
                           blocks: Sequence[torch.nn.Module]) -> int:
-    """Device memory a merge into one of the blocks' weights needs beside the copy: a few
-    weight-sized temporaries, each in fp32 or the merge dtype if wider, for the largest patched
-    weight (0 without patches). GGUF's quantized weights are merged at dequantization, not here."""
+    """The size of one of a merge's temporaries (see MERGE_TEMPORARIES) for the largest patched
+    weight of the blocks, in fp32 or the merge dtype if wider (0 without patches). GGUF's
+    quantized weights are merged at dequantization, not here."""
     largest = 0
     for prefix, block in zip(block_prefixes, blocks):
         for name, weight in block.named_parameters():
             if f"{prefix}.{name}" in patcher.patches and not (is_ggml(weight) and ggml_quantized(weight)):
                 largest = max(largest, weight.numel())
     size = torch.empty((), dtype=lora_merge_dtype(patcher.load_device)).element_size()
-    return MERGE_WORKSPACE_FACTOR * largest * max(size, 4)
+    return largest * max(size, 4)
+
+
+def merge_workspace_bytes(patcher, block_prefixes: Sequence[str],
+                          blocks: Sequence[torch.nn.Module]) -> int:
+    """Device memory a merge into one of the blocks' weights needs beside the copy and the
+    patches' tensors (0 without patches).
+
+    The merges run on the engine's copy stream: CUDA's allocator keeps their temporaries cached
+    for that stream once freed, and torch's cuBLAS keeps a workspace for it, and core counts
+    neither as used before the run (the workspace does not exist yet; cached memory it counts as
+    free). So the figure is the temporaries as the allocator reserves them, plus the workspace.
+    """
+    temporary = merge_temporary_bytes(patcher, block_prefixes, blocks)
+    if not temporary:
+        return 0
+    device = patcher.load_device
+    if device.type != "cuda":
+        return MERGE_TEMPORARIES * temporary
+    return cached_bytes(temporary, MERGE_TEMPORARIES) + cublas_workspace_bytes(device)
 
 
 class _Taken:
