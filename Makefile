@@ -144,7 +144,7 @@ test-0.33: env env-033 /usr/bin/chromium
 gpu-kit: $(COMFY)/.ready $(COMFY033)/.ready
 	find $(COMFY) -name __pycache__ -prune -exec rm -rf {} +
 	tools/gpu_kit.sh
-	du -csh --exclude=.git --exclude=.venv --exclude=.venv-033 --exclude=.comfyui-033 --exclude=.demo --exclude=tests/artifacts .
+	du -csh --exclude=.git --exclude=.venv --exclude=.venv-033 --exclude=.comfyui-033 --exclude=.aimdo-0.6 --exclude=.demo --exclude=tests/artifacts .
 
 clean:
 	rm -rf $(VENV) $(COMFY) $(VENV033) $(COMFY033) $(AIMDO06) $(TOOLS_VENV) .demo .pytest_cache .gpu_kit
