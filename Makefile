@@ -12,6 +12,10 @@ VENV033 := .venv-033
 PY033 := $(VENV033)/bin/python
 COMFY033 := .comfyui-033
 COMFY033_TARBALL := ../shared/comfyui/comfyui-0.33.0.tar.gz
+# comfy-aimdo 0.6 beside the 0.4.13 that ComfyUI 0.33 pins: tests/test_aimdo_versions.py runs
+# the pack's comfy-aimdo calls against both (this folder ahead on PYTHONPATH).
+AIMDO06 := .aimdo-0.6
+AIMDO06_PIN := comfy-aimdo==0.6.0
 # comfy-cli, the registry's own packer, in a tools environment of its own (it pins packages of
 # its own that the test environments must not get).
 TOOLS_VENV := .venv-tools
@@ -22,7 +26,7 @@ COMFY_CMD := $(TOOLS_VENV)/bin/comfy --skip-prompt --no-enable-telemetry
 
 env: $(VENV)/.ready $(COMFY)/.ready
 
-env-033: $(VENV033)/.ready $(COMFY033)/.ready
+env-033: $(VENV033)/.ready $(COMFY033)/.ready $(AIMDO06)/.ready
 
 $(VENV)/.ready: tools/requirements-env.txt tools/constraints.txt tools/patch_torchvision.sh tools/patch_torchaudio.sh
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +59,12 @@ $(VENV033)/.ready: tools/requirements-033.txt tools/constraints-033.txt tools/pa
 	$(PY033) -m pip install -q -c tools/constraints-033.txt -r tools/requirements-033.txt
 	tools/patch_torchvision.sh $(PY033)
 	tools/patch_torchaudio.sh $(PY033)
+	touch $@
+
+# Only its files, into a folder of its own: the 0.33 venv keeps the comfy-aimdo its ComfyUI pins.
+$(AIMDO06)/.ready: | $(VENV033)/.ready
+	rm -rf $(AIMDO06)
+	$(PY033) -m pip install -q --no-deps --target $(AIMDO06) $(AIMDO06_PIN)
 	touch $@
 
 $(COMFY033)/.ready: $(COMFY033_TARBALL)
@@ -134,7 +144,7 @@ gpu-kit: $(COMFY)/.ready $(COMFY033)/.ready
 	tools/gpu_kit.sh
 
 clean:
-	rm -rf $(VENV) $(COMFY) $(VENV033) $(COMFY033) $(TOOLS_VENV) .demo .pytest_cache .gpu_kit
+	rm -rf $(VENV) $(COMFY) $(VENV033) $(COMFY033) $(AIMDO06) $(TOOLS_VENV) .demo .pytest_cache .gpu_kit
 
 # A long randomized differential campaign (tests/differential, docs/tests.md): every prompt on a
 # server with the pack against its stripped twin on one without. make difftest SEED=7 PROMPTS=500

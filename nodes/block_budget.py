@@ -18,7 +18,11 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import re
 from dataclasses import dataclass
+
+import torch
 
 import comfy.model_management
 
@@ -27,6 +31,54 @@ from ..offload_core.units import size_text
 from .core_models import loaded_entries
 
 log = logging.getLogger(__name__)
+
+MIB = 1024 ** 2
+
+
+def cached_bytes(nbytes: int, count: int = 1) -> int:
+    """What CUDA's caching allocator reserves for ``count`` live allocations of ``nbytes`` each
+    on a stream that has nothing cached, and keeps for that stream once they are freed (core
+    counts it as free memory then). Up to 1 MiB they share 2 MiB segments, up to 10 MiB 20 MiB
+    segments, larger ones each get a segment of their size rounded up to 2 MiB
+    (c10/cuda/CUDACachingAllocator.cpp: kSmallSize, kSmallBuffer, kMinLargeAlloc, kLargeBuffer,
+    kRoundLarge); a block is a multiple of 512 bytes."""
+    if nbytes <= 0 or count <= 0:
+        return 0
+    block = -(-nbytes // 512) * 512
+    if block >= 10 * MIB:
+        return count * (-(-block // (2 * MIB)) * 2 * MIB)
+    segment = 2 * MIB if block <= MIB else 20 * MIB
+    return -(-count // (segment // block)) * segment
+
+
+def cublas_workspace_bytes(device: torch.device) -> int:
+    """The workspace torch's cuBLAS (and, sharing it by default, cuBLASLt) allocates for each
+    thread and stream that runs a matrix product on ``device``, and holds as long as the thread
+    lives: the merges on the engine's copy stream make one. 0 off CUDA."""
+    if device.type != "cuda":
+        return 0
+    props = torch.cuda.get_device_properties(device)
+    return workspace_config_bytes(
+        os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+        or (os.environ.get("HIPBLAS_WORKSPACE_CONFIG") or os.environ.get("ROCBLAS_WORKSPACE_CONFIG")
+            if torch.version.hip else None),
+        (props.major, props.minor), getattr(props, "gcnArchName", "") if torch.version.hip else None)
+
+
+def workspace_config_bytes(config: str | None, capability: tuple[int, int],
+                           rocm_arch: str | None = None) -> int:
+    """torch's cuBLAS workspace size (aten/src/ATen/cuda/CublasHandlePool.cpp,
+    parseChosenWorkspaceSize): the sum of SIZE KiB x COUNT over the ``:SIZE:COUNT`` pairs of
+    CUBLAS_WORKSPACE_CONFIG, else its default: 32 MiB on Hopper and Blackwell (compute capability
+    9, 10, 12; older torch gives it to 9.0 only, so this errs on the safe side), 4096 KiB x 2 +
+    16 KiB x 8 on older cards; on ROCm 32 MiB, 128 MiB on gfx94x/gfx95x."""
+    pairs = re.findall(r":([0-9]+):([0-9]+)", config or "")
+    if pairs:
+        return sum(int(size) * 1024 * int(count) for size, count in pairs)
+    if rocm_arch is not None:
+        return (128 if rocm_arch.startswith(("gfx94", "gfx95")) else 32) * MIB
+    return 32 * MIB if capability[0] in (9, 10, 12) else 4096 * 1024 * 2 + 16 * 1024 * 8
+
 
 @dataclass(frozen=True)
 class DeviceRoom:

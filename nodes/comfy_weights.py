@@ -31,6 +31,7 @@ import comfy.utils
 import comfy.weight_adapter
 
 from ..offload_core.host.side_tensors import SideTensors
+from .block_budget import cached_bytes, cublas_workspace_bytes
 
 log = logging.getLogger(__name__)
 
@@ -50,37 +51,59 @@ def block_keys(prefix: str, block: torch.nn.Module) -> list[str]:
     return [f"{prefix}.{name}" for name, _ in block.named_parameters()]
 
 
-# Core's merge, at most: the weight in the merge dtype, the patch's product and its scaled copy
-# (in the adapters' fp32 intermediate dtype) and the rounded result, all of the weight's size.
-MERGE_WORKSPACE_FACTOR = 4
+# Core's merge holds at most this many temporaries of the weight's size at once, each in fp32 (the
+# adapters' intermediate dtype) or the merge dtype if wider: DoRA over LoHa holds six (the weight
+# in the merge dtype, LoHa's two products, their product, DoRA's merged weight and its scaled
+# copy; LoRA three, LoHa five), and one more stands for what rides beside them (factors cast to
+# fp32, DoRA's norms, OFT's rotations). tests/budget_probe.py measures each adapter against it.
+MERGE_TEMPORARIES = 7
 
 
 class MergeFailed(RuntimeError):
     """Core could not merge a weight patch into a block and carried on with the base weight."""
 
 
-class _LoggedErrors(logging.Handler):
-    """ERROR records logged on a thread while it merges (see ``lora_transform``).
+class _MergeErrors:
+    """The errors core reports on a thread while it merges (see ``lora_transform``).
 
     Core's weight adapters (LoRA, LoHa, LoKr, GLoRA, OFT, BOFT) catch every exception of their
-    math, out of memory included, log "ERROR <adapter> <key> <exception>" and return the
-    weight unmerged. That log record is the only sign of the failure.
+    math, out of memory included, call ``logging.error("ERROR <adapter> <key> <exception>")`` and
+    return the weight unmerged: that call is the only sign of the failure. A log handler misses
+    it whenever the root logger's level hides ERROR (ComfyUI's ``--verbose CRITICAL``): logging
+    then makes no record at all. So the root logger's ``error`` is wrapped, once: on a thread
+    that is merging, the message is kept before logging tests its level; the call then goes on
+    as it would have, and the log shows what the user's level lets through.
     """
 
     def __init__(self) -> None:
-        super().__init__(logging.ERROR)
         self._local = threading.local()
+        self._lock = threading.Lock()
+        self._installed = False
 
-    def emit(self, record: logging.LogRecord) -> None:
-        box = getattr(self._local, "box", None)
-        if box is not None:
-            box.append(record.getMessage())
+    def _install(self) -> None:
+        with self._lock:
+            if self._installed:
+                return
+            root = logging.getLogger()
+            original = root.error  # the class's method, or whatever stands in for it already
+            local = self._local
+
+            def error(msg: object, *args: Any, **kwargs: Any) -> None:
+                box = getattr(local, "box", None)
+                if box is not None:
+                    try:
+                        box.append(str(msg) % args if args else str(msg))
+                    except (TypeError, ValueError):  # logging's own formatting would fail too
+                        box.append(str(msg))
+                original(msg, *args, **kwargs)
+
+            root.error = error
+            self._installed = True
 
     @contextmanager
     def collect(self) -> Iterator[list[str]]:
-        root = logging.getLogger()
-        if self not in root.handlers:
-            root.addHandler(self)
+        if not self._installed:
+            self._install()
         previous = getattr(self._local, "box", None)
         self._local.box = box = []
         try:
@@ -89,13 +112,13 @@ class _LoggedErrors(logging.Handler):
             self._local.box = previous
 
 
-_LOGGED_ERRORS = _LoggedErrors()
+_MERGE_ERRORS = _MergeErrors()
 _ADAPTER = getattr(comfy.weight_adapter, "WeightAdapterBase", ())  # () matches nothing
 
 
 def _calculate_weight(patches, weight: torch.Tensor, key: str) -> torch.Tensor:
-    """Core's `calculate_weight`, raising MergeFailed where core logs a failure and goes on."""
-    with _LOGGED_ERRORS.collect() as errors:
+    """Core's `calculate_weight`, raising MergeFailed where core reports a failure and goes on."""
+    with _MERGE_ERRORS.collect() as errors:
         merged = comfy.lora.calculate_weight(patches, weight, key)
     if errors:
         raise MergeFailed(
@@ -106,18 +129,37 @@ def _calculate_weight(patches, weight: torch.Tensor, key: str) -> torch.Tensor:
     return merged
 
 
-def merge_workspace_bytes(patcher, block_prefixes: Sequence[str],
+def merge_temporary_bytes(patcher, block_prefixes: Sequence[str],
                           blocks: Sequence[torch.nn.Module]) -> int:
-    """Device memory a merge into one of the blocks' weights needs beside the copy: a few
-    weight-sized temporaries, each in fp32 or the merge dtype if wider, for the largest patched
-    weight (0 without patches). GGUF's quantized weights are merged at dequantization, not here."""
+    """The size of one of a merge's temporaries (see MERGE_TEMPORARIES) for the largest patched
+    weight of the blocks, in fp32 or the merge dtype if wider (0 without patches). GGUF's
+    quantized weights are merged at dequantization, not here."""
     largest = 0
     for prefix, block in zip(block_prefixes, blocks):
         for name, weight in block.named_parameters():
             if f"{prefix}.{name}" in patcher.patches and not (is_ggml(weight) and ggml_quantized(weight)):
                 largest = max(largest, weight.numel())
     size = torch.empty((), dtype=lora_merge_dtype(patcher.load_device)).element_size()
-    return MERGE_WORKSPACE_FACTOR * largest * max(size, 4)
+    return largest * max(size, 4)
+
+
+def merge_workspace_bytes(patcher, block_prefixes: Sequence[str],
+                          blocks: Sequence[torch.nn.Module]) -> int:
+    """Device memory a merge into one of the blocks' weights needs beside the copy and the
+    patches' tensors (0 without patches).
+
+    The merges run on the engine's copy stream: CUDA's allocator keeps their temporaries cached
+    for that stream once freed, and torch's cuBLAS keeps a workspace for it, and core counts
+    neither as used before the run (the workspace does not exist yet; cached memory it counts as
+    free). So the figure is the temporaries as the allocator reserves them, plus the workspace.
+    """
+    temporary = merge_temporary_bytes(patcher, block_prefixes, blocks)
+    if not temporary:
+        return 0
+    device = patcher.load_device
+    if device.type != "cuda":
+        return MERGE_TEMPORARIES * temporary
+    return cached_bytes(temporary, MERGE_TEMPORARIES) + cublas_workspace_bytes(device)
 
 
 class _Taken:

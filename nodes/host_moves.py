@@ -1,11 +1,12 @@
-"""Callbacks run right before a model's root module is moved to the host with its own `.to()`.
+"""Callbacks run right before a module is moved to the host with its own `.to()`.
 
 Core moves a whole model off the device with the root module's `.to()` (`unpatch_model`, on
-every unload, after it has put its base weights back). The pack's host copies of a model's
+every unload, after it has put its base weights back), and under memory pressure moves modules
+one by one (`partially_unload`, each module's `.to()`). The pack's host copies of a model's
 weights (Model-Level Swap's master, Apply Layerwise Offload's kept pack) re-point the module's
 tensors at themselves first, so `.to()` finds them on the host and copies nothing back, and the
 host copy stays the module's memory. Both may watch one module, so its `.to()` is wrapped once
-and runs every callback registered for it.
+and runs every callback registered for it, with the module being moved.
 
 The wrapper lives in the module's own `__dict__` and holds the module and the callbacks weakly:
 it keeps neither a model nor an owner alive.
@@ -32,8 +33,9 @@ def _target_device(args: tuple, kwargs: dict) -> torch.device | None:
     return None if device is None else torch.device(device)
 
 
-def watch(module: torch.nn.Module, key: str, callback: Callable[[], Any]) -> None:
-    """Call ``callback()`` before every ``module.to(<cpu>)``; replaces an earlier one under ``key``.
+def watch(module: torch.nn.Module, key: str, callback: Callable[[torch.nn.Module], Any]) -> None:
+    """Call ``callback(module)`` before every ``module.to(<cpu>)``; replaces an earlier one under
+    ``key``.
 
     The callback is held weakly (a bound method through its owner), so its owner must be kept
     alive elsewhere; a failing callback is logged and the move goes on.
@@ -52,7 +54,7 @@ def watch(module: torch.nn.Module, key: str, callback: Callable[[], Any]) -> Non
                     if fn is None:
                         continue
                     try:
-                        fn()
+                        fn(target)
                     except Exception:
                         log.exception("tiered offload: %s failed before a move to the host", name)
             # Tensors a callback put back on the host are there already; this moves the rest.

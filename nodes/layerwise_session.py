@@ -99,9 +99,11 @@ class LayerwiseSession:
         self.core_view: dict[str, int] | None = None
         self.block_patches: comfy_weights.BlockPatches | None = None  # this run's, with patches
         # Core's unload of the model (without this node) moves it to the host with its root's
-        # `.to()`: the kept pack takes its tensors back first, so nothing is copied back.
+        # `.to()`, and a partial unload under memory pressure module by module: the kept pack
+        # takes the moved module's tensors back first, so nothing is copied back.
         self._root = weakref.ref(patcher.model)
-        host_moves.watch(patcher.model, LAYERWISE_KEY, self._reclaim_before_host_move)
+        for module in self._watched():
+            host_moves.watch(module, LAYERWISE_KEY, self._reclaim_before_host_move)
 
     @staticmethod
     def _disk_options(settings: LayerwiseSettings) -> DiskOptions | None:
@@ -251,13 +253,25 @@ class LayerwiseSession:
                         self.model_class, e)
             return None
 
-    def _reclaim_before_host_move(self) -> None:
+    def _watched(self) -> list[torch.nn.Module]:
+        """The modules whose own `.to()` core calls: the model's root (while it lives), and any
+        module of the blocks (a partial unload moves each module that holds weights)."""
+        root = self._root()
+        return [*([] if root is None else [root]),
+                *(module for block in self.blocks for module in block.modules())]
+
+    def _reclaim_before_host_move(self, module: torch.nn.Module) -> None:
         if self.begun:  # the engine holds the blocks during a run
             return
-        taken = self.streamer.reclaim()
-        if taken:
+        taken = self.streamer.reclaim(within=module)
+        if not taken:
+            return
+        if module is self._root():
             log.info("Apply Layerwise Offload: %s moves to the host: %d block tensors re-pointed "
                      "at the kept pack, with no copy", self.model_class, taken)
+        else:  # one of many modules a partial unload moves
+            log.debug("Apply Layerwise Offload: a %s module moves to the host: %d block tensors "
+                      "re-pointed at the kept pack, with no copy", self.model_class, taken)
 
     def _close_block_patches(self) -> None:
         if self.block_patches is not None:
@@ -265,9 +279,8 @@ class LayerwiseSession:
             self.block_patches = None
 
     def close(self) -> None:
-        root = self._root()
-        if root is not None:
-            host_moves.unwatch(root, LAYERWISE_KEY)
+        for module in self._watched():
+            host_moves.unwatch(module, LAYERWISE_KEY)
         self._close_block_patches()
         self.streamer.close()
 

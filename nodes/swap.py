@@ -75,9 +75,8 @@ class SwapMember:
         self._module_ref = weakref.ref(module)
         host_moves.watch(module, SWAP_KEY, self._park_before_host_move)
 
-    def _park_before_host_move(self) -> None:
-        module = self._module_ref()
-        if module is not None and not layerwise_active(module):
+    def _park_before_host_move(self, module: torch.nn.Module) -> None:
+        if not layerwise_active(module):
             self.park()
 
     def park(self) -> None:

@@ -140,12 +140,14 @@ def residency(model: torch.nn.Module, device: torch.device, layout: Layout) -> l
 def reset(model: torch.nn.Module, device: torch.device) -> str | None:
     """Take back every VBAR slice of `model` on `device` and drop the VBAR, so that core's next
     load lays the model out afresh in the order it is then given. Returns None when done, else
-    why it was not done (nothing is changed then).
+    why it was not done (nothing is changed then, unless comfy-aimdo failed part-way: below).
 
     Call it only between runs, before core's load. The checks come first; the change itself is
     what core's own load does to a weight it loads outright, once per weight, then the VBAR goes.
-    If a step raises part-way, the weights done so far simply have no slice, which core's next
+    If a step fails part-way, the weights done so far simply have no slice, which core's next
     load gives them (at the end of the old VBAR, which is then kept): a state core makes itself.
+    comfy-aimdo 0.6 says when it could not hand a slice back (its `unpin` raises; 0.4 returns
+    nothing either way): the reset stops there, in that state, and says so.
     """
     vbars = getattr(model, "dynamic_vbars", None)
     vbar = vbars.get(device) if isinstance(vbars, dict) else None
@@ -168,10 +170,17 @@ def reset(model: torch.nn.Module, device: torch.device) -> str | None:
             return f"core keeps VBAR state this node does not know ({unknown[0]})"
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    handed_back = 0
     for module in modules:
         v = module.__dict__.get("_v")
         if v is not None:
-            unpin(v)
+            try:
+                unpin(v)
+            except RuntimeError as e:
+                return (f"comfy-aimdo could not hand a weight's VRAM slice back ({e}); the model "
+                        f"keeps its VBAR, and the {handed_back} slices handed back before it are "
+                        "given anew at core's next load")
+            handed_back += 1
         for attr in SLICE_ATTRS:
             module.__dict__.pop(attr, None)
     del vbars[device]

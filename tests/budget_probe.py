@@ -12,18 +12,27 @@ computes:
   gives the blocks.
 The device is a CUDA device as core sees it (`load_device`, a NORMAL_VRAM state); its free memory
 is a fixed number, the one thing no CPU machine has.
+
+For a LoRA'd run it also records what the node keeps beside the blocks (the patches' tensors on
+the device, the merge workspace), and measures what core's merge of each adapter type holds at
+once: the node's transform runs on every patched weight of the blocks under a dispatch mode that
+counts the bytes of the tensors its ops make while they live, in core's merge dtype and, where
+the tree has one, the fp16 merge dtype newer ComfyUI picks on GPUs.
 """
 from __future__ import annotations
 
 import json
 import math
 import tempfile
+import weakref
 from pathlib import Path
 
 import tree_probe
 
 OUT = tree_probe.start()
 import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_leaves  # noqa: E402
 
 import comfy.model_management as mm  # noqa: E402
 import comfy.sampler_helpers  # noqa: E402
@@ -101,7 +110,8 @@ def main() -> None:
                         "free": room.free, "kept": room.kept,
                         "activations_least": int(need_least), "reserve": mm.EXTRA_RESERVED_VRAM,
                         "minimum_inference": int(mm.minimum_inference_memory())})
-    OUT.write_text(json.dumps({"scenarios": results, "lora": lora_figures(path)}))
+    OUT.write_text(json.dumps({"scenarios": results, "lora": lora_figures(path),
+                               "merge_peaks": merge_peaks(path), "allocator": allocator_figures()}))
 
 
 def lora_figures(path: Path) -> dict:
@@ -140,7 +150,121 @@ def lora_figures(path: Path) -> dict:
         store.close()
     return dict(figures, factors_on_device=inside, factors_equal=equal,
                 workspace=comfy_weights.merge_workspace_bytes(patcher, prefixes, blocks),
+                temporaries=comfy_weights.MERGE_TEMPORARIES,
                 largest_patched_numel=max(w.numel() for _, _, w in patched))
+
+
+class LiveBytes(TorchDispatchMode):
+    """The bytes of the storages that ops make while this mode is on and that are still alive,
+    and their peak. Storages that existed before (``known``) are never counted."""
+
+    def __init__(self, known: set[int]) -> None:
+        super().__init__()
+        self.known = known
+        self.live = self.peak = 0
+        self._sizes: dict[int, int] = {}
+
+    def _freed(self, key: int) -> None:
+        self.live -= self._sizes.pop(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key in self.known or key in self._sizes:
+                continue
+            self._sizes[key] = storage.nbytes()
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._freed, key)
+        return out
+
+
+def _storages(value) -> set[int]:
+    """The storages of the tensors inside a patch as core keeps it (tuples, lists, adapters)."""
+    if isinstance(value, torch.Tensor):
+        return {value.untyped_storage().data_ptr()}
+    if isinstance(value, (tuple, list)):
+        return set().union(*(_storages(v) for v in value)) if value else set()
+    weights = getattr(value, "weights", None)
+    return _storages(weights) if isinstance(weights, (tuple, list)) else set()
+
+
+def merge_peaks(path: Path) -> list[dict]:
+    """For each adapter type (and a model merge's difference), the most core's merge of one of
+    the blocks' weights holds at once, against the node's figure for the run."""
+    comfy_weights = tree_probe.import_pack_module("nodes.comfy_weights")
+    dtypes = [None] + ([torch.float16] if hasattr(mm, "lora_compute_dtype") else [])
+    rows = []
+    for kind in (*tiny_models.WAN_ADAPTER_KINDS, "diff"):
+        patcher = comfy.sd.load_diffusion_model(str(path))
+        blocks = list(patcher.model.diffusion_model.blocks)
+        prefixes = [f"diffusion_model.blocks.{i}" for i in range(len(blocks))]
+        if kind == "diff":
+            g = torch.Generator().manual_seed(3)
+            patcher.add_patches({f"{prefix}.{name}": (torch.randn(w.shape, generator=g) * 0.01,)
+                                 for prefix, b in zip(prefixes, blocks) for name, w in b.named_parameters()
+                                 if w.ndim == 2}, 0.7)
+        else:
+            patcher, _ = comfy.sd.load_lora_for_models(
+                patcher, None, tiny_models.build_tiny_wan_adapter(kind, model_layers=len(blocks)), 0.7, 0.0)
+        known = set().union(*(_storages(p) for p in patcher.patches.values()))
+        for dtype in dtypes:
+            chosen = mm.lora_compute_dtype if dtype is not None else None
+            if dtype is not None:
+                mm.lora_compute_dtype = lambda device, dtype=dtype: dtype
+            try:
+                rows.append(dict(kind=kind, merge_dtype=str(dtype or "core's"),
+                                 **_merge_peak(comfy_weights, patcher, prefixes, blocks, known)))
+            finally:
+                if chosen is not None:
+                    mm.lora_compute_dtype = chosen
+    return rows
+
+
+def _merge_peak(comfy_weights, patcher, prefixes, blocks, known) -> dict:
+    transform = comfy_weights.lora_transform(patcher, prefixes)
+    unit = max(comfy_weights.lora_merge_dtype(patcher.load_device).itemsize, 4)
+    peak = ratio = merged = 0
+    for index, (prefix, block) in enumerate(zip(prefixes, blocks)):
+        for name, weight in block.named_parameters():
+            if f"{prefix}.{name}" not in patcher.patches:
+                continue
+            copy = weight.detach().clone()  # the slot copy the engine merges into
+            with torch.no_grad(), LiveBytes(known | {copy.untyped_storage().data_ptr()}) as live:
+                try:
+                    out = transform(index, name, copy)
+                except comfy_weights.MergeFailed as e:  # core's own merge fails the same way
+                    return {"failed": str(e)}
+                del out
+            peak, merged = max(peak, live.peak), merged + 1
+            ratio = max(ratio, live.peak / (weight.numel() * unit))
+    return {"failed": None, "merged": merged, "peak": peak, "per_weight": ratio,
+            "figure": comfy_weights.MERGE_TEMPORARIES
+            * comfy_weights.merge_temporary_bytes(patcher, prefixes, blocks)}
+
+
+def allocator_figures() -> dict:
+    """The node's figures for CUDA's caching allocator and torch's cuBLAS workspace, for sizes
+    and settings whose answers torch's sources fix."""
+    block_budget = tree_probe.import_pack_module("nodes.block_budget")
+    mib = 1024 ** 2
+    return {
+        "cached": {"7 x 100 MiB + 1": block_budget.cached_bytes(100 * mib + 1, 7),
+                   "7 x 3 MiB": block_budget.cached_bytes(3 * mib, 7),
+                   "7 x 4 KiB": block_budget.cached_bytes(4096, 7),
+                   "1 x 1 MiB": block_budget.cached_bytes(mib, 1)},
+        "workspace": {"H100 default": block_budget.workspace_config_bytes(None, (9, 0)),
+                      "RTX 4090 default": block_budget.workspace_config_bytes(None, (8, 9)),
+                      "RTX 5090 default": block_budget.workspace_config_bytes(None, (12, 0)),
+                      ":4096:8": block_budget.workspace_config_bytes(":4096:8", (8, 9)),
+                      ":16:8": block_budget.workspace_config_bytes(":16:8", (9, 0)),
+                      "unparsable": block_budget.workspace_config_bytes("4096", (9, 0)),
+                      "MI300 default": block_budget.workspace_config_bytes(None, (9, 4), "gfx942:sramecc+:xnack-")},
+    }
 
 
 if __name__ == "__main__":

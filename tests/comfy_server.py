@@ -47,13 +47,15 @@ def comfy_version(root: Path = COMFY_ROOT) -> str:
     return match.group(1)
 
 
-def run_tree_script(script: Path, out: Path, *, threads: int, timeout: int) -> dict:
+def run_tree_script(script: Path, out: Path, *, threads: int, timeout: int,
+                    env: dict[str, str] | None = None) -> dict:
     """Run a fixture script that imports the ComfyUI tree under test, with the tree's own Python
-    (a newer ComfyUI imports packages the 0.3.75 venv lacks), and return the JSON it writes."""
+    (a newer ComfyUI imports packages the 0.3.75 venv lacks), and return the JSON it writes.
+    ``env``: variables set for the script on top of this process's (PYTHONPATH, say)."""
     if not (COMFY_ROOT / "comfy" / "model_detection.py").is_file():
         import pytest
         pytest.skip(f"no ComfyUI tree at {COMFY_ROOT}")
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), **(env or {}))
     proc = subprocess.run([COMFY_PYTHON, str(script), str(out), "--comfyui", str(COMFY_ROOT)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{script.name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"

@@ -9,7 +9,11 @@ machine has none, so a fresh host copy stands in (what a device round trip or a 
 unload's per-module `.to()` leaves, too). Then either:
 - core unloads the model: the root module's `.to("cpu")`, as `ModelPatcher.unpatch_model` does;
   recorded: whether the tensors point into the kept pack again right after it;
-- or the node's next run starts with the blocks still there (its hand-over from core).
+- or the node's next run starts with the blocks still there (its hand-over from core);
+- or core loads the model itself (a prompt without the node) and then, under memory pressure,
+  unloads part of it with its own `partially_unload`, which moves module by module with each
+  module's `.to()`; recorded: for every block tensor, whether it points into the kept pack again
+  and whether core moved its module.
 Each case records how many units the next run packed again (0 when the kept pack survived) and
 whether the result is the first run's.
 """
@@ -25,6 +29,7 @@ import tree_probe
 OUT = tree_probe.start()
 import torch  # noqa: E402
 
+import comfy.model_management  # noqa: E402
 import comfy.sample  # noqa: E402
 import comfy.sd  # noqa: E402
 import tiny_models  # noqa: E402
@@ -72,7 +77,25 @@ def main() -> None:
             case["back_in_pack_after_unload"] = in_pack()
         case.update(run(), back_in_pack_after_run=in_pack())
         cases[name] = case
+    cases["partial_unload"] = partial_unload(patcher, blocks, moved_by_core, pack_pointers, run)
     OUT.write_text(json.dumps({"first": first, "cases": cases}))
+
+
+def partial_unload(patcher, blocks, moved_by_core, pack_pointers, run) -> dict:
+    """Core loads the model without the node, then frees about half the blocks' bytes with its
+    `partially_unload` (smallest modules first); then it unloads the model and the node runs."""
+    comfy.model_management.load_models_gpu([patcher])
+    moved_by_core()
+    block_bytes = sum(p.nbytes for p in blocks.parameters())
+    freed = patcher.partially_unload(patcher.offload_device, memory_to_free=block_bytes // 2)
+    rows = []
+    for (name, p), home in zip(blocks.named_parameters(), pack_pointers):
+        module = blocks.get_submodule(name.rpartition(".")[0])
+        rows.append({"name": name, "in_pack": p.data_ptr() == home,
+                     "unloaded_by_core": getattr(module, "comfy_patched_weights", None) is False})
+    comfy.model_management.unload_all_models()
+    return {"freed": freed, "block_bytes": block_bytes, "tensors": rows, **run(),
+            "back_in_pack_after_run": [p.data_ptr() for p in blocks.parameters()] == pack_pointers}
 
 
 if __name__ == "__main__":

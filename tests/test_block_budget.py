@@ -51,4 +51,32 @@ def test_a_lora_costs_its_merge_workspace_and_one_blocks_factors(probe):
     assert lora["factors_on_device"] and lora["factors_equal"]
     assert lora["device_bytes"] == lora["largest_block_factors"] > 0
     assert lora["uploads_after_two_loads_of_one_block"] == 1  # a block's factors go up once
-    assert lora["workspace"] == 4 * 4 * lora["largest_patched_numel"]  # four fp32 copies
+    # On the CPU: the merge's temporaries of the largest patched weight, in fp32.
+    assert lora["workspace"] == lora["temporaries"] * 4 * lora["largest_patched_numel"]
+
+
+def test_the_merge_figure_holds_what_cores_merge_of_each_adapter_holds(probe):
+    """Measured on every patched weight of the blocks (issue 30.9): DoRA over LoHa holds six
+    weight-sized temporaries at once, LoHa five; the node's figure counted four."""
+    rows = probe["merge_peaks"]
+    kinds = {r["kind"] for r in rows}
+    assert {"lora", "dora", "loha", "dora_loha", "lokr", "oft", "boft", "glora", "diff"} <= kinds
+    merged = [r for r in rows if r["failed"] is None]
+    assert all(r["failed"] is None for r in rows if r["merge_dtype"] == "core's"), rows
+    for r in merged:
+        assert r["merged"] > 0 and 0 < r["peak"] <= r["figure"], r
+        assert r["per_weight"] <= probe["lora"]["temporaries"], r
+
+
+def test_cuda_figures_are_torchs_own(probe):
+    """The allocator keeps large temporaries in their own 2 MiB-rounded segments and packs small
+    ones into shared 20 MiB (up to 10 MiB) or 2 MiB (up to 1 MiB) segments; torch's cuBLAS
+    workspace is 32 MiB on Hopper and Blackwell, 8 MiB + 128 KiB before, or what
+    CUBLAS_WORKSPACE_CONFIG (":SIZE:COUNT" in KiB) says."""
+    mib = 1024 ** 2
+    assert probe["allocator"]["cached"] == {"7 x 100 MiB + 1": 7 * 102 * mib, "7 x 3 MiB": 2 * 20 * mib,
+                                            "7 x 4 KiB": 2 * mib, "1 x 1 MiB": 2 * mib}
+    assert probe["allocator"]["workspace"] == {
+        "H100 default": 32 * mib, "RTX 4090 default": 8 * mib + 128 * 1024,
+        "RTX 5090 default": 32 * mib, ":4096:8": 32 * mib, ":16:8": 128 * 1024,
+        "unparsable": 32 * mib, "MI300 default": 128 * mib}

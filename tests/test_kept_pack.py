@@ -30,3 +30,16 @@ def test_the_next_run_takes_the_blocks_back_into_the_kept_pack(probe):
     assert case["moved"] and case["back_in_pack_after_run"], case
     assert case["packed"] == 0 and case["sha"] == probe["first"]["sha"], (case, probe["first"])
     assert probe["first"]["packed"] > 0
+
+
+def test_cores_partial_unload_puts_each_module_it_moves_back_into_the_kept_pack(probe):
+    """Under memory pressure core moves module by module (`partially_unload`, each module's own
+    `.to()`): each module it moves gets its tensors back from the kept pack, no copy in fresh RAM;
+    the modules it leaves stay where core counts them (issue 30.7)."""
+    case = probe["cases"]["partial_unload"]
+    tensors = case["tensors"]
+    unloaded = [t for t in tensors if t["unloaded_by_core"]]
+    assert 0 < case["freed"] < case["block_bytes"] and 0 < len(unloaded) < len(tensors), case
+    assert all(t["in_pack"] == t["unloaded_by_core"] for t in tensors), tensors
+    assert case["packed"] == 0 and case["sha"] == probe["first"]["sha"], (case, probe["first"])
+    assert case["back_in_pack_after_run"], case

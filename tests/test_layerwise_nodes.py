@@ -298,34 +298,63 @@ def test_budget_auto_keeps_every_block_resident_on_the_cpu(comfy):
 
 
 BROKEN_LORA = "tiny_wan21_lora_broken_block1.safetensors"
+BROKEN_KEY = "diffusion_model.blocks.1.self_attn.q.weight"
 
 
-def test_a_merge_that_fails_fails_the_prompt_and_gives_the_model_back(comfy, comfy_base):
-    """Core's weight adapters catch whatever their math raises (out of memory included), log
-    "ERROR lora ..." and keep the base weight, and core's own load samples on with it. The node
-    fails the prompt instead of streaming a block without its LoRA, streamed or resident, and
-    hands the model back to core whole: the next prompts are right."""
+@pytest.fixture(scope="module")
+def broken_lora(comfy_base) -> str:
+    """A LoRA whose product on block 1's q no longer fits the weight: core's merge of it fails."""
     path = comfy_base / "models" / "loras" / BROKEN_LORA
     if not path.exists():
         sd = tiny_models.build_tiny_wan_lora()
         key = "diffusion_model.blocks.1.self_attn.q.lora_down.weight"
         sd[key] = torch.cat([sd[key], sd[key][:, :1]], dim=1)  # the product no longer fits the weight
         tiny_models._save(sd, path, {"fixture": "tiny_wan21_lora_broken"})
+    return BROKEN_LORA
+
+
+def assert_a_failed_merge_fails_the_prompt_and_gives_the_model_back(server: ComfyServer,
+                                                                    lora_name: str) -> None:
+    """Core samples on with the base weight; the node fails the prompt instead, the block
+    streamed or resident, and hands the model back to core whole: the next prompts are right."""
     broken = sample_workflow("wan21", lora_strength=1.0)
-    broken["lora"]["inputs"]["lora_name"] = BROKEN_LORA
-    core_says = latent_sha(comfy.run(broken))  # core logs the failure and samples on
-    assert "ERROR lora diffusion_model.blocks.1.self_attn.q.weight" in comfy.log_text()
+    broken["lora"]["inputs"]["lora_name"] = lora_name
+    core_says = latent_sha(server.run(broken))
     for settings in ({"resident_blocks": 0, "prefetch": 1}, {"resident_blocks": 2, "prefetch": 1}):
         offloaded = sample_workflow("wan21", lora_strength=1.0, layerwise=settings)
-        offloaded["lora"]["inputs"]["lora_name"] = BROKEN_LORA
-        error = comfy.run_expect_error(offloaded)
+        offloaded["lora"]["inputs"]["lora_name"] = lora_name
+        error = server.run_expect_error(offloaded)
         message = error["exception_message"]
-        assert "diffusion_model.blocks.1.self_attn.q.weight could not be merged" in message, message
+        assert f"{BROKEN_KEY} could not be merged" in message, message
         assert "base weights" in message, message
-    reference = latent_sha(comfy.run(sample_workflow("wan21", lora_strength=1.0)))
-    assert latent_sha(comfy.run(sample_workflow("wan21", lora_strength=1.0, layerwise=SETTINGS[0]))) \
+    reference = latent_sha(server.run(sample_workflow("wan21", lora_strength=1.0)))
+    assert latent_sha(server.run(sample_workflow("wan21", lora_strength=1.0, layerwise=SETTINGS[0]))) \
         == reference
-    assert latent_sha(comfy.run(broken)) == core_says
+    assert latent_sha(server.run(broken)) == core_says
+
+
+def test_a_merge_that_fails_fails_the_prompt_and_gives_the_model_back(comfy, broken_lora):
+    """Core's weight adapters catch whatever their math raises (out of memory included), log
+    "ERROR lora ..." and keep the base weight, and core's own load samples on with it."""
+    assert_a_failed_merge_fails_the_prompt_and_gives_the_model_back(comfy, broken_lora)
+    assert f"ERROR lora {BROKEN_KEY}" in comfy.log_text()  # core's own run said so
+
+
+def test_a_failed_merge_is_caught_when_the_log_level_hides_cores_report(tmp_path, comfy_base,
+                                                                       broken_lora):
+    """With ComfyUI's `--verbose CRITICAL` logging makes no record of core's "ERROR lora ..."
+    (the test sees it missing from the log): the node still finds the failure (issue 30.6).
+    The test nodes print a line first: core's log buffer fails on a progress line that comes
+    before any other output (see comfy_test_nodes)."""
+    server = ComfyServer(tmp_path / "base", extra_args=("--verbose", "CRITICAL"),
+                         env={"TIERED_TEST_FIRST_LINE": "test nodes loaded"})
+    (server.base / "models").symlink_to(comfy_base / "models", target_is_directory=True)
+    server.start()
+    try:
+        assert_a_failed_merge_fails_the_prompt_and_gives_the_model_back(server, broken_lora)
+        assert "ERROR lora" not in server.log_text(), "the level let core's report through"
+    finally:
+        server.stop()
 
 
 def compiled(wf: dict, before_offload: bool) -> dict:

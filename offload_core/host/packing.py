@@ -33,7 +33,7 @@ in and out of inference mode.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,6 +93,11 @@ def tensor_refs(module: nn.Module, block: int = -1) -> list[tuple[TensorRef, tor
                 out.append((TensorRef(m, kind, attr, block, path), t))
     return out
 
+
+def tables_under(module: nn.Module) -> frozenset[int]:
+    """The ids of the tables (``_parameters``, ``_buffers``) of ``module`` and every module under
+    it: what ``module.to()`` moves. ``PackedBlock.reclaim`` takes back only the slots in them."""
+    return frozenset(id(table) for m in module.modules() for table in (m._parameters, m._buffers))
 
 
 def _check_plain(t: torch.Tensor, label: str) -> None:
@@ -499,7 +504,7 @@ class PackedBlock:
             for table, attr in b.slots:
                 table[attr] = b.obj
 
-    def reclaim(self) -> int:
+    def reclaim(self, tables: Collection[int] | None = None) -> int:
         """Point every slot that still shows the master's values back at the master, moving no bytes.
 
         The owner of the module may have moved our tensor objects elsewhere (to a device, or back
@@ -507,9 +512,11 @@ class PackedBlock:
         owners move objects and put computed weights into new objects, so re-pointing is enough. An
         owner may also have put a new object over the master's own host memory: it gets our object
         back. A slot holding anything else (a weight the owner computed, such as a merged LoRA) is
-        left alone. Returns how many tensors were not in the master.
+        left alone. With ``tables`` (``tables_under``) only the tensors held there are taken back:
+        an owner that moves one module leaves the others where it counts them. Returns how many
+        tensors were not in the master.
         """
-        return self._take_back(move_own=True)
+        return self._take_back(move_own=True, tables=tables)
 
     def adopt(self) -> int:
         """Give our object back to every slot where the owner put a new object over the master's
@@ -518,14 +525,14 @@ class PackedBlock:
         slots were given back."""
         return self._take_back(move_own=False)
 
-    def _take_back(self, move_own: bool) -> int:
+    def _take_back(self, move_own: bool, tables: Collection[int] | None = None) -> int:
         if self.host is None:
             raise RuntimeError(f"block {self.index} is not packed")
         regions = self.views(self.host)
         count = 0
         for k, b in enumerate(self._bindings):
             u = self._units[b.unit]
-            if not u.held:
+            if not u.held or (tables is not None and not any(id(t) in tables for t, _ in b.slots)):
                 continue
             currents = [table.get(attr) for table, attr in b.slots]
             shows = b.parked is None and self._shows(b.obj, u, regions)

@@ -12,7 +12,7 @@ does not fit the cap must still run.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 
@@ -57,11 +57,12 @@ class PackStore:
             return 0
         return sum(p.adopt() for p in plan.all_packs())
 
-    def reclaim(self, plan: StreamPlan) -> int:
-        """Re-point block tensors that still show the kept pack's values at it (see the streamer)."""
+    def reclaim(self, plan: StreamPlan, tables: Collection[int] | None = None) -> int:
+        """Re-point block tensors that still show the kept pack's values at it (see the streamer),
+        only those held in ``tables`` when given."""
         if self.host is None:
             return 0
-        return sum(p.reclaim() for p in plan.all_packs() if p.host is not None)
+        return sum(p.reclaim(tables) for p in plan.all_packs() if p.host is not None)
 
     # ----------------------------------------------------------------- packing
     def pack(self, plan: StreamPlan, progress: Callable[[int, int], None] | None) -> int:

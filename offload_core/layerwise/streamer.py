@@ -31,7 +31,7 @@ from ..device.slots import resolve_device
 from ..device.telemetry import StallTimer, Telemetry
 from ..device.timeline import Timeline
 from ..disk.tier import DiskOptions
-from ..host.packing import PackedBlock, Transform
+from ..host.packing import PackedBlock, Transform, tables_under
 from ..host.pinned import DEFAULT_CHUNK_BYTES
 from . import figures
 from .pack_store import PackStore
@@ -274,9 +274,11 @@ class LayerwiseStreamer:
             raise RuntimeError(f"{caller}() needs an attached streamer")
         return self._plan.resident_packs()
 
-    def reclaim(self) -> int:
+    def reclaim(self, within: nn.Module | None = None) -> int:
         """Re-point every block tensor that still shows the kept pack's values at the pack, moving
-        no bytes; returns how many tensors were elsewhere.
+        no bytes; returns how many tensors were elsewhere. With ``within``, only the tensors of
+        that module and the modules under it: the owner is about to move just that module (a
+        partial unload) and still counts the others where they are.
 
         Only while detached. Whoever ran the blocks in between (ComfyUI's own load of the same
         model) may have moved our tensor objects to a device, or back to fresh host memory by a
@@ -287,7 +289,7 @@ class LayerwiseStreamer:
         """
         if self._attached:
             raise RuntimeError("reclaim() needs a detached streamer")
-        return self._store.reclaim(self._plan)
+        return self._store.reclaim(self._plan, None if within is None else tables_under(within))
 
     def detach(self, keep_pack: bool = False) -> None:
         """Remove hooks, free device memory, give every tensor back bit-for-bit.

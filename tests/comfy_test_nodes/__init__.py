@@ -17,6 +17,11 @@
 With TIERED_TEST_CORE_WEIGHT_BUDGET=<bytes> in the server's environment, core loads every
 diffusion model with that weight budget: its real partial-loading ("lowvram") path, which
 --cpu otherwise never takes.
+
+With TIERED_TEST_FIRST_LINE=<text>, the text is printed when this package loads. ComfyUI's log
+buffer (app/logger.py, 0.3.75 and 0.33) fails with "deque index out of range" on a progress line
+that comes before any other output, and the sampler's progress bar is the first output of a
+server whose log level hides every record (--verbose CRITICAL).
 """
 import hashlib
 import os
@@ -165,6 +170,8 @@ def _force_core_weight_budget(budget: float) -> None:
 
 if os.environ.get("TIERED_TEST_CORE_WEIGHT_BUDGET"):
     _force_core_weight_budget(float(os.environ["TIERED_TEST_CORE_WEIGHT_BUDGET"]))
+if os.environ.get("TIERED_TEST_FIRST_LINE"):
+    print(os.environ["TIERED_TEST_FIRST_LINE"], flush=True)
 
 
 NODE_CLASS_MAPPINGS = {

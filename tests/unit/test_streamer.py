@@ -665,6 +665,26 @@ def test_reclaim_keeps_a_kept_pack_after_the_blocks_moved_elsewhere():
     st.close()
 
 
+def test_reclaim_within_a_module_takes_back_only_what_that_module_holds():
+    """An owner that moves one module (ComfyUI's partial unload) still counts the others where
+    they are: reclaiming within the moved module re-points its tensors and no other."""
+    model = ToyDiT(depth=4)
+    st = LayerwiseStreamer(model.blocks, "cpu", resident=1, prefetch=1)
+    st.attach()
+    st.detach(keep_pack=True)
+    home = {id(p): p.data_ptr() for p in model.blocks.parameters()}
+    with torch.no_grad():
+        for p in model.blocks.parameters():  # every block moved elsewhere by its owner
+            p.data = p.data.clone()
+    moved = next(m for m in model.blocks[2].modules() if list(m.parameters(recurse=False))
+                 and m is not model.blocks[2])
+    inside = {id(p) for p in moved.parameters()}
+    assert st.reclaim(within=moved) == len(inside) > 0
+    assert all((p.data_ptr() == home[id(p)]) == (id(p) in inside) for p in model.blocks.parameters())
+    assert st.reclaim(within=model.blocks[2]) == sum(1 for _ in model.blocks[2].parameters()) - len(inside)
+    st.close()
+
+
 def test_a_failed_upload_keeps_the_pack_and_a_failed_packing_frees_it():
     """An attach that fails after packing (out of device memory in the resident upload, a merge
     that fails there) keeps the complete pack for the next attach; one that fails while packing
