@@ -15,10 +15,11 @@ Why one pass: a pass (one call of the model over its blocks; a sampling step mak
 repeats the same pattern, and one is enough to see it. The recorder keeps the pass under way and
 the last complete one, so its memory is bounded by a few spans per streamed unit.
 
-Clocks: on CUDA, marks on the streams are CUDA events (timing enabled) recorded where the work
-is queued, and resolved to times only in ``last_pass``, after the run (never a host sync on the
-hot path); disk reads, which the host does, keep the host clock, aligned to the pass start as
-the host saw it. On a CPU every mark is ``time.perf_counter``.
+Clocks: marks on the streams are events of the device's ordering (``offload_core/ordering.py``;
+on CUDA, CUDA events with timing enabled) recorded where the work is queued, and resolved to
+times only in ``last_pass``, after the run (never a host sync on the hot path); disk reads, which
+the host does, keep the host clock, aligned to the pass start as the host saw it. On a plain CPU
+an event keeps the ``time.perf_counter`` of its record.
 
 A unit's copy and disk read are attached to the pass in which the unit computes, not the one in
 which they were issued: the first units of a pass are fetched while the previous pass runs, so
@@ -35,10 +36,12 @@ from typing import Any
 
 import torch
 
+from ..ordering import Event, Stream, for_device
+
 # Waits below this share of the pass's compute time leave a run bound by compute.
 _WAIT_SHARE_BOUND = 0.1
 
-Mark = Any  # a torch.cuda.Event (timing enabled) on CUDA, a perf_counter() float on a CPU
+Mark = Event  # timing enabled
 
 
 @dataclass
@@ -57,7 +60,7 @@ class Timeline:
     thread: the pending spans are under a lock."""
 
     def __init__(self, device: torch.device, streamed: int) -> None:
-        self.cuda = device.type == "cuda"
+        self._ordering = for_device(device)
         self.device = device
         self.streamed = streamed  # a pass is complete when this many units computed in it
         self._lock = threading.Lock()
@@ -69,12 +72,10 @@ class Timeline:
         self._compute: tuple[int, Mark] | None = None  # the running unit and its compute start
 
     # ------------------------------------------------------------- marks
-    def mark(self, stream: torch.cuda.Stream | None = None) -> Mark:
-        """A point in time: an event recorded on ``stream`` (or the current stream) on CUDA."""
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(stream if stream is not None else torch.cuda.current_stream(self.device))
+    def mark(self, stream: Stream | None = None) -> Mark:
+        """A point in time: an event recorded on ``stream`` (or the current stream)."""
+        event = self._ordering.event(timing=True)
+        event.record(stream if stream is not None else self._ordering.current_stream())
         return event
 
     # ------------------------------------------------------------- copy and disk threads
@@ -154,7 +155,7 @@ class Timeline:
         pass_ms = max(s["end_ms"] for s in computes) if computes else 0.0
         order = list(dict.fromkeys(chosen.units))
         return {
-            "clock": "cuda events (disk reads: host clock)" if self.cuda else "host",
+            "clock": "cuda events (disk reads: host clock)" if self._ordering.asynchronous else "host",
             "pass_ms": pass_ms,
             "units": [{"unit": u, "block": describe[u]["block"], "name": describe[u]["name"],
                        "bytes": describe[u]["bytes"]} for u in order],
@@ -179,8 +180,6 @@ class Timeline:
         return span
 
     def _ms(self, origin: Mark, mark: Mark) -> float:
-        if not self.cuda:
-            return (mark - origin) * 1000.0
         mark.synchronize()
         origin.synchronize()
         return origin.elapsed_time(mark)

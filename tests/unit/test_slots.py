@@ -12,6 +12,7 @@ from offload_core import HostStorage
 from offload_core.device.slots import SlotRing
 from offload_core.device.telemetry import Telemetry
 from offload_core.host.staging import Stager
+from offload_core.ordering import for_device
 
 CPU = torch.device("cpu")
 
@@ -73,7 +74,7 @@ def test_prepare_sees_the_copied_bytes_before_the_slot_is_ready():
 
 def test_stager_copies_in_pieces_without_holding_the_caller():
     bounce = HostStorage([2 * 4096], pin=False)
-    stager = Stager(CPU, None, bounce, piece_bytes=4096)
+    stager = Stager(CPU, for_device(CPU).stream("copy"), bounce, piece_bytes=4096)
     src = _host(4096 * 3 + 123, 4)  # three full pieces through alternating halves and a tail
     dst = torch.zeros_like(src)
     gate = threading.Event()
