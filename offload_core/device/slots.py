@@ -170,5 +170,8 @@ class SlotRing:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+        # A block may have read its slot on any stream, not only the two synchronize() waits for:
+        # the caching allocator hands freed memory to new work at once.
+        self._ordering.synchronize()
         self._tel.add_device_alloc(-len(self.buffers) * self.nbytes)
         self.buffers = []

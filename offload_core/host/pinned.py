@@ -232,8 +232,14 @@ def _drop_chunk(c: _Chunk) -> None:
     c.data = None
 
 
-def _drop_all(chunks: list[_Chunk]) -> None:
-    """Finalizer body: must not reference the owning HostStorage."""
+def _drop(chunks: list[_Chunk], readers: dict[object, Ordering]) -> None:
+    """Unpin and free ``chunks`` once the devices that copied out of them (``readers``) are done.
+
+    Also the finalizer of a storage nobody released: it must not reference the owning HostStorage.
+    """
+    if any(c.pinned_len for c in chunks):
+        for ordering in readers.values():
+            ordering.synchronize()
     for c in chunks:
         _drop_chunk(c)
 
@@ -288,7 +294,7 @@ class HostStorage:
             cur.nbytes = start + size
             self._where.append((len(self._chunks) - 1, start))
         self._sizes = list(sizes)
-        self._finalizer = weakref.finalize(self, _drop_all, self._chunks)
+        self._finalizer = weakref.finalize(self, _drop, self._chunks, self._readers)
         self._finalizer.atexit = False  # at exit the process frees everything; CUDA may be gone
 
     @property
@@ -399,9 +405,5 @@ class HostStorage:
             self._readers[ordering.key] = ordering
 
     def _release(self, chunks: list[_Chunk]) -> None:
-        if any(c.pinned_len for c in chunks):
-            for ordering in self._readers.values():
-                ordering.synchronize()
-        for c in chunks:
-            self._pinned_here -= c.pinned_len
-            _drop_chunk(c)
+        self._pinned_here -= sum(c.pinned_len for c in chunks)
+        _drop(chunks, self._readers)

@@ -143,3 +143,20 @@ def test_ring_with_a_bounce_buffer_stages_every_copy():
     ring.mark_free(0)
     ring.close()
     bounce.release()
+
+
+def test_close_frees_the_slots_only_once_a_reader_on_any_stream_is_done(stream_model):
+    """Under the stream model: a block may read its slot on a stream other than the one that
+    closes the ring, so close waits for the whole device before it gives the slots back. Syncing
+    the copy stream and the caller's current stream only would hand the memory to the caching
+    allocator while that read may still run (issue 30, item 3)."""
+    ordering = for_device(CPU)
+    ring = SlotRing(CPU, 2, 4096, Telemetry())
+    ring.copy_in(0, _host(3000, 1), "a")
+    compute = ordering.stream("compute")
+    with ordering.on(compute):
+        ring.wait_ready(0)
+        ring.buffers[0][:3000].sum()  # the block's read, on its own stream
+        ring.mark_free(0)
+    ring.close()  # from the default stream; the slots' last tensors go here
+    assert not [v for v in stream_model.violations if v.startswith("free while in use")], stream_model.violations
