@@ -11,6 +11,11 @@ on a plain CPU they order nothing and every copy ends before the next line.
 A copy may be followed by a ``prepare`` step on the slot (e.g. a LoRA merge into
 the fresh copy).  It runs on the copy stream after the copy and before the slot's
 ready event is recorded, so the compute stream never sees the bytes in between.
+Where copies are asynchronous, a ring whose copies have a ``prepare`` step issues
+them from a worker thread: a merge whose math waits for the device (a norm check,
+an ``inverse()``) or reads pageable tensors then holds the worker, not the
+sampling thread, and the sampling thread's waits for it are counted
+(``staging_waits``).
 
 The ring also keeps each slot's state on the host (empty, loaded, being read)
 and refuses a step out of order: the host-side mirror of the event protocol, so
@@ -53,10 +58,12 @@ class SlotRing:
     With a ``bounce`` storage every copy goes through a ``Stager`` (a worker thread
     and that pinned bounce buffer), for host packs that are not all page-locked:
     one issuing thread keeps the copies in order; pinned sources skip the bounce.
+    ``worker`` (copies with a ``prepare`` step) asks for that thread where copies
+    are asynchronous, with or without a bounce buffer.
     """
 
     def __init__(self, device: torch.device, count: int, nbytes: int, telemetry: Telemetry,
-                 bounce: HostStorage | None = None) -> None:
+                 bounce: HostStorage | None = None, worker: bool = False) -> None:
         self.device = device
         self._ordering = ordering = for_device(device)
         self.nbytes = nbytes
@@ -71,7 +78,10 @@ class SlotRing:
         self.stream.wait_stream(ordering.current_stream())
         self._ready = [ordering.event() for _ in range(count)]
         self._free = [ordering.event() for _ in range(count)]
-        self._stager = Stager(device, self.stream, bounce) if bounce is not None else None
+        self._bounce = bounce is not None
+        self._stager = None
+        if bounce is not None or (worker and ordering.asynchronous):
+            self._stager = Stager(device, self.stream, bounce)
         # The attach's picture, if one is recorded: copies issued from here are marked. Staged
         # copies are not (their worker issues them piece by piece).
         self._timeline = telemetry.timeline
@@ -86,7 +96,7 @@ class SlotRing:
         dst = self.buffers[slot][:n]
         if self._stager is not None:
             # part of a pack may be pinned: no bounce needed
-            bounce = not self._ordering.is_pinned(host)
+            bounce = self._bounce and not self._ordering.is_pinned(host)
             self._tickets[slot] = self._stager.submit(
                 dst, host, bounce=bounce, prepare=prepare, after_free=self._free[slot],
                 ready=self._ready[slot],

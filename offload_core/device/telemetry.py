@@ -84,7 +84,9 @@ class Telemetry:
         self.blocks_packed = 0
         self.transforms = 0  # tensors rewritten by the attach's transform, on device copies
         self.staged_copies = 0  # copies that went through the pinned bounce buffer (pageable pack)
-        self.staging_waits = 0  # times a block was needed before its staged copy was issued
+        # Times a block was needed before a copy worker had issued its copy (staged, or followed
+        # by a merge).
+        self.staging_waits = 0
         # Time the sampling thread spent in the engine's block hooks: issuing copies and merges,
         # and waiting wherever the host has to (a copy from pageable memory, a staged or disk
         # copy not yet issued). The GPU's own waits are compute_wait_s; this is the host's side.

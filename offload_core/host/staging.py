@@ -54,24 +54,27 @@ class Ticket:
 
 
 class Stager:
-    """A worker thread that copies host ranges into device buffers through a pinned bounce buffer.
+    """A worker thread that copies host ranges into device buffers, through a pinned bounce buffer
+    where the source is pageable.
 
     ``bounce`` holds ``2 * piece_bytes`` bytes of host memory (pinned, or there is
-    no point in staging).  ``stream`` is the copy stream, of ``device``'s ordering.
+    no point in staging); without one every copy is issued directly (a worker for
+    the ``prepare`` steps only).  ``stream`` is the copy stream, of ``device``'s ordering.
     """
 
-    def __init__(self, device: torch.device, stream: Stream, bounce: HostStorage,
+    def __init__(self, device: torch.device, stream: Stream, bounce: HostStorage | None,
                  piece_bytes: int = PIECE_BYTES) -> None:
         self.device = device
         self._ordering = for_device(device)
         self._stream = stream
         self._piece = piece_bytes
-        buf = bounce.buffer(0)
-        if buf.numel() < 2 * piece_bytes:
-            raise ValueError(f"the bounce buffer needs {2 * piece_bytes} bytes, got {buf.numel()}")
-        bounce.note_reader(device)
-        self._halves = [buf[:piece_bytes], buf[piece_bytes : 2 * piece_bytes]]
-        self._drained = [self._ordering.event() for _ in range(2)]
+        if bounce is not None:
+            buf = bounce.buffer(0)
+            if buf.numel() < 2 * piece_bytes:
+                raise ValueError(f"the bounce buffer needs {2 * piece_bytes} bytes, got {buf.numel()}")
+            bounce.note_reader(device)
+            self._halves = [buf[:piece_bytes], buf[piece_bytes : 2 * piece_bytes]]
+            self._drained = [self._ordering.event() for _ in range(2)]
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="offload-stager", daemon=True)
         self._thread.start()
@@ -90,8 +93,8 @@ class Stager:
 
         The copy stream first waits for ``after_free``; everything runs on that
         stream, so ``ready`` covers the copy and whatever ``prepare`` queued.
-        Without ``bounce`` (a pinned ``src``) the copy is issued directly, still in
-        submission order.
+        Without ``bounce`` (a pinned ``src``, or a stager without a bounce buffer)
+        the copy is issued directly, still in submission order.
         """
         if dst.numel() != src.numel():
             raise ValueError(f"staged copy of {src.numel()} bytes into {dst.numel()}")

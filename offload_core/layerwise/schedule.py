@@ -123,7 +123,8 @@ class DeviceSchedule:
         if disk is not None:
             self._ring = CacheRing(self.device, self._nslots, self._slot_bytes, tel, disk.cache, disk.telemetry)
         else:
-            self._ring = SlotRing(self.device, self._nslots, self._slot_bytes, tel, bounce=self._bounce)
+            self._ring = SlotRing(self.device, self._nslots, self._slot_bytes, tel, bounce=self._bounce,
+                                  worker=self._transform is not None)
         for i in self.streamed_indices:
             self._packs[i].release()
         hooks = (self._on_enter, self._on_exit, self._on_block_enter, self._on_block_exit)

@@ -9,7 +9,8 @@ pinned packs. It follows CUDA's rules:
   stream when it is recorded; ``wait_event`` and ``wait_stream`` order all later work of a stream
   after that; the host waits only where it synchronizes: a stream, an event, the device, or
   implicitly by reading a value out of device memory (``.item()``, ``torch.equal``) on the
-  current stream;
+  current stream (device memory: watched buffers, and any tensor on a side stream, where only
+  device work is issued);
 - that order is kept as vector clocks: each stream counts its work and knows how far into every
   other stream's work it is ordered; the host knows how far each stream's work has completed.
 
@@ -429,18 +430,22 @@ class StreamModel:
             for t in value if isinstance(value, (list, tuple)) else (value,):
                 if isinstance(t, torch.Tensor) and (hit := self._lookup(t)) is not None:
                     touches.append(hit + (write,))
-        if not touches:
+        stream = self.current_stream()
+        device = any(buf.device for buf, _, _, _ in touches)
+        # A value for the host synchronizes the current stream where the op reads device memory:
+        # watched memory, or anything at all on a side stream, where only device work is issued.
+        host_read = func._opname in _HOST_READS and (device or not stream.inline)
+        if not touches and not host_read:
             return
         op = f"{func} in {_caller()}"
-        stream = self.current_stream()
         with self._cond:
-            if not any(buf.device for buf, _, _, _ in touches):
-                self._apply(None, op, touches)  # the host touches host memory
-            elif func._opname in _HOST_READS:  # a value for the host: the current stream is synchronized
+            if host_read:
                 self._cond.wait_for(lambda: stream.done >= stream.issued)
                 _join(self._done, stream.vc)
                 self._note_sync(f"{func} on {stream}")
                 self._apply(None, op, [(buf, lo, hi, False) for buf, lo, hi, _ in touches])
+            elif not device:
+                self._apply(None, op, touches)  # the host touches host memory
             else:
                 self._cond.wait_for(lambda: stream.done >= stream.issued)  # after the stream's queued copies
                 self._apply(stream, op, touches)

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -661,4 +662,53 @@ def test_disk_ring_with_a_merge_bit_identical(device, tmp_path):
             assert torch.equal(model(x, t), ref)
     figures = st.figures(wait=True)
     assert figures["disk_reads"] > len(st.streamed_indices) and figures["sync_fallbacks"] == 0
+    st.close()
+
+
+def test_a_merge_that_waits_for_the_device_runs_on_the_copy_worker(stream_model):
+    """Under the stream model: a merge whose math hands a value to the host (OFT's norm check, an
+    ``inverse()``) synchronizes the copy stream. Issued from the sampling thread, it would hold
+    that thread until the slot's last reader and the copy ran, with no counter seeing it; issued
+    by the copy worker, the sampling thread never synchronizes, and when it needs a block whose
+    merge is not done yet, that wait is counted (issue 30, item 5)."""
+    dev = _dev("model")
+    model, ref_model = _models(dev, depth=4, dim=128)
+    x, t = _inputs(dev)
+    gate, armed = threading.Event(), threading.Event()
+    last = 3  # the last block: with prefetch 1 its copy in a pass is issued in that pass
+
+    def checked_merge(i: int, name: str, w: torch.Tensor) -> torch.Tensor:
+        if name == "qkv.weight" and w.float().norm().item() <= 0:  # a check the host must see
+            raise ValueError("an empty weight")
+        if i == last and name == "qkv.weight" and armed.is_set():
+            gate.wait()
+        return _merge(i, name, w)
+
+    with torch.no_grad():
+        ref = _merged_reference(ref_model, _merge)(x, t)
+    st = LayerwiseStreamer(model.blocks, dev, resident=1, prefetch=1)  # a pinned pack: no staging
+    st.attach(checked_merge)
+    syncs = stream_model.host_syncs
+    seen = len(syncs)
+    with torch.no_grad():
+        assert torch.equal(model(x, t), ref)
+        armed.set()
+
+        def open_once_the_sampling_thread_waits() -> None:
+            for _ in range(3000):  # it never waits when the merge runs on the sampling thread
+                if st.telemetry.staging_waits:
+                    break
+                time.sleep(0.01)
+            gate.set()
+
+        opener = threading.Thread(target=open_once_the_sampling_thread_waits)
+        opener.start()
+        out = model(x, t)
+        opener.join()
+    assert torch.equal(out, ref)
+    me = threading.current_thread().name
+    assert [s for s in syncs[seen:] if s[0] == me] == [], "the sampling thread synchronized"
+    assert any(s[0] != me for s in syncs[seen:]), "the merge's own synchronize is not seen"
+    snap = st.telemetry.snapshot(wait=True)
+    assert snap["staging_waits"] == 1 and snap["staged_copies"] == 0, snap
     st.close()
