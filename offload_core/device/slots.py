@@ -78,13 +78,13 @@ class SlotRing:
         self.stream.wait_stream(ordering.current_stream())
         self._ready = [ordering.event() for _ in range(count)]
         self._free = [ordering.event() for _ in range(count)]
+        # The attach's picture, if one is recorded: copies issued from here or by the copy
+        # worker are marked.
+        self._timeline = telemetry.timeline
         self._bounce = bounce is not None
         self._stager = None
         if bounce is not None or (worker and ordering.asynchronous):
-            self._stager = Stager(device, self.stream, bounce)
-        # The attach's picture, if one is recorded: copies issued from here are marked. Staged
-        # copies are not (their worker issues them piece by piece).
-        self._timeline = telemetry.timeline
+            self._stager = Stager(device, self.stream, bounce, recorder=self._timeline)
 
     def copy_in(self, slot: int, host: torch.Tensor, tag: Hashable,
                 prepare: Callable[[torch.Tensor], None] | None = None) -> None:
@@ -99,7 +99,7 @@ class SlotRing:
             bounce = self._bounce and not self._ordering.is_pinned(host)
             self._tickets[slot] = self._stager.submit(
                 dst, host, bounce=bounce, prepare=prepare, after_free=self._free[slot],
-                ready=self._ready[slot],
+                ready=self._ready[slot], tag=tag,
             )  # fmt: skip
             self._tel.staged_copies += bounce
         else:

@@ -13,7 +13,9 @@ installs the plain hooks, and the slot ring checks it once per copy.
 
 Why one pass: a pass (one call of the model over its blocks; a sampling step makes one or more)
 repeats the same pattern, and one is enough to see it. The recorder keeps the pass under way and
-the last complete one, so its memory is bounded by a few spans per streamed unit.
+the last complete one, so its memory is bounded by a few spans per streamed unit; the marks of a
+pass no longer kept (and of a copy noted again before its unit computed) are recorded again, so
+a long recorded run makes no new events after its first passes.
 
 Clocks: marks on the streams are events of the device's ordering (``offload_core/ordering.py``;
 on CUDA, CUDA events with timing enabled) recorded where the work is queued, and resolved to
@@ -70,11 +72,15 @@ class Timeline:
         self._last: _Pass | None = None
         self._wait: tuple[Mark, float] | None = None  # the running unit's wait start
         self._compute: tuple[int, Mark] | None = None  # the running unit and its compute start
+        self._spare: list[Mark] = []  # marks nothing refers to any more, to be recorded again
 
     # ------------------------------------------------------------- marks
     def mark(self, stream: Stream | None = None) -> Mark:
         """A point in time: an event recorded on ``stream`` (or the current stream)."""
-        event = self._ordering.event(timing=True)
+        with self._lock:
+            event = self._spare.pop() if self._spare else None
+        if event is None:
+            event = self._ordering.event(timing=True)
         event.record(stream if stream is not None else self._ordering.current_stream())
         return event
 
@@ -83,7 +89,10 @@ class Timeline:
         """Unit ``unit``'s copy into its slot ran from ``start`` to ``end``; ``blocking`` when it
         ran on the sampling thread (a CPU copy), so compute waited for all of it."""
         with self._lock:
+            replaced = self._copies.get(unit)
             self._copies[unit] = (start, end, nbytes, blocking)
+            if replaced is not None:  # never shown: its unit did not compute since
+                self._spare += replaced[:2]
 
     def read(self, unit: int, start: float, end: float, nbytes: int) -> None:
         """Unit ``unit``'s bytes were read from disk from ``start`` to ``end`` (perf_counter)."""
@@ -100,8 +109,10 @@ class Timeline:
             if self._current is not None:
                 self._current.spans.append(("compute", computing[0], computing[1], mark, None))
         if first or self._current is None:
-            self._close_pass()
+            dropped = self._close_pass()
             self._current = _Pass(origin=mark, host_origin=host)
+            if dropped is not None:
+                self._recycle(dropped)
         self._wait = (mark, host)
 
     def compute_begins(self, unit: int) -> None:
@@ -109,6 +120,8 @@ class Timeline:
         mark, host = self.mark(), time.perf_counter()
         current, wait = self._current, self._wait
         if current is None or wait is None:
+            with self._lock:
+                self._spare.append(mark)
             return
         self._wait = None
         with self._lock:
@@ -130,11 +143,24 @@ class Timeline:
         self._compute = None
         current.spans.append(("compute", unit, compute[1], self.mark(), None))
 
-    def _close_pass(self) -> None:
-        current = self._current
+    def _close_pass(self) -> _Pass | None:
+        """End the pass under way; returns the pass no longer kept (the one before a complete
+        pass, or this one cut short)."""
+        current, dropped = self._current, None
         if current is not None and len(set(current.units)) >= self.streamed:
-            self._last = current
+            dropped, self._last = self._last, current
+        else:
+            dropped = current
         self._current = None
+        return dropped
+
+    def _recycle(self, dropped: _Pass) -> None:
+        """Give ``dropped``'s marks to ``mark`` again, except those the kept passes share (the
+        mark that ends one pass's last phase may start the next pass)."""
+        kept = {id(m) for p in (self._current, self._last) if p is not None for m in _marks(p)}
+        marks = {id(m): m for m in _marks(dropped) if id(m) not in kept}
+        with self._lock:
+            self._spare += marks.values()
 
     # ------------------------------------------------------------- after the run
     def last_pass(self, describe: Sequence[dict]) -> dict[str, Any] | None:
@@ -183,6 +209,11 @@ class Timeline:
         mark.synchronize()
         origin.synchronize()
         return origin.elapsed_time(mark)
+
+
+def _marks(p: _Pass) -> list[Mark]:
+    """The events a pass refers to (disk reads keep host times, not events)."""
+    return [p.origin] + [m for kind, _, start, end, _ in p.spans if kind != "disk" for m in (start, end)]
 
 
 def verdict(spans: Sequence[dict]) -> dict[str, Any]:

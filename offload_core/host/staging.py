@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
+from typing import Protocol
 
 import torch
 
@@ -53,6 +54,14 @@ class Ticket:
         self._done.set()
 
 
+class CopyRecorder(Protocol):
+    """Where a copy's start and end are marked (the attach's timeline, ``device/timeline.py``)."""
+
+    def mark(self, stream: Stream | None = None) -> Event: ...
+
+    def copied(self, unit: Hashable, start: Event, end: Event, nbytes: int, blocking: bool) -> None: ...
+
+
 class Stager:
     """A worker thread that copies host ranges into device buffers, through a pinned bounce buffer
     where the source is pageable.
@@ -60,13 +69,15 @@ class Stager:
     ``bounce`` holds ``2 * piece_bytes`` bytes of host memory (pinned, or there is
     no point in staging); without one every copy is issued directly (a worker for
     the ``prepare`` steps only).  ``stream`` is the copy stream, of ``device``'s ordering.
+    With a ``recorder`` each copy is marked on the copy stream, staged or not.
     """
 
     def __init__(self, device: torch.device, stream: Stream, bounce: HostStorage | None,
-                 piece_bytes: int = PIECE_BYTES) -> None:
+                 piece_bytes: int = PIECE_BYTES, recorder: CopyRecorder | None = None) -> None:
         self.device = device
         self._ordering = for_device(device)
         self._stream = stream
+        self._recorder = recorder
         self._piece = piece_bytes
         if bounce is not None:
             buf = bounce.buffer(0)
@@ -88,18 +99,20 @@ class Stager:
         after_free: Event | None = None,
         prepare: Callable[[torch.Tensor], None] | None = None,
         ready: Event | None = None,
+        tag: Hashable = None,
     ) -> Ticket:
         """Queue ``dst.copy_(src)`` (uint8, same size), then ``prepare(dst)``, then record ``ready``.
 
         The copy stream first waits for ``after_free``; everything runs on that
         stream, so ``ready`` covers the copy and whatever ``prepare`` queued.
         Without ``bounce`` (a pinned ``src``, or a stager without a bounce buffer)
-        the copy is issued directly, still in submission order.
+        the copy is issued directly, still in submission order. ``tag`` names the
+        copy to the recorder.
         """
         if dst.numel() != src.numel():
             raise ValueError(f"staged copy of {src.numel()} bytes into {dst.numel()}")
         ticket = Ticket()
-        self._jobs.put((ticket, dst, src, bounce, after_free, prepare, ready))
+        self._jobs.put((ticket, dst, src, bounce, after_free, prepare, ready, tag))
         return ticket
 
     def close(self) -> None:
@@ -122,15 +135,18 @@ class Stager:
                 ticket._finish()
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, bounce: bool, after_free: Event | None,
-              prepare: Callable[[torch.Tensor], None] | None, ready: Event | None) -> None:
-        stream = self._stream
+              prepare: Callable[[torch.Tensor], None] | None, ready: Event | None, tag: Hashable) -> None:
+        stream, recorder = self._stream, self._recorder
         with torch.no_grad(), torch.inference_mode(False), self._ordering.on(stream):
             if after_free is not None:
                 stream.wait_event(after_free)
+            start = recorder.mark(stream) if recorder is not None else None
             if bounce:
                 self._pieces(dst, src)
             else:
                 self._ordering.copy(dst, src)
+            if recorder is not None:  # a worker's copy: compute waits for it only in wait_ready
+                recorder.copied(tag, start, recorder.mark(stream), dst.numel(), blocking=False)
             if prepare is not None:
                 prepare(dst)
             if ready is not None:
