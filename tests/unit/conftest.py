@@ -23,35 +23,16 @@ def _single_cpu_thread():
 
 @pytest.fixture
 def stream_model(request, monkeypatch):
-    """The stream model (tests/unit/stream_model.py) installed as the CPU device's ordering and
-    watching this test's thread; the test fails if the engine broke an ordering rule, including
-    frees checked once the test has dropped its objects. Copy delays are seeded by the test's id.
-    The disk store's reads into host buffers are host writes the model cannot see by itself:
-    they are told to it."""
-    import gc
+    """The stream model (tests/unit/stream_model.py) installed as the CPU device's ordering for
+    this test (see ``installed``); the test fails if the engine broke an ordering rule, including
+    frees checked once the test has dropped its objects. Copy delays are seeded by the test's id."""
     import zlib
 
-    from stream_model import StreamModel
-
-    from offload_core.disk.store import DiskStore
-    from offload_core.ordering import install_model
+    from stream_model import StreamModel, installed
 
     model = StreamModel(seed=zlib.crc32(request.node.nodeid.encode()))
-    read = DiskStore.read
-
-    def told_read(store, i, dst, start=0, length=None):
-        model.host_write(dst, "disk read in DiskStore.read")
-        return read(store, i, dst, start, length)
-
-    monkeypatch.setattr(DiskStore, "read", told_read)
-    install_model(model)
-    try:
-        with model.watch():
-            yield model
-    finally:
-        install_model(None)
-        gc.collect()
-        model.close()
+    with installed(model, monkeypatch):
+        yield model
     assert not model.violations, "\n".join(model.violations)
 
 

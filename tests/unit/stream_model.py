@@ -40,6 +40,7 @@ keeps every side stream's copies back until it ends.
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import mmap
 import os
@@ -52,8 +53,12 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from offload_core.disk.store import DiskStore
+from offload_core.ordering import install_model
 
 # Ops that hand a value of device memory to the host: on CUDA they synchronize the current stream.
 _HOST_READS = {"_local_scalar_dense", "equal", "is_nonzero"}
@@ -348,12 +353,12 @@ class StreamModel:
 
     def _elapsed(self, start: ModelEvent, end: ModelEvent) -> float:
         with self._cond:
-            for event in (start, end):
-                if event.vc is None or not all(self._done.get(k, 0) >= v for k, v in event.vc.items()):
-                    self._report(f"host access without synchronize: the time of an event on {event.stream} "
-                                 f"read in {_caller()} before the host synchronized it")
-                    return 0.0
-            return (end.time - start.time) * 1000.0
+            unsynced = [e for e in (start, end)
+                        if e.vc is None or not all(self._done.get(k, 0) >= v for k, v in e.vc.items())]
+            for event in unsynced:
+                self._report(f"host access without synchronize: the time of an event on {event.stream} "
+                             f"read in {_caller()} before the host synchronized it")
+            return 0.0 if unsynced else (end.time - start.time) * 1000.0
 
     @staticmethod
     def _complete(event: ModelEvent) -> bool:
@@ -508,6 +513,28 @@ class StreamModel:
             yield
         finally:
             self._tls.quiet = False
+
+
+@contextlib.contextmanager
+def installed(model: StreamModel, monkeypatch: pytest.MonkeyPatch) -> Iterator[StreamModel]:
+    """``model`` as the CPU device's ordering, watching the calling thread and told every disk read
+    (a host write it cannot see by itself); on exit, frees of what the caller dropped are checked
+    and the workers stop."""
+    read = DiskStore.read
+
+    def told_read(store: DiskStore, i: int, dst: torch.Tensor, start: int = 0, length: int | None = None) -> int:
+        model.host_write(dst, "disk read in DiskStore.read")
+        return read(store, i, dst, start, length)
+
+    monkeypatch.setattr(DiskStore, "read", told_read)
+    install_model(model)
+    try:
+        with model.watch():
+            yield model
+    finally:
+        install_model(None)
+        gc.collect()
+        model.close()
 
 
 def _spec(func) -> list[tuple[int, str, bool]] | None:
