@@ -236,7 +236,8 @@ class DeviceSchedule:
         # torch.cuda.graph synchronizes the device before capture starts, so the upload is
         # complete there, and a wait on an event from outside a capture would break it.
         # Dynamo cannot trace the wait; a compiled region runs on the stream attach used.
-        if torch.compiler.is_compiling() or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        if torch.compiler.is_compiling() or (
+                self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             return
         self._await_resident()
 

@@ -40,6 +40,7 @@ keeps every side stream's copies back until it ends.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import itertools
 import mmap
@@ -390,21 +391,21 @@ class StreamModel:
                 time.sleep(delay)
                 try:
                     item[1].copy_(item[2])
-                except Exception as e:  # a copy the engine queued that torch refuses
+                except RuntimeError as e:  # a copy the engine queued that torch refuses
                     with self._cond:
                         self.violations.append(f"a queued copy on {stream} failed: {e}")
             else:
                 with self._cond:
-                    self._cond.wait_for(lambda: self._complete(item[1]))
+                    self._cond.wait_for(functools.partial(self._complete, item[1]))
             with self._cond:
                 stream.items.popleft()
                 stream.done += 1
                 now = time.perf_counter()
-                for event in [e for e in stream.stamps if e.stream is stream and e.ticket <= stream.done]:
-                    event.time = now
+                for stamped in [e for e in stream.stamps if e.stream is stream and e.ticket <= stream.done]:
+                    stamped.time = now
                 stream.stamps = [e for e in stream.stamps if e.stream is stream and e.ticket > stream.done]
                 self._cond.notify_all()
-            del item
+            del item  # the queued tensors: a buffer is freed when its last one goes
 
     # ------------------------------------------------------------------ accesses
     def _lookup(self, tensor: torch.Tensor) -> tuple[_Buffer, int, int] | None:
