@@ -142,8 +142,9 @@ def test_a_pass_cut_short_is_not_the_picture():
         streamer.close()
 
 
+@pytest.mark.parametrize("device", ["cpu", "model"])
 @pytest.mark.parametrize("granularity", ["block", "phase"])
-def test_a_disk_run_shows_its_reads(spill_dir, granularity):
+def test_a_disk_run_shows_its_reads(spill_dir, granularity, device):
     model = ToyDiT(depth=6)
     x, t = inputs()
     with torch.no_grad():
