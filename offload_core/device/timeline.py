@@ -72,14 +72,15 @@ class Timeline:
         self._last: _Pass | None = None
         self._wait: tuple[Mark, float] | None = None  # the running unit's wait start
         self._compute: tuple[int, Mark] | None = None  # the running unit and its compute start
-        self._spare: list[Mark] = []  # marks nothing refers to any more, to be recorded again
+        self._spare: list[Mark] = []  # marks nothing refers to any more, to be recorded again (popped
+        # and extended in one step each, never read otherwise)
 
     # ------------------------------------------------------------- marks
     def mark(self, stream: Stream | None = None) -> Mark:
         """A point in time: an event recorded on ``stream`` (or the current stream)."""
-        with self._lock:
-            event = self._spare.pop() if self._spare else None
-        if event is None:
+        try:
+            event = self._spare.pop()  # one step under the GIL: no lock for the hot path
+        except IndexError:
             event = self._ordering.event(timing=True)
         event.record(stream if stream is not None else self._ordering.current_stream())
         return event
@@ -92,7 +93,7 @@ class Timeline:
             replaced = self._copies.get(unit)
             self._copies[unit] = (start, end, nbytes, blocking)
             if replaced is not None:  # never shown: its unit did not compute since
-                self._spare += replaced[:2]
+                self._spare.extend(replaced[:2])
 
     def read(self, unit: int, start: float, end: float, nbytes: int) -> None:
         """Unit ``unit``'s bytes were read from disk from ``start`` to ``end`` (perf_counter)."""
@@ -120,8 +121,7 @@ class Timeline:
         mark, host = self.mark(), time.perf_counter()
         current, wait = self._current, self._wait
         if current is None or wait is None:
-            with self._lock:
-                self._spare.append(mark)
+            self._spare.append(mark)
             return
         self._wait = None
         with self._lock:
@@ -155,12 +155,13 @@ class Timeline:
         return dropped
 
     def _recycle(self, dropped: _Pass) -> None:
-        """Give ``dropped``'s marks to ``mark`` again, except those the kept passes share (the
-        mark that ends one pass's last phase may start the next pass)."""
-        kept = {id(m) for p in (self._current, self._last) if p is not None for m in _marks(p)}
+        """Give ``dropped``'s marks to ``mark`` again, except those a kept pass shares: the only
+        mark two passes share is the one where a pass's last phase ends and the next pass
+        starts, a pass's origin and its predecessor's last span's end."""
+        kept = {id(m) for p in (self._current, self._last) if p is not None
+                for m in [p.origin] + [span[3] for span in p.spans[-1:]]}
         marks = {id(m): m for m in _marks(dropped) if id(m) not in kept}
-        with self._lock:
-            self._spare += marks.values()
+        self._spare.extend(marks.values())
 
     # ------------------------------------------------------------- after the run
     def last_pass(self, describe: Sequence[dict]) -> dict[str, Any] | None:
