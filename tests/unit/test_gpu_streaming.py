@@ -710,5 +710,6 @@ def test_a_merge_that_waits_for_the_device_runs_on_the_copy_worker(stream_model)
     assert [s for s in syncs[seen:] if s[0] == me] == [], "the sampling thread synchronized"
     assert any(s[0] != me for s in syncs[seen:]), "the merge's own synchronize is not seen"
     snap = st.telemetry.snapshot(wait=True)
-    assert snap["staging_waits"] == 1 and snap["staged_copies"] == 0, snap
+    # At least the wait the gate forces (a copy of the pass before may have kept it waiting too).
+    assert snap["staging_waits"] >= 1 and snap["staged_copies"] == 0, snap
     st.close()
