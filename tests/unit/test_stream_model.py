@@ -103,13 +103,18 @@ def test_compute_without_the_wait_for_its_slot_is_named_and_reads_stale_bytes(mo
            "copy in SlotRing.copy_in (write) on stream 'copy'")
 
 
-def test_a_slot_whose_ready_event_is_never_recorded_is_named(monkeypatch):
+@pytest.mark.parametrize("events,hazard", [("_ready", "unordered read: slot"), ("_free", "unordered write: slot")])
+def test_a_slot_event_never_recorded_is_named(monkeypatch, events, hazard):
+    """Its ready event never recorded, compute's wait orders nothing: its reads are not ordered
+    after the copy. Its free event never recorded, the next copy into it is not ordered after
+    the reads."""
+
     def scenario(model, patches, mutated):
-        mutate = (lambda st: _unrecorded(st._schedule._ring._ready, patches)) if mutated else None
+        mutate = (lambda st: _unrecorded(getattr(st._schedule._ring, events), patches)) if mutated else None
         return _streamed(model, patches, mutate)
 
     _, violations = _checked(scenario, monkeypatch)
-    _named(violations, "unordered read: slot", "(read) on stream 'default'", "copy in SlotRing.copy_in (write) on stream 'copy'")
+    _named(violations, hazard, "(read) on stream 'default'", "copy in SlotRing.copy_in (write) on stream 'copy'")
 
 
 def test_a_slot_overwritten_while_its_block_runs_is_named(monkeypatch):
@@ -147,15 +152,6 @@ def test_a_copy_that_does_not_wait_for_the_slot_s_last_reader_is_named(monkeypat
     _, violations = _checked(scenario, monkeypatch)
     _named(violations, "unordered write: slot", "copy in SlotRing.copy_in (write) on stream 'copy'",
            "in ToyBlock.forward (read) on stream 'default'")
-
-
-def test_a_slot_whose_free_event_is_never_recorded_is_named(monkeypatch):
-    def scenario(model, patches, mutated):
-        mutate = (lambda st: _unrecorded(st._schedule._ring._free, patches)) if mutated else None
-        return _streamed(model, patches, mutate)
-
-    _, violations = _checked(scenario, monkeypatch)
-    _named(violations, "unordered write: slot", "(write) on stream 'copy'", "(read) on stream 'default'")
 
 
 # ---------------------------------------------------------------- a free or unpin of memory in use
