@@ -66,6 +66,7 @@ class SlotRing:
                  bounce: HostStorage | None = None, worker: bool = False) -> None:
         self.device = device
         self._ordering = ordering = for_device(device)
+        self._current_stream = ordering.current_stream  # the compute stream, asked for per block
         self.nbytes = nbytes
         self._tel = telemetry
         self.buffers = [ordering.buffer(nbytes, f"slot {k}") for k in range(count)]
@@ -138,7 +139,7 @@ class SlotRing:
             except BaseException:
                 self.holds[slot], self._state[slot] = None, _EMPTY
                 raise
-        compute = self._ordering.current_stream()
+        compute = self._current_stream()
         stalls = self._tel.stalls
         pair = stalls.begin(compute) if stalls is not None else None
         compute.wait_event(self._ready[slot])
@@ -150,7 +151,7 @@ class SlotRing:
         """Record that every compute work queued so far is the slot's last reader."""
         if self._state[slot] != _READING:
             raise RuntimeError(f"slot {slot} is released while {self._state[slot]}")
-        self._free[slot].record(self._ordering.current_stream())
+        self._free[slot].record(self._current_stream())
         self._state[slot] = _LOADED
 
     def wait_issued(self) -> None:

@@ -64,6 +64,7 @@ class DeviceSchedule:
                  transform: Transform | None, disk: DiskTier | None, bounce: HostStorage | None) -> None:
         self.device = device
         self._ordering = for_device(device)
+        self._current_stream = self._ordering.current_stream  # the compute stream, asked for per unit
         self.telemetry = telemetry
         self.blocks = plan.blocks
         self.units = plan.units
@@ -246,7 +247,7 @@ class DeviceSchedule:
         ready = self._resident_ready
         if ready is None:
             return
-        stream = self._ordering.current_stream()
+        stream = self._current_stream()
         if stream.cuda_stream not in self._resident_waited:
             stream.wait_event(ready)
             self._resident_waited.add(stream.cuda_stream)
