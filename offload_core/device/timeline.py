@@ -146,12 +146,10 @@ class Timeline:
     def _close_pass(self) -> _Pass | None:
         """End the pass under way; returns the pass no longer kept (the one before a complete
         pass, or this one cut short)."""
-        current, dropped = self._current, None
-        if current is not None and len(set(current.units)) >= self.streamed:
-            dropped, self._last = self._last, current
-        else:
-            dropped = current
-        self._current = None
+        current, self._current = self._current, None
+        if current is None or len(set(current.units)) < self.streamed:
+            return current
+        dropped, self._last = self._last, current
         return dropped
 
     def _recycle(self, dropped: _Pass) -> None:
