@@ -111,8 +111,21 @@ class HostTimingEvent(HostEvent):
         self.time = time.perf_counter()
 
 
+class _Nothing:
+    """The plain host's stream context: there is one stream, always current (a context manager
+    cheaper than ``contextlib.nullcontext``, entered once per copy on the hot path)."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: object, value: object, traceback: object) -> None:
+        return None
+
+
 _HOST_STREAM = HostStream()
-_NOTHING = contextlib.nullcontext()
+_NOTHING = _Nothing()
 
 
 class Ordering:
@@ -141,9 +154,9 @@ class Ordering:
         """Make ``stream`` (and this device) current on the calling thread while inside."""
         return _NOTHING
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """``dst.copy_(src)``, queued on the current stream where copies are asynchronous."""
-        dst.copy_(src)
+    # ``dst.copy_(src)``, queued on the current stream where copies are asynchronous (on the host,
+    # the tensor method itself: no frame of ours on the hot path).
+    copy = staticmethod(torch.Tensor.copy_)
 
     def buffer(self, nbytes: int, label: str) -> torch.Tensor:
         """``nbytes`` of device memory (uint8) that the engine hands between streams."""

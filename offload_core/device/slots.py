@@ -104,11 +104,11 @@ class SlotRing:
             )  # fmt: skip
             self._tel.staged_copies += bounce
         else:
-            stream = self.stream
-            with self._ordering.on(stream):
+            stream, ordering = self.stream, self._ordering
+            with ordering.on(stream):
                 stream.wait_event(self._free[slot])  # no-op until the slot has had a reader
                 if self._timeline is None:
-                    self._ordering.copy(dst, host)
+                    ordering.copy(dst, host)
                 else:
                     self._recorded_copy(dst, host, tag)
                 if prepare is not None:

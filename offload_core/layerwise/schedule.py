@@ -113,12 +113,13 @@ class DeviceSchedule:
             p.bind(p.views(buf, transformed=self._transform is not None))
             tel.add_materialized(p.nbytes)
         tel.bound_bytes = self._bound_bytes
-        self._resident_ready = ordering.event()
-        self._resident_ready.record(ordering.current_stream())
-        # Phases: a block's own tensors are resident, and it may read them before any phase.
-        waits = [(i, self.blocks[i]) for i in self.resident_indices] if self.granularity == "block" \
-            else list(enumerate(self.blocks))
-        self._hooks.append(BlockHooks(waits, self._on_enter_resident))  # never waits on the host
+        if self._resident_bufs:  # without an upload, compute has nothing to wait for
+            self._resident_ready = ordering.event()
+            self._resident_ready.record(ordering.current_stream())
+            # Phases: a block's own tensors are resident, and it may read them before any phase.
+            waits = [(i, self.blocks[i]) for i in self.resident_indices] if self.granularity == "block" \
+                else list(enumerate(self.blocks))
+            self._hooks.append(BlockHooks(waits, self._on_enter_resident))  # never waits on the host
         if not self.streamed_indices:
             return
         if disk is not None:
