@@ -103,7 +103,8 @@ def test_compute_without_the_wait_for_its_slot_is_named_and_reads_stale_bytes(mo
            "copy in SlotRing.copy_in (write) on stream 'copy'")
 
 
-@pytest.mark.parametrize("events,hazard", [("_ready", "unordered read: slot"), ("_free", "unordered write: slot")])
+@pytest.mark.parametrize("events,hazard", [("_ready", "unordered read: slot"), ("_free", "unordered write: slot")],
+                         ids=["ready", "free"])
 def test_a_slot_event_never_recorded_is_named(monkeypatch, events, hazard):
     """Its ready event never recorded, compute's wait orders nothing: its reads are not ordered
     after the copy. Its free event never recorded, the next copy into it is not ordered after
