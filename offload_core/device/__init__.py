@@ -1,2 +1,2 @@
 """The device tier: which blocks stay resident, device slots fed from host packs, block hooks, counters.
-May import: host, units."""
+May import: host, ordering, units."""

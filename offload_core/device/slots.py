@@ -4,12 +4,18 @@ Why owned slots ordered by events: addresses and memory stay fixed (no
 caching-allocator churn, no fragmentation), and a slot is overwritten only after
 an event recorded behind its last reader, on the GPU, with no host sync.  All
 slot writes happen on one side stream, all reads on the compute stream (the
-caller's current stream, looked up outside any side-stream context).  On CPU the
-same calls are plain synchronous copies, so scheduling is testable without CUDA.
+caller's current stream, looked up outside any side-stream context).  Streams,
+events and copies go through the device's ordering (``offload_core/ordering.py``):
+on a plain CPU they order nothing and every copy ends before the next line.
 
 A copy may be followed by a ``prepare`` step on the slot (e.g. a LoRA merge into
 the fresh copy).  It runs on the copy stream after the copy and before the slot's
 ready event is recorded, so the compute stream never sees the bytes in between.
+Where copies are asynchronous, a ring whose copies have a ``prepare`` step issues
+them from a worker thread: a merge whose math waits for the device (a norm check,
+an ``inverse()``) or reads pageable tensors then holds the worker, not the
+sampling thread, and the sampling thread's waits for it are counted
+(``staging_waits``).
 
 The ring also keeps each slot's state on the host (empty, loaded, being read)
 and refuses a step out of order: the host-side mirror of the event protocol, so
@@ -25,6 +31,7 @@ import torch
 
 from ..host.pinned import HostStorage
 from ..host.staging import Stager, Ticket
+from ..ordering import for_device
 from .telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -51,31 +58,34 @@ class SlotRing:
     With a ``bounce`` storage every copy goes through a ``Stager`` (a worker thread
     and that pinned bounce buffer), for host packs that are not all page-locked:
     one issuing thread keeps the copies in order; pinned sources skip the bounce.
+    ``worker`` (copies with a ``prepare`` step) asks for that thread where copies
+    are asynchronous, with or without a bounce buffer.
     """
 
     def __init__(self, device: torch.device, count: int, nbytes: int, telemetry: Telemetry,
-                 bounce: HostStorage | None = None) -> None:
+                 bounce: HostStorage | None = None, worker: bool = False) -> None:
         self.device = device
-        self.cuda = device.type == "cuda"
+        self._ordering = ordering = for_device(device)
+        self._current_stream = ordering.current_stream  # the compute stream, asked for per block
         self.nbytes = nbytes
         self._tel = telemetry
-        with torch.inference_mode(False):
-            self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(count)]
+        self.buffers = [ordering.buffer(nbytes, f"slot {k}") for k in range(count)]
         telemetry.add_device_alloc(count * nbytes)
         self.holds: list[Hashable | None] = [None] * count  # what each slot's bytes are
         self._state = [_EMPTY] * count
         self._tickets: dict[int, Ticket] = {}
-        self.stream: torch.cuda.Stream | None = None
-        if self.cuda:
-            self.stream = torch.cuda.Stream(device=device)
-            # Fresh slot memory may be recycled from tensors that queued compute work still reads.
-            self.stream.wait_stream(torch.cuda.current_stream(device))
-            self._ready = [torch.cuda.Event() for _ in range(count)]
-            self._free = [torch.cuda.Event() for _ in range(count)]
-        self._stager = Stager(device, self.stream, bounce) if bounce is not None else None
-        # The attach's picture, if one is recorded: copies issued from here are marked. Staged
-        # copies are not (their worker issues them piece by piece).
+        self.stream = ordering.stream("copy")
+        # Fresh slot memory may be recycled from tensors that queued compute work still reads.
+        self.stream.wait_stream(ordering.current_stream())
+        self._ready = [ordering.event() for _ in range(count)]
+        self._free = [ordering.event() for _ in range(count)]
+        # The attach's picture, if one is recorded: copies issued from here or by the copy
+        # worker are marked.
         self._timeline = telemetry.timeline
+        self._bounce = bounce is not None
+        self._stager = None
+        if bounce is not None or (worker and ordering.asynchronous):
+            self._stager = Stager(device, self.stream, bounce, recorder=self._timeline)
 
     def copy_in(self, slot: int, host: torch.Tensor, tag: Hashable,
                 prepare: Callable[[torch.Tensor], None] | None = None) -> None:
@@ -86,40 +96,35 @@ class SlotRing:
         n = host.numel()
         dst = self.buffers[slot][:n]
         if self._stager is not None:
-            bounce = not (self.cuda and host.is_pinned())  # part of a pack may be pinned: no bounce needed
+            # part of a pack may be pinned: no bounce needed
+            bounce = self._bounce and not self._ordering.is_pinned(host)
             self._tickets[slot] = self._stager.submit(
-                dst, host, bounce=bounce, prepare=prepare,
-                after_free=self._free[slot] if self.cuda else None,
-                ready=self._ready[slot] if self.cuda else None,
+                dst, host, bounce=bounce, prepare=prepare, after_free=self._free[slot],
+                ready=self._ready[slot], tag=tag,
             )  # fmt: skip
             self._tel.staged_copies += bounce
-        elif self.cuda:
-            with torch.cuda.stream(self.stream):
-                self.stream.wait_event(self._free[slot])  # no-op until the slot has had a reader
+        else:
+            stream, ordering = self.stream, self._ordering
+            with ordering.on(stream):
+                stream.wait_event(self._free[slot])  # no-op until the slot has had a reader
                 if self._timeline is None:
-                    dst.copy_(host, non_blocking=True)
+                    ordering.copy(dst, host)
                 else:
                     self._recorded_copy(dst, host, tag)
                 if prepare is not None:
                     prepare(dst)
-                self._ready[slot].record(self.stream)
-        else:
-            if self._timeline is None:
-                dst.copy_(host)
-            else:
-                self._recorded_copy(dst, host, tag)
-            if prepare is not None:
-                prepare(dst)
+                self._ready[slot].record(stream)
         self.holds[slot], self._state[slot] = tag, _LOADED
         self._tel.record_copy(n)
 
     def _recorded_copy(self, dst: torch.Tensor, host: torch.Tensor, tag: Hashable) -> None:
-        """``dst.copy_(host)`` between two marks on the copy stream (on a CPU, on this thread,
-        which compute then waits for)."""
+        """The copy between two marks on the copy stream (on a plain CPU, on this thread, which
+        compute then waits for)."""
         timeline = self._timeline
         start = timeline.mark(self.stream)
-        dst.copy_(host, non_blocking=self.cuda)
-        timeline.copied(tag, start, timeline.mark(self.stream), host.numel(), blocking=not self.cuda)
+        self._ordering.copy(dst, host)
+        timeline.copied(tag, start, timeline.mark(self.stream), host.numel(),
+                        blocking=not self._ordering.asynchronous)
 
     def wait_ready(self, slot: int) -> None:
         """Make the compute stream wait (GPU-side) for the slot's last copy; the slot is then being read."""
@@ -134,21 +139,19 @@ class SlotRing:
             except BaseException:
                 self.holds[slot], self._state[slot] = None, _EMPTY
                 raise
-        if self.cuda:
-            compute = torch.cuda.current_stream(self.device)
-            stalls = self._tel.stalls
-            pair = stalls.begin(compute) if stalls is not None else None
-            compute.wait_event(self._ready[slot])
-            if pair is not None:
-                stalls.end(pair, compute)
+        compute = self._current_stream()
+        stalls = self._tel.stalls
+        pair = stalls.begin(compute) if stalls is not None else None
+        compute.wait_event(self._ready[slot])
+        if pair is not None:
+            stalls.end(pair, compute)
         self._state[slot] = _READING
 
     def mark_free(self, slot: int) -> None:
         """Record that every compute work queued so far is the slot's last reader."""
         if self._state[slot] != _READING:
             raise RuntimeError(f"slot {slot} is released while {self._state[slot]}")
-        if self.cuda:
-            self._free[slot].record(torch.cuda.current_stream(self.device))
+        self._free[slot].record(self._current_stream())
         self._state[slot] = _LOADED
 
     def wait_issued(self) -> None:
@@ -169,9 +172,8 @@ class SlotRing:
                 log.debug("slot %d: %s", slot, e)
                 self.holds[slot], self._state[slot] = None, _EMPTY
         self._tickets.clear()
-        if self.cuda:
-            self.stream.synchronize()
-            torch.cuda.current_stream(self.device).synchronize()
+        self.stream.synchronize()
+        self._ordering.current_stream().synchronize()
 
     def close(self) -> None:
         """Wait for in-flight work, then give the memory back."""
@@ -179,5 +181,8 @@ class SlotRing:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+        # A block may have read its slot on any stream, not only the two synchronize() waits for:
+        # the caching allocator hands freed memory to new work at once.
+        self._ordering.synchronize()
         self._tel.add_device_alloc(-len(self.buffers) * self.nbytes)
         self.buffers = []

@@ -13,32 +13,33 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-import torch
-
+from ..ordering import Event, Ordering, Stream
 from .timeline import Timeline
 
 
 class StallTimer:
-    """Times how long the compute stream sat waiting for copies, via event pairs.
+    """Times how long the compute stream sat waiting for copies, via event pairs of ``ordering``
+    (a device whose copies are asynchronous).
 
     Locked because a UI thread may read it while the sampling thread records.
     """
 
-    def __init__(self) -> None:
-        self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self._spare: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+    def __init__(self, ordering: Ordering) -> None:
+        self._ordering = ordering
+        self._pending: list[tuple[Event, Event]] = []
+        self._spare: list[tuple[Event, Event]] = []
         self._lock = threading.Lock()
         self.total_s = 0.0
 
-    def begin(self, stream: torch.cuda.Stream) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+    def begin(self, stream: Stream) -> tuple[Event, Event]:
         with self._lock:
             pair = self._spare.pop() if self._spare else None
         if pair is None:
-            pair = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            pair = (self._ordering.event(timing=True), self._ordering.event(timing=True))
         pair[0].record(stream)
         return pair
 
-    def end(self, pair: tuple[torch.cuda.Event, torch.cuda.Event], stream: torch.cuda.Stream) -> None:
+    def end(self, pair: tuple[Event, Event], stream: Stream) -> None:
         pair[1].record(stream)
         with self._lock:
             self._pending.append(pair)
@@ -83,7 +84,9 @@ class Telemetry:
         self.blocks_packed = 0
         self.transforms = 0  # tensors rewritten by the attach's transform, on device copies
         self.staged_copies = 0  # copies that went through the pinned bounce buffer (pageable pack)
-        self.staging_waits = 0  # times a block was needed before its staged copy was issued
+        # Times a block was needed before a copy worker had issued its copy (staged, or followed
+        # by a merge).
+        self.staging_waits = 0
         # Time the sampling thread spent in the engine's block hooks: issuing copies and merges,
         # and waiting wherever the host has to (a copy from pageable memory, a staged or disk
         # copy not yet issued). The GPU's own waits are compute_wait_s; this is the host's side.

@@ -13,12 +13,15 @@ installs the plain hooks, and the slot ring checks it once per copy.
 
 Why one pass: a pass (one call of the model over its blocks; a sampling step makes one or more)
 repeats the same pattern, and one is enough to see it. The recorder keeps the pass under way and
-the last complete one, so its memory is bounded by a few spans per streamed unit.
+the last complete one, so its memory is bounded by a few spans per streamed unit; the marks of a
+pass no longer kept (and of a copy noted again before its unit computed) are recorded again, so
+a long recorded run makes no new events after its first passes.
 
-Clocks: on CUDA, marks on the streams are CUDA events (timing enabled) recorded where the work
-is queued, and resolved to times only in ``last_pass``, after the run (never a host sync on the
-hot path); disk reads, which the host does, keep the host clock, aligned to the pass start as
-the host saw it. On a CPU every mark is ``time.perf_counter``.
+Clocks: marks on the streams are events of the device's ordering (``offload_core/ordering.py``;
+on CUDA, CUDA events with timing enabled) recorded where the work is queued, and resolved to
+times only in ``last_pass``, after the run (never a host sync on the hot path); disk reads, which
+the host does, keep the host clock, aligned to the pass start as the host saw it. On a plain CPU
+an event keeps the ``time.perf_counter`` of its record.
 
 A unit's copy and disk read are attached to the pass in which the unit computes, not the one in
 which they were issued: the first units of a pass are fetched while the previous pass runs, so
@@ -35,10 +38,12 @@ from typing import Any
 
 import torch
 
+from ..ordering import Event, Stream, for_device
+
 # Waits below this share of the pass's compute time leave a run bound by compute.
 _WAIT_SHARE_BOUND = 0.1
 
-Mark = Any  # a torch.cuda.Event (timing enabled) on CUDA, a perf_counter() float on a CPU
+Mark = Event  # timing enabled
 
 
 @dataclass
@@ -57,7 +62,7 @@ class Timeline:
     thread: the pending spans are under a lock."""
 
     def __init__(self, device: torch.device, streamed: int) -> None:
-        self.cuda = device.type == "cuda"
+        self._ordering = for_device(device)
         self.device = device
         self.streamed = streamed  # a pass is complete when this many units computed in it
         self._lock = threading.Lock()
@@ -67,14 +72,17 @@ class Timeline:
         self._last: _Pass | None = None
         self._wait: tuple[Mark, float] | None = None  # the running unit's wait start
         self._compute: tuple[int, Mark] | None = None  # the running unit and its compute start
+        self._spare: list[Mark] = []  # marks nothing refers to any more, to be recorded again (popped
+        # and extended in one step each, never read otherwise)
 
     # ------------------------------------------------------------- marks
-    def mark(self, stream: torch.cuda.Stream | None = None) -> Mark:
-        """A point in time: an event recorded on ``stream`` (or the current stream) on CUDA."""
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(stream if stream is not None else torch.cuda.current_stream(self.device))
+    def mark(self, stream: Stream | None = None) -> Mark:
+        """A point in time: an event recorded on ``stream`` (or the current stream)."""
+        try:
+            event = self._spare.pop()  # one step under the GIL: no lock for the hot path
+        except IndexError:
+            event = self._ordering.event(timing=True)
+        event.record(stream if stream is not None else self._ordering.current_stream())
         return event
 
     # ------------------------------------------------------------- copy and disk threads
@@ -82,7 +90,10 @@ class Timeline:
         """Unit ``unit``'s copy into its slot ran from ``start`` to ``end``; ``blocking`` when it
         ran on the sampling thread (a CPU copy), so compute waited for all of it."""
         with self._lock:
+            replaced = self._copies.get(unit)
             self._copies[unit] = (start, end, nbytes, blocking)
+            if replaced is not None:  # never shown: its unit did not compute since
+                self._spare.extend(replaced[:2])
 
     def read(self, unit: int, start: float, end: float, nbytes: int) -> None:
         """Unit ``unit``'s bytes were read from disk from ``start`` to ``end`` (perf_counter)."""
@@ -99,8 +110,10 @@ class Timeline:
             if self._current is not None:
                 self._current.spans.append(("compute", computing[0], computing[1], mark, None))
         if first or self._current is None:
-            self._close_pass()
+            dropped = self._close_pass()
             self._current = _Pass(origin=mark, host_origin=host)
+            if dropped is not None:
+                self._recycle(dropped)
         self._wait = (mark, host)
 
     def compute_begins(self, unit: int) -> None:
@@ -108,6 +121,7 @@ class Timeline:
         mark, host = self.mark(), time.perf_counter()
         current, wait = self._current, self._wait
         if current is None or wait is None:
+            self._spare.append(mark)
             return
         self._wait = None
         with self._lock:
@@ -129,11 +143,23 @@ class Timeline:
         self._compute = None
         current.spans.append(("compute", unit, compute[1], self.mark(), None))
 
-    def _close_pass(self) -> None:
-        current = self._current
-        if current is not None and len(set(current.units)) >= self.streamed:
-            self._last = current
-        self._current = None
+    def _close_pass(self) -> _Pass | None:
+        """End the pass under way; returns the pass no longer kept (the one before a complete
+        pass, or this one cut short)."""
+        current, self._current = self._current, None
+        if current is None or len(set(current.units)) < self.streamed:
+            return current
+        dropped, self._last = self._last, current
+        return dropped
+
+    def _recycle(self, dropped: _Pass) -> None:
+        """Give ``dropped``'s marks to ``mark`` again, except those a kept pass shares: the only
+        mark two passes share is the one where a pass's last phase ends and the next pass
+        starts, a pass's origin and its predecessor's last span's end."""
+        kept = {id(m) for p in (self._current, self._last) if p is not None
+                for m in [p.origin] + [span[3] for span in p.spans[-1:]]}
+        marks = {id(m): m for m in _marks(dropped) if id(m) not in kept}
+        self._spare.extend(marks.values())
 
     # ------------------------------------------------------------- after the run
     def last_pass(self, describe: Sequence[dict]) -> dict[str, Any] | None:
@@ -154,7 +180,7 @@ class Timeline:
         pass_ms = max(s["end_ms"] for s in computes) if computes else 0.0
         order = list(dict.fromkeys(chosen.units))
         return {
-            "clock": "cuda events (disk reads: host clock)" if self.cuda else "host",
+            "clock": "cuda events (disk reads: host clock)" if self._ordering.asynchronous else "host",
             "pass_ms": pass_ms,
             "units": [{"unit": u, "block": describe[u]["block"], "name": describe[u]["name"],
                        "bytes": describe[u]["bytes"]} for u in order],
@@ -179,11 +205,14 @@ class Timeline:
         return span
 
     def _ms(self, origin: Mark, mark: Mark) -> float:
-        if not self.cuda:
-            return (mark - origin) * 1000.0
         mark.synchronize()
         origin.synchronize()
         return origin.elapsed_time(mark)
+
+
+def _marks(p: _Pass) -> list[Mark]:
+    """The events a pass refers to (disk reads keep host times, not events)."""
+    return [p.origin] + [m for kind, _, start, end, _ in p.spans if kind != "disk" for m in (start, end)]
 
 
 def verdict(spans: Sequence[dict]) -> dict[str, Any]:

@@ -10,7 +10,6 @@ for the disk, and is counted. Copies are issued in request order, like the ring'
 """
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
 import time
@@ -78,26 +77,20 @@ class CacheRing(SlotRing):
     def _copy(self, slot: int, lease, nbytes: int, prepare) -> None:
         src = lease.wait()[:nbytes]
         dst = self.buffers[slot][:nbytes]
-        stream = self.stream
-        on_stream = contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
-        device = contextlib.nullcontext() if stream is None else torch.cuda.device(self.device)
-        with torch.no_grad(), torch.inference_mode(False), device, on_stream:
-            if stream is not None:
-                stream.wait_event(self._free[slot])  # the slot's last reader is done
+        ordering, stream = self._ordering, self.stream
+        with torch.no_grad(), torch.inference_mode(False), ordering.on(stream):
+            stream.wait_event(self._free[slot])  # the slot's last reader is done
             timeline = self._tel.timeline
             start = timeline.mark(stream) if timeline is not None else None
-            dst.copy_(src, non_blocking=stream is not None)
+            ordering.copy(dst, src)
             if timeline is not None:  # a worker's copy: compute waits for it only in wait_ready
                 timeline.copied(lease.unit, start, timeline.mark(stream), nbytes, blocking=False)
-            fence = None
-            if stream is not None:
-                fence = torch.cuda.Event()
-                fence.record(stream)
+            fence = ordering.event()
+            fence.record(stream)
             lease.release(fence)  # the entry may be read into again once the copy has run
             if prepare is not None:
                 prepare(dst)
-            if stream is not None:
-                self._ready[slot].record(stream)
+            self._ready[slot].record(stream)
 
     def close(self) -> None:
         """Wait for queued copies, stop the worker, give the device memory back."""

@@ -171,7 +171,8 @@ class HostCache:
         self._unit_bytes = dict(unit_bytes)
         self._tel = telemetry
         self._depth = depth
-        self._storage = HostStorage([self.entry_bytes] * count, pin=pin, ram_budget_bytes=ram_budget_bytes)
+        self._storage = HostStorage([self.entry_bytes] * count, pin=pin, ram_budget_bytes=ram_budget_bytes,
+                                    label="disk cache")
         self._storage.note_reader(device)
         self._buffers = [self._storage.buffer(i) for i in range(count)]  # allocates (and pins) now
         self._entries = [_Entry() for _ in range(count)]

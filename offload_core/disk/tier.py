@@ -17,6 +17,7 @@ import torch
 
 from ..host.packing import PackedBlock
 from ..host.pinned import HostStorage
+from ..ordering import for_device
 from .host_cache import CacheTooSmallError, DiskTelemetry, HostCache
 from .store import PAGE, DiskStore, align_up
 
@@ -100,7 +101,7 @@ class DiskTier:
         if cache is None:
             self.cache = HostCache(self.store, unit_bytes, order, entry_bytes=entry, count=count,
                                    workers=self.options.workers, depth=depth,
-                                   pin=self._pin and self.device.type == "cuda",
+                                   pin=self._pin and for_device(self.device).asynchronous,
                                    ram_budget_bytes=self._ram_budget, device=self.device,
                                    telemetry=self.telemetry)
         else:
@@ -135,13 +136,12 @@ class DiskTier:
     def upload(self, index: int, nbytes: int, dst: torch.Tensor) -> None:
         """Copy pack ``index`` from disk into device memory ``dst`` through one cache entry."""
         entry, buf = self.cache.borrow()
-        cuda = self.device.type == "cuda"
+        ordering = for_device(self.device)
         try:
             for start in range(0, nbytes, buf.numel()):
                 n = self.store.read(index, buf, start, buf.numel())
-                dst[start : start + n].copy_(buf[:n], non_blocking=cuda)
-                if cuda:  # the entry is read into again for the next piece
-                    torch.cuda.current_stream(self.device).synchronize()
+                ordering.copy(dst[start : start + n], buf[:n])
+                ordering.current_stream().synchronize()  # the entry is read into again for the next piece
         finally:
             self.cache.give_back(entry)
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
+from ..ordering import HostRegistrar, Ordering, for_device, host_registrar
 from ..units import size_text
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,6 @@ DEFAULT_RESERVE_BYTES = 2 << 30
 # given. Windows (WDDM) refuses much beyond half of RAM; ComfyUI itself uses 45% there.
 PIN_FRACTION = 0.45 if sys.platform == "win32" else 0.9
 PAGE = mmap.PAGESIZE
-_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, not only the current one
 
 _lock = threading.Lock()
 _pinned_total = 0
@@ -158,15 +158,15 @@ def _clear_cuda_error() -> None:
         pass  # that is the error being dropped; the failed call already reported it
 
 
-def _cuda_register(ptr: int, nbytes: int) -> bool:
-    if int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _REGISTER_PORTABLE)) == 0:
+def _register(registrar: HostRegistrar, ptr: int, nbytes: int, label: str) -> bool:
+    if registrar.register(ptr, nbytes, label) == 0:
         return True
     _clear_cuda_error()
     return False
 
 
-def _cuda_unregister(ptr: int) -> None:
-    err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+def _unregister(registrar: HostRegistrar, ptr: int) -> None:
+    err = registrar.unregister(ptr)
     if err != 0:
         _clear_cuda_error()
         log.warning("cudaHostUnregister(0x%x) failed with CUDA error %d", ptr, err)
@@ -220,19 +220,26 @@ class _Chunk:
     nbytes: int
     data: torch.Tensor | None = None  # uint8 view of exactly nbytes at the start of its own mapping
     pinned_len: int = 0  # bytes registered with CUDA (the page-rounded mapping), 0 if pageable
+    registrar: HostRegistrar | None = None  # who registered them
     done: set[int] = field(default_factory=set)  # items the owner no longer needs
 
 
 def _drop_chunk(c: _Chunk) -> None:
     if c.pinned_len and c.data is not None:
-        _cuda_unregister(c.data.data_ptr())
+        _unregister(c.registrar, c.data.data_ptr())
         _count_pinned(-c.pinned_len)
     c.pinned_len = 0
     c.data = None
 
 
-def _drop_all(chunks: list[_Chunk]) -> None:
-    """Finalizer body: must not reference the owning HostStorage."""
+def _drop(chunks: list[_Chunk], readers: dict[object, Ordering]) -> None:
+    """Unpin and free ``chunks`` once the devices that copied out of them (``readers``) are done.
+
+    Also the finalizer of a storage nobody released: it must not reference the owning HostStorage.
+    """
+    if any(c.pinned_len for c in chunks):
+        for ordering in readers.values():
+            ordering.synchronize()
     for c in chunks:
         _drop_chunk(c)
 
@@ -246,7 +253,8 @@ class HostStorage:
     process-wide (default: a share of physical RAM), lowered by the application's
     cap when one is shared (``set_pin_accounting``); beyond it chunks stay pageable.
     ``reserve_bytes`` of RAM are always left free: a chunk that would eat into them
-    is refused with ``MemoryError`` before anything is allocated.
+    is refused with ``MemoryError`` before anything is allocated.  ``label`` says what
+    the storage holds, where a checker of device ordering names its memory.
     """
 
     def __init__(
@@ -257,6 +265,7 @@ class HostStorage:
         ram_budget_bytes: int | None = None,
         reserve_bytes: int = DEFAULT_RESERVE_BYTES,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        label: str = "host storage",
     ) -> None:
         if any(s < 0 for s in sizes):
             raise ValueError("item sizes must be >= 0")
@@ -265,11 +274,13 @@ class HostStorage:
         if ram_budget_bytes is not None and ram_budget_bytes < 0:
             raise ValueError(f"ram_budget_bytes must be >= 0, got {ram_budget_bytes}")
         self._pin = pin
+        self._label = label
         self._cap = ram_budget_bytes
         self._reserve = reserve_bytes
         self._pinned_here = 0
         self._pin_refused = False
-        self._readers: set[int] = set()  # CUDA devices that copies out of this storage ran on
+        # The orderings of the devices that copies out of this storage ran on, by device key.
+        self._readers: dict[object, Ordering] = {}
         self._chunks: list[_Chunk] = []
         self._where: list[tuple[int, int]] = []  # item -> (chunk index, offset)
         for i, size in enumerate(sizes):
@@ -283,7 +294,7 @@ class HostStorage:
             cur.nbytes = start + size
             self._where.append((len(self._chunks) - 1, start))
         self._sizes = list(sizes)
-        self._finalizer = weakref.finalize(self, _drop_all, self._chunks)
+        self._finalizer = weakref.finalize(self, _drop, self._chunks, self._readers)
         self._finalizer.atexit = False  # at exit the process frees everything; CUDA may be gone
 
     @property
@@ -331,28 +342,32 @@ class HostStorage:
                 chunk.data = torch.empty(0, dtype=torch.uint8)
             return
         chunk.data = _map(span)[:n]
-        if self._want_pin(span):
-            if _cuda_register(chunk.data.data_ptr(), span):
+        registrar = self._pin_registrar(span)
+        if registrar is not None:
+            if _register(registrar, chunk.data.data_ptr(), span, f"{self._label}, chunk {ci}"):
                 chunk.pinned_len = span
+                chunk.registrar = registrar
                 self._pinned_here += span
                 _count_pinned(span)
             else:
                 self._refuse_pin(f"cudaHostRegister failed for a {size_text(span)} chunk")
 
-    def _want_pin(self, span: int) -> bool:
+    def _pin_registrar(self, span: int) -> HostRegistrar | None:
+        """Who pins ``span`` more bytes, or None where they stay pageable."""
         if not self._pin or self._pin_refused:
-            return False
-        if not torch.cuda.is_available():
+            return None
+        registrar = host_registrar()
+        if registrar is None:
             self._refuse_pin("CUDA is not available", logging.INFO)  # nothing to speed up: not a problem
-            return False
+            return None
         cap = pin_cap(self._cap)
         if pinned_bytes() + span > cap:
             self._refuse_pin(
                 f"pinning {size_text(span)} more would exceed the pinned-RAM cap of {size_text(cap)} "
                 f"({size_text(pinned_bytes())} pinned by the engine)"
             )
-            return False
-        return True
+            return None
+        return registrar
 
     def _refuse_pin(self, why: str, level: int = logging.WARNING) -> None:
         self._pin_refused = True
@@ -375,8 +390,8 @@ class HostStorage:
         self._release(self._chunks)
 
     @property
-    def readers(self) -> frozenset[int]:
-        """Indices of the CUDA devices that release waits for."""
+    def readers(self) -> frozenset[object]:
+        """The devices that release waits for (a CUDA device by its index)."""
         return frozenset(self._readers)
 
     def note_reader(self, device: torch.device) -> None:
@@ -385,13 +400,10 @@ class HostStorage:
         Release waits for those devices before it unlocks a range, so no copy still
         in flight reads memory that is no longer pinned (or no longer mapped).
         """
-        if device.type == "cuda":
-            self._readers.add(device.index if device.index is not None else torch.cuda.current_device())
+        ordering = for_device(device)
+        if ordering.asynchronous:
+            self._readers[ordering.key] = ordering
 
     def _release(self, chunks: list[_Chunk]) -> None:
-        if any(c.pinned_len for c in chunks):
-            for index in sorted(self._readers):
-                torch.cuda.synchronize(index)
-        for c in chunks:
-            self._pinned_here -= c.pinned_len
-            _drop_chunk(c)
+        self._pinned_here -= sum(c.pinned_len for c in chunks)
+        _drop(chunks, self._readers)

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..ordering import for_device
 from .pinned import HostStorage
 
 log = logging.getLogger(__name__)
@@ -49,8 +50,9 @@ class SideTensors:
             self._layout.append(layout)
             sizes.append(offset)
         self._sizes = sizes
-        cuda = self.device.type == "cuda"
-        self._host = HostStorage(sizes, pin=cuda)  # page-locking only speeds up copies to a GPU
+        self._ordering = for_device(self.device)
+        # page-locking only speeds up asynchronous copies (to a GPU)
+        self._host = HostStorage(sizes, pin=self._ordering.asynchronous, label="side tensors")
         with torch.no_grad(), torch.inference_mode(False):
             for g, tensors in enumerate(groups):
                 buf = self._host.buffer(g)
@@ -63,7 +65,7 @@ class SideTensors:
         self._closed = False
         self.uploads = 0
         pageable = [g for g, size in enumerate(sizes) if size and not self._host.is_pinned(g)]
-        if cuda and pageable:
+        if self._ordering.asynchronous and pageable:
             log.warning("%d of %d groups of side tensors are in pageable RAM (over the pinned-RAM cap): "
                         "their uploads hold up the thread that issues them", len(pageable), len(sizes))
 
@@ -78,14 +80,13 @@ class SideTensors:
         if self._closed:
             raise RuntimeError("these side tensors are closed")
         if self._device_buf is None:
-            with torch.inference_mode(False):
-                self._device_buf = torch.empty(self.device_bytes, dtype=torch.uint8, device=self.device)
+            self._device_buf = self._ordering.buffer(self.device_bytes, "side tensors")
             self._views = [[self._device_buf[o:o + n].view(dtype).view(shape) for o, n, dtype, shape in layout]
                            for layout in self._layout]
         if self._holds != group:
             size = self._sizes[group]
             if size:
-                self._device_buf[:size].copy_(self._host.buffer(group), non_blocking=True)
+                self._ordering.copy(self._device_buf[:size], self._host.buffer(group))
             self._holds = group
             self.uploads += 1
         return self._views[group]
@@ -95,8 +96,8 @@ class SideTensors:
         if self._closed:
             return
         self._closed = True
-        if self._device_buf is not None and self.device.type == "cuda":  # queued on any stream
-            torch.cuda.synchronize(self.device)
+        if self._device_buf is not None:  # queued on any stream
+            self._ordering.synchronize()
         self._device_buf = None
         self._views = []
         self._host.release()

@@ -11,20 +11,22 @@ copy stream.  The sampling thread only queues the job, and waits on the host onl
 when it needs a block whose copies have not all been issued yet.
 
 Every copy of one ring goes through the worker once it has one, in submission
-order, so the copy stream sees the same order as without staging.  Without CUDA
-the same code copies synchronously (events are skipped), which keeps the piece
-logic and the error path testable on a CPU.
+order, so the copy stream sees the same order as without staging.  Streams, events
+and copies go through the device's ordering (``offload_core/ordering.py``): on a
+plain CPU the same code copies synchronously and its events order nothing, which
+keeps the piece logic and the error path testable there.
 """
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
+from typing import Protocol
 
 import torch
 
+from ..ordering import Event, Stream, for_device
 from .pinned import HostStorage
 
 PIECE_BYTES = 16 << 20  # one half of the bounce buffer
@@ -52,25 +54,38 @@ class Ticket:
         self._done.set()
 
 
+class CopyRecorder(Protocol):
+    """Where a copy's start and end are marked (the attach's timeline, ``device/timeline.py``)."""
+
+    def mark(self, stream: Stream | None = None) -> Event: ...
+
+    def copied(self, unit: Hashable, start: Event, end: Event, nbytes: int, blocking: bool) -> None: ...
+
+
 class Stager:
-    """A worker thread that copies host ranges into device buffers through a pinned bounce buffer.
+    """A worker thread that copies host ranges into device buffers, through a pinned bounce buffer
+    where the source is pageable.
 
     ``bounce`` holds ``2 * piece_bytes`` bytes of host memory (pinned, or there is
-    no point in staging).  ``stream`` is the copy stream on CUDA, None on the CPU.
+    no point in staging); without one every copy is issued directly (a worker for
+    the ``prepare`` steps only).  ``stream`` is the copy stream, of ``device``'s ordering.
+    With a ``recorder`` each copy is marked on the copy stream, staged or not.
     """
 
-    def __init__(self, device: torch.device, stream: torch.cuda.Stream | None, bounce: HostStorage,
-                 piece_bytes: int = PIECE_BYTES) -> None:
+    def __init__(self, device: torch.device, stream: Stream, bounce: HostStorage | None,
+                 piece_bytes: int = PIECE_BYTES, recorder: CopyRecorder | None = None) -> None:
         self.device = device
+        self._ordering = for_device(device)
         self._stream = stream
+        self._recorder = recorder
         self._piece = piece_bytes
-        buf = bounce.buffer(0)
-        if buf.numel() < 2 * piece_bytes:
-            raise ValueError(f"the bounce buffer needs {2 * piece_bytes} bytes, got {buf.numel()}")
-        bounce.note_reader(device)
-        self._halves = [buf[:piece_bytes], buf[piece_bytes : 2 * piece_bytes]]
-        cuda = device.type == "cuda"
-        self._drained = [torch.cuda.Event() for _ in range(2)] if cuda else None
+        if bounce is not None:
+            buf = bounce.buffer(0)
+            if buf.numel() < 2 * piece_bytes:
+                raise ValueError(f"the bounce buffer needs {2 * piece_bytes} bytes, got {buf.numel()}")
+            bounce.note_reader(device)
+            self._halves = [buf[:piece_bytes], buf[piece_bytes : 2 * piece_bytes]]
+            self._drained = [self._ordering.event() for _ in range(2)]
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="offload-stager", daemon=True)
         self._thread.start()
@@ -81,21 +96,23 @@ class Stager:
         src: torch.Tensor,
         *,
         bounce: bool = True,
-        after_free: torch.cuda.Event | None = None,
+        after_free: Event | None = None,
         prepare: Callable[[torch.Tensor], None] | None = None,
-        ready: torch.cuda.Event | None = None,
+        ready: Event | None = None,
+        tag: Hashable = None,
     ) -> Ticket:
         """Queue ``dst.copy_(src)`` (uint8, same size), then ``prepare(dst)``, then record ``ready``.
 
-        On CUDA the copy stream first waits for ``after_free``; everything runs on
-        that stream, so ``ready`` covers the copy and whatever ``prepare`` queued.
-        Without ``bounce`` (a pinned ``src``) the copy is issued directly, still in
-        submission order.
+        The copy stream first waits for ``after_free``; everything runs on that
+        stream, so ``ready`` covers the copy and whatever ``prepare`` queued.
+        Without ``bounce`` (a pinned ``src``, or a stager without a bounce buffer)
+        the copy is issued directly, still in submission order. ``tag`` names the
+        copy to the recorder.
         """
         if dst.numel() != src.numel():
             raise ValueError(f"staged copy of {src.numel()} bytes into {dst.numel()}")
         ticket = Ticket()
-        self._jobs.put((ticket, dst, src, bounce, after_free, prepare, ready))
+        self._jobs.put((ticket, dst, src, bounce, after_free, prepare, ready, tag))
         return ticket
 
     def close(self) -> None:
@@ -117,18 +134,19 @@ class Stager:
             else:
                 ticket._finish()
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor, bounce: bool, after_free: torch.cuda.Event | None,
-              prepare: Callable[[torch.Tensor], None] | None, ready: torch.cuda.Event | None) -> None:
-        stream = self._stream
-        on_stream = contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
-        device = contextlib.nullcontext() if stream is None else torch.cuda.device(self.device)
-        with torch.no_grad(), torch.inference_mode(False), device, on_stream:
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, bounce: bool, after_free: Event | None,
+              prepare: Callable[[torch.Tensor], None] | None, ready: Event | None, tag: Hashable) -> None:
+        stream, recorder = self._stream, self._recorder
+        with torch.no_grad(), torch.inference_mode(False), self._ordering.on(stream):
             if after_free is not None:
                 stream.wait_event(after_free)
+            start = recorder.mark(stream) if recorder is not None else None
             if bounce:
                 self._pieces(dst, src)
             else:
-                dst.copy_(src, non_blocking=True)
+                self._ordering.copy(dst, src)
+            if recorder is not None:  # a worker's copy: compute waits for it only in wait_ready
+                recorder.copied(tag, start, recorder.mark(stream), dst.numel(), blocking=False)
             if prepare is not None:
                 prepare(dst)
             if ready is not None:
@@ -138,9 +156,7 @@ class Stager:
         for k, start in enumerate(range(0, src.numel(), self._piece)):
             half, n = k % 2, min(self._piece, src.numel() - start)
             bounce = self._halves[half][:n]
-            if self._drained is not None:
-                self._drained[half].synchronize()  # the device copy out of this half is done
+            self._drained[half].synchronize()  # the device copy out of this half is done
             bounce.copy_(src[start : start + n])
-            dst[start : start + n].copy_(bounce, non_blocking=True)
-            if self._drained is not None:
-                self._drained[half].record(self._stream)
+            self._ordering.copy(dst[start : start + n], bounce)
+            self._drained[half].record(self._stream)

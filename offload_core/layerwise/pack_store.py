@@ -21,6 +21,7 @@ from ..disk.tier import DiskOptions, DiskTier
 from ..host.packing import PackedBlock
 from ..host.pinned import HostStorage, return_freed_ram
 from ..host.staging import PIECE_BYTES
+from ..ordering import for_device
 from .plan import StreamPlan
 
 log = logging.getLogger(__name__)
@@ -75,16 +76,18 @@ class PackStore:
             if progress is not None:
                 progress(len(packs), len(packs))
             return 0
-        cuda = self.device.type == "cuda"
-        if cuda:
+        asynchronous = for_device(self.device).asynchronous  # copies to a GPU
+        if asynchronous:
             # Taken before the pack, so pinning the pack up to the cap still leaves room for it.
-            self.bounce = HostStorage([2 * PIECE_BYTES], pin=True, ram_budget_bytes=self._ram_budget)
+            self.bounce = HostStorage([2 * PIECE_BYTES], pin=True, ram_budget_bytes=self._ram_budget,
+                                      label="staging bounce buffer")
             self.bounce.buffer(0)
         self.host = HostStorage(
             [p.nbytes for p in packs],
-            pin=self._pin and cuda,  # page-locking only speeds up H2D copies
+            pin=self._pin and asynchronous,  # page-locking only speeds up asynchronous H2D copies
             ram_budget_bytes=self._ram_budget,
             chunk_bytes=self._chunk_bytes,
+            label="host pack",
         )  # fmt: skip
         count = 0
         for i, p in enumerate(packs):
@@ -93,7 +96,7 @@ class PackStore:
             if progress is not None:
                 progress(i + 1, len(packs))
         return_freed_ram()  # the originals just given up may sit in the C heap: hand them to the OS
-        if cuda:
+        if asynchronous:
             self._settle_bounce(plan)
         self._telemetry.blocks_packed += count
         return count

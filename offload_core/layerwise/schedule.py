@@ -15,9 +15,10 @@ if its bytes are not in a slot, it is loaded right away. That is counted (``sync
 A transform (a LoRA merge) rewrites the device copies, never the host pack: the resident buffers
 once here, each streamed unit's slot right after its copy lands.
 
-On CUDA the compute stream is whatever stream is current when a block runs: it waits for the
-resident upload (an event recorded here) and for each slot's copy (per-slot events), so neither
-has to be the stream attach ran on.
+The compute stream is whatever stream is current when a block runs: it waits for the resident
+upload (an event recorded here) and for each slot's copy (per-slot events), so neither has to be
+the stream attach ran on. Streams, events and copies go through the device's ordering
+(``offload_core/ordering.py``): on a plain CPU they order nothing and copies are synchronous.
 
 The hooks call straight into this object's methods (``_on_enter`` and ``_on_exit``, each wrapped
 once in ``_timed``): the hot path is those methods, ``_fill`` and ``_copy_in``. A picture of a
@@ -43,6 +44,7 @@ from ..disk.cache_ring import CacheRing
 from ..disk.tier import DiskTier
 from ..host.packing import Transform
 from ..host.pinned import HostStorage
+from ..ordering import Event, for_device
 from .plan import StreamPlan
 
 log = logging.getLogger(__name__)
@@ -61,6 +63,8 @@ class DeviceSchedule:
     def __init__(self, plan: StreamPlan, device: torch.device, telemetry: Telemetry,
                  transform: Transform | None, disk: DiskTier | None, bounce: HostStorage | None) -> None:
         self.device = device
+        self._ordering = for_device(device)
+        self._current_stream = self._ordering.current_stream  # the compute stream, asked for per unit
         self.telemetry = telemetry
         self.blocks = plan.blocks
         self.units = plan.units
@@ -79,7 +83,7 @@ class DeviceSchedule:
         self._hooks: list[BlockHooks] = []
         self._ring: SlotRing | None = None
         self._resident_bufs: list[torch.Tensor] = []
-        self._resident_ready: torch.cuda.Event | None = None  # resident upload done (CUDA)
+        self._resident_ready: Event | None = None  # resident upload done
         self._resident_waited: set[int] = set()  # compute streams that already wait for it
         self._slot_of: dict[int, int] = {}  # streamed unit -> slot it holds (in flight or running)
         self._running: int | None = None
@@ -91,26 +95,27 @@ class DeviceSchedule:
         """Upload the resident units, allocate the slots, install the hooks, start the first copies."""
         tel = self.telemetry
         disk = self._disk
+        ordering = self._ordering
         resident = [(i, self._packs[i]) for i in self.resident_indices] + [(len(self._packs), self._shared)]
         for index, p in resident:
             if not p.entries:
                 continue
-            with torch.inference_mode(False):
-                buf = torch.empty(p.nbytes, dtype=torch.uint8, device=self.device)
+            label = f"resident unit {index}" if index < len(self._packs) else "shared tensors"
+            buf = ordering.buffer(p.nbytes, label)
             self._resident_bufs.append(buf)
             tel.add_device_alloc(p.nbytes)
             if disk is not None:
                 disk.upload(index, p.nbytes, buf)
             else:
-                buf.copy_(p.host, non_blocking=True)
+                ordering.copy(buf, p.host)
             if self._transform is not None:  # queued behind the copy on the same stream
                 tel.transforms += p.apply_transform(buf, self._transform)
             p.bind(p.views(buf, transformed=self._transform is not None))
             tel.add_materialized(p.nbytes)
         tel.bound_bytes = self._bound_bytes
-        if self.device.type == "cuda":
-            self._resident_ready = torch.cuda.Event()
-            self._resident_ready.record(torch.cuda.current_stream(self.device))
+        if self._resident_bufs:  # without an upload, compute has nothing to wait for
+            self._resident_ready = ordering.event()
+            self._resident_ready.record(ordering.current_stream())
             # Phases: a block's own tensors are resident, and it may read them before any phase.
             waits = [(i, self.blocks[i]) for i in self.resident_indices] if self.granularity == "block" \
                 else list(enumerate(self.blocks))
@@ -120,7 +125,8 @@ class DeviceSchedule:
         if disk is not None:
             self._ring = CacheRing(self.device, self._nslots, self._slot_bytes, tel, disk.cache, disk.telemetry)
         else:
-            self._ring = SlotRing(self.device, self._nslots, self._slot_bytes, tel, bounce=self._bounce)
+            self._ring = SlotRing(self.device, self._nslots, self._slot_bytes, tel, bounce=self._bounce,
+                                  worker=self._transform is not None)
         for i in self.streamed_indices:
             self._packs[i].release()
         hooks = (self._on_enter, self._on_exit, self._on_block_enter, self._on_block_exit)
@@ -232,7 +238,8 @@ class DeviceSchedule:
         # torch.cuda.graph synchronizes the device before capture starts, so the upload is
         # complete there, and a wait on an event from outside a capture would break it.
         # Dynamo cannot trace the wait; a compiled region runs on the stream attach used.
-        if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+        if torch.compiler.is_compiling() or (
+                self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             return
         self._await_resident()
 
@@ -241,7 +248,7 @@ class DeviceSchedule:
         ready = self._resident_ready
         if ready is None:
             return
-        stream = torch.cuda.current_stream(self.device)
+        stream = self._current_stream()
         if stream.cuda_stream not in self._resident_waited:
             stream.wait_event(ready)
             self._resident_waited.add(stream.cuda_stream)

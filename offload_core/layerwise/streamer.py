@@ -33,6 +33,7 @@ from ..device.timeline import Timeline
 from ..disk.tier import DiskOptions
 from ..host.packing import PackedBlock, Transform, tables_under
 from ..host.pinned import DEFAULT_CHUNK_BYTES
+from ..ordering import for_device
 from . import figures
 from .pack_store import PackStore
 from .plan import StreamPlan, check_blocks
@@ -78,9 +79,10 @@ class LayerwiseStreamer:
         _check_optional_int("ram_budget_bytes", ram_budget_bytes, 0)
         if isinstance(host_chunk_bytes, bool) or not isinstance(host_chunk_bytes, int) or host_chunk_bytes < 1:
             raise ValueError(f"host_chunk_bytes must be an int >= 1, got {host_chunk_bytes!r}")
+        self._ordering = for_device(self.device)
         self.telemetry = Telemetry()
-        if self.device.type == "cuda" and timing:
-            self.telemetry.stalls = StallTimer()
+        if self._ordering.asynchronous and timing:
+            self.telemetry.stalls = StallTimer(self._ordering)
         self._store = PackStore(self.device, pin=pin, ram_budget_bytes=ram_budget_bytes,
                                 chunk_bytes=host_chunk_bytes, disk=disk, telemetry=self.telemetry)
         self._schedule: DeviceSchedule | None = None
@@ -315,8 +317,7 @@ class LayerwiseStreamer:
         schedule = self._schedule
         if schedule is not None:
             schedule.stop()
-        if self.device.type == "cuda":  # resident uploads and transforms may be on any stream
-            torch.cuda.synchronize(self.device)
+        self._ordering.synchronize()  # resident uploads and transforms may be on any stream
         keep = keep_pack and self._store.has_pack()
         try:
             self._store.restore(self._plan, keep)

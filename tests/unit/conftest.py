@@ -19,3 +19,26 @@ def _single_cpu_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def stream_model(request, monkeypatch):
+    """The stream model (tests/unit/stream_model.py) installed as the CPU device's ordering for
+    this test (see ``installed``); the test fails if the engine broke an ordering rule, including
+    frees checked once the test has dropped its objects. Copy delays are seeded by the test's id."""
+    import zlib
+
+    from stream_model import StreamModel, installed
+
+    model = StreamModel(seed=zlib.crc32(request.node.nodeid.encode()))
+    with installed(model, monkeypatch):
+        yield model
+    assert not model.violations, "\n".join(model.violations)
+
+
+@pytest.fixture(autouse=True)
+def _device_model(request):
+    """A test parametrized with ``device`` "model" runs its CPU device under the stream model."""
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and callspec.params.get("device") == "model":
+        request.getfixturevalue("stream_model")

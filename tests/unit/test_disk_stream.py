@@ -217,8 +217,9 @@ def _disk_streamer(model, tmp_path, granularity, resident, prefetch, entries):
                              disk=disk)
 
 
+@pytest.mark.parametrize("device", ["cpu", "model"])
 @pytest.mark.parametrize("granularity,resident,prefetch,entries", GRID)
-def test_streamed_from_disk_bit_identical_and_handed_back(tmp_path, granularity, resident, prefetch, entries):
+def test_streamed_from_disk_bit_identical_and_handed_back(tmp_path, granularity, resident, prefetch, entries, device):
     model = ToyDiT(depth=6)
     x, t = inputs()
     with torch.no_grad():

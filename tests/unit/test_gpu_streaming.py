@@ -3,8 +3,11 @@ pinning, transforms on device copies, side tensors without host waits, staged pa
 streams, capture refusal, shared pin budget, kept packs taken back from the device.
 
 Every test whose mechanism exists on a CPU runs there too (``device`` is a parameter): the CPU
-run keeps the test in step with the engine's API, so it cannot rot where CI has no GPU, and the
-CUDA run shows what only CUDA can (streams, events, pinning, the profiler's copy kinds).
+run keeps the test in step with the engine's API, so it cannot rot where CI has no GPU. The
+``model`` run takes the engine's CUDA path on a CPU under the stream model
+(tests/unit/stream_model.py): copy stream, events, staging, pinned packs, copies that land late,
+and every hand-over of a buffer between streams checked against CUDA's rules. The CUDA run
+shows what only CUDA can (real streams and pinning, the profiler's copy kinds, device memory).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import random
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -23,12 +28,15 @@ import torch
 from toy_models import ToyDiT, assert_restored, bits, inputs, snapshot
 
 from offload_core import HostStorage, LayerwiseStreamer, ModuleSwap, pinned_bytes, set_pin_accounting
+from offload_core.disk.tier import DiskOptions
 from offload_core.host.side_tensors import SideTensors
 from offload_core.host.staging import PIECE_BYTES
+from offload_core.ordering import for_device, host_registrar
 
 CUDA = torch.cuda.is_available()
 cuda_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-DEVICES = ["cpu", pytest.param("cuda", marks=cuda_only)]
+DEVICES = ["cpu", "model", pytest.param("cuda", marks=cuda_only)]
+ASYNC_DEVICES = ["model", pytest.param("cuda", marks=cuda_only)]  # copies that run after their call
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -88,7 +96,7 @@ def test_bit_identical(device, resident, prefetch):
     snap = st.telemetry.snapshot(wait=True)
     assert snap["sync_fallbacks"] == 0 and snap["peak_materialized_bytes"] <= st.bound_bytes()
     host = st.host_bytes()
-    if dev.type == "cuda":
+    if device != "cpu":
         assert 0 < host["pinned"] <= 1.05 * host["packed"] + 2 * 4096, host
     else:
         assert host["pinned"] == 0 and host["pageable"] >= host["packed"], host
@@ -224,13 +232,13 @@ def test_ordering_under_random_delays(device):
     copy_in = ring.copy_in
 
     def slow_copy(slot, host, tag, prepare=None):
-        if ring.stream is not None:
+        if dev.type == "cuda":  # the model delays its copies by itself
             _delay(rng, ring.stream)
         copy_in(slot, host, tag, prepare)
 
     ring.copy_in = slow_copy
     with torch.no_grad():
-        for i in range(12):
+        for i in range(14):  # over 64 waits: the stall timer folds its backlog in on the way
             out = model(x, t, order=[0, 1, 4, 5] if i % 5 == 4 else None)  # streamed blocks skipped too
             if i % 5 != 4:
                 assert torch.equal(out, ref), f"pass {i}"
@@ -263,18 +271,19 @@ def test_exception_and_out_of_order_recover(device):
     assert_restored(model, before, keys)
 
 
-@cuda_only
-def test_pinned_storage_counts_and_budget_fallback(caplog):
+@pytest.mark.parametrize("device", ASYNC_DEVICES)
+def test_pinned_storage_counts_and_budget_fallback(device, caplog):
+    pinned = for_device(_dev(device)).is_pinned
     base = pinned_bytes()
     hs = HostStorage([3 << 20, 5 << 20], pin=True, chunk_bytes=4 << 20)
     a, b = hs.buffer(0), hs.buffer(1)
-    assert a.is_pinned() and b.is_pinned()
+    assert pinned(a) and pinned(b)
     assert pinned_bytes() - base == hs.pinned_bytes <= 1.05 * (8 << 20)
     hs.release()
     assert pinned_bytes() == base
     with caplog.at_level(logging.WARNING, logger="offload_core.host.pinned"):
         capped = HostStorage([1 << 20], pin=True, ram_budget_bytes=0)
-        assert not capped.buffer(0).is_pinned()
+        assert not pinned(capped.buffer(0))
     assert "cap" in caplog.text
     capped.release()
     assert pinned_bytes() == base
@@ -284,12 +293,12 @@ def test_pinned_storage_counts_and_budget_fallback(caplog):
 def test_a_failed_registration_leaves_no_error_for_the_next_kernel():
     """Registering a range twice fails (cudaErrorHostMemoryAlreadyRegistered) and leaves an error
     behind; the engine clears it, so the next kernel launch does not raise it."""
-    from offload_core.host.pinned import _cuda_register
+    from offload_core.host.pinned import _register
 
     hs = HostStorage([1 << 20], pin=True)
     buf = hs.buffer(0)
     assert hs.is_pinned(0)
-    assert not _cuda_register(buf.data_ptr(), 1 << 20)
+    assert not _register(host_registrar(), buf.data_ptr(), 1 << 20, "a second registration")
     out = torch.ones(4, device="cuda") + 1
     torch.cuda.synchronize()
     assert out.sum().item() == 8.0
@@ -311,7 +320,7 @@ def test_module_swap_round_trip_without_device_to_host(device):
     swap = ModuleSwap(model, pin=True)
     swap.note_reader(dev)
     tiers = swap.bytes_by_tier()
-    if dev.type == "cuda":
+    if device != "cpu":
         assert tiers["pinned"] > 0 and tiers["pageable"] == 0, tiers
     else:
         assert tiers["pinned"] == 0 and tiers["pageable"] == swap.nbytes, tiers
@@ -447,7 +456,7 @@ def test_transform_runs_on_device_copies_under_delays(device, pin):
     copy_in = ring.copy_in
 
     def slow_copy(slot, host, tag, prepare=None):
-        if ring.stream is not None:
+        if dev.type == "cuda":  # the model delays its copies by itself
             _delay(rng, ring.stream)
         copy_in(slot, host, tag, prepare)
 
@@ -455,12 +464,13 @@ def test_transform_runs_on_device_copies_under_delays(device, pin):
     with torch.no_grad():
         for _ in range(4):
             assert torch.equal(model(x, t), ref)
+    ring.wait_issued()  # the next pass's first copies: a copy worker may still be merging them
     snap = st.telemetry.snapshot(wait=True)
     assert snap["transforms"] == 3 * (snap["copies"] + len(st.resident_indices)) and snap["sync_fallbacks"] == 0
     host = st.host_bytes()
-    staged = dev.type == "cuda" and not pin
+    staged = device != "cpu" and not pin
     assert snap["staged_copies"] == (snap["copies"] if staged else 0), snap
-    assert host["pageable"] == (0 if dev.type == "cuda" and pin else host["packed"]), host
+    assert host["pageable"] == (0 if device != "cpu" and pin else host["packed"]), host
     st.close()
     assert pinned_bytes() == base
 
@@ -473,7 +483,7 @@ def _factors(depth: int, dim: int) -> list[list[torch.Tensor]]:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_side_tensors_reach_the_merge_without_host_waits(device):
+def test_side_tensors_reach_the_merge_without_host_waits(device, request):
     """A merge reads its factors from the device, uploaded with the block's copy from pinned
     memory on the copy stream: no copy from pageable memory and no synchronizing call while the
     blocks stream (a pageable upload would hold the host until the copy stream got there)."""
@@ -512,6 +522,11 @@ def test_side_tensors_reach_the_merge_without_host_waits(device):
             names = _profiled_event_names(passes)
             assert not _pageable_to_device(names), _pageable_to_device(names)[:5]
             assert all(torch.equal(out, ref) for out in outs)
+        elif device == "model":  # the model's sync debug mode: what this thread synchronized
+            syncs = request.getfixturevalue("stream_model").host_syncs
+            seen = len(syncs)
+            assert torch.equal(model(x, t), ref) and torch.equal(model(x, t), ref)
+            assert [s for s in syncs[seen:] if s[0] == threading.current_thread().name] == []
         else:
             assert torch.equal(model(x, t), ref)
     assert side.uploads >= len(st.streamed_indices)
@@ -519,9 +534,9 @@ def test_side_tensors_reach_the_merge_without_host_waits(device):
     side.close()
 
 
-@cuda_only
-def test_partly_pinned_pack_stages_only_its_pageable_blocks():
-    dev = _dev("cuda")
+@pytest.mark.parametrize("device", ASYNC_DEVICES)
+def test_partly_pinned_pack_stages_only_its_pageable_blocks(device):
+    dev = _dev(device)
     model, ref_model = _models(dev, depth=6, dim=128)
     x, t = _inputs(dev)
     with torch.no_grad():
@@ -543,22 +558,25 @@ def test_partly_pinned_pack_stages_only_its_pageable_blocks():
     st.close()
 
 
-@cuda_only
-def test_compute_on_another_stream_waits_for_the_resident_upload():
+@pytest.mark.parametrize("device", ASYNC_DEVICES)
+def test_compute_on_another_stream_waits_for_the_resident_upload(device):
     """Resident buffers are uploaded on the stream attach runs on; compute on any other stream must
-    wait for that upload (here held back by a long sleep queued before it)."""
-    dev = _dev("cuda")
+    wait for that upload (on CUDA held back by a long sleep queued before it; the model checks the
+    order itself)."""
+    dev = _dev(device)
+    ordering = for_device(dev)
     model, ref_model = _models(dev, depth=6, dim=256)
     x, t = _inputs(dev)
     with torch.no_grad():
         ref = ref_model(x, t)
     st = LayerwiseStreamer(model.blocks, dev, resident=4, prefetch=1)
-    torch.cuda._sleep(200_000_000)  # the resident copies queue behind this
+    if dev.type == "cuda":
+        torch.cuda._sleep(200_000_000)  # the resident copies queue behind this
     st.attach()
-    side = torch.cuda.Stream(dev)  # not ordered after the attach stream: only the engine's event orders it
-    with torch.no_grad(), torch.cuda.stream(side):
+    side = ordering.stream("side")  # not ordered after the attach stream: only the engine's event orders it
+    with torch.no_grad(), ordering.on(side):
         out = model(x, t)
-    torch.cuda.synchronize()
+    ordering.synchronize()
     assert torch.equal(out, ref)
     st.close()
 
@@ -583,17 +601,115 @@ def test_capture_of_a_streamed_block_is_refused_and_the_engine_recovers():
     st.close()
 
 
-@cuda_only
-def test_shared_pin_budget_caps_real_registrations():
+@pytest.mark.parametrize("device", ASYNC_DEVICES)
+def test_shared_pin_budget_caps_real_registrations(device):
+    pinned = for_device(_dev(device)).is_pinned
     reports: list[int] = []
     base = pinned_bytes()
     try:
         set_pin_accounting(lambda: base + (6 << 20), reports.append)
         hs = HostStorage([4 << 20, 4 << 20], pin=True, chunk_bytes=4 << 20)
         first, second = hs.buffer(0), hs.buffer(1)
-        assert first.is_pinned() and not second.is_pinned()  # the second would pass the shared cap
+        assert pinned(first) and not pinned(second)  # the second would pass the shared cap
         assert reports[-1] == pinned_bytes() == base + (4 << 20)
         hs.release()
         assert reports[-1] == pinned_bytes() == base
     finally:
         set_pin_accounting(None, None)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("pin", [True, False])
+def test_phases_with_a_merge_bit_identical_and_reattached(device, pin):
+    """Each block's phases stream as units of their own, merged on their device copies; a kept
+    pack is attached again and gives the same results."""
+    dev = _dev(device)
+    model, ref_model = _models(dev, depth=4, dim=128)
+    x, t = _inputs(dev)
+    with torch.no_grad():
+        ref = _merged_reference(ref_model, _merge)(x, t)
+    before, keys = snapshot(model), list(model.state_dict())
+    st = LayerwiseStreamer(model.blocks, dev, resident=1, prefetch=2, granularity="phase", pin=pin)
+    for _ in range(2):
+        st.attach(_merge)
+        with torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(model(x, t), ref)
+        assert st.telemetry.snapshot(wait=True)["sync_fallbacks"] == 0
+        st.detach(keep_pack=True)
+    st.close()
+    assert_restored(model, before, keys)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_disk_ring_with_a_merge_bit_identical(device, tmp_path):
+    """Packs on disk come in through the host cache and the copy worker; the merge runs on the
+    copy stream after each copy, and a cache entry is read into again only after the copy out of
+    it ran (the model is told every disk read)."""
+    dev = _dev(device)
+    model, ref_model = _models(dev, depth=6, dim=128)
+    x, t = _inputs(dev)
+    with torch.no_grad():
+        ref = _merged_reference(ref_model, _merge)(x, t)
+    probe = LayerwiseStreamer(model.blocks, dev, resident=1, prefetch=2)
+    unit = -(-max(probe._plan.packs[i].nbytes for i in probe.streamed_indices) // 4096) * 4096
+    probe.close()
+    disk = DiskOptions(cap_bytes=4 * unit, workers=2, spill_dir=str(tmp_path))  # fewer entries than units
+    st = LayerwiseStreamer(model.blocks, dev, resident=1, prefetch=2, disk=disk)
+    st.attach(_merge)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(model(x, t), ref)
+    figures = st.figures(wait=True)
+    assert figures["disk_reads"] > len(st.streamed_indices) and figures["sync_fallbacks"] == 0
+    st.close()
+
+
+def test_a_merge_that_waits_for_the_device_runs_on_the_copy_worker(stream_model):
+    """Under the stream model: a merge whose math hands a value to the host (OFT's norm check, an
+    ``inverse()``) synchronizes the copy stream. Issued from the sampling thread, it would hold
+    that thread until the slot's last reader and the copy ran, with no counter seeing it; issued
+    by the copy worker, the sampling thread never synchronizes, and when it needs a block whose
+    merge is not done yet, that wait is counted (issue 30, item 5)."""
+    dev = _dev("model")
+    model, ref_model = _models(dev, depth=4, dim=128)
+    x, t = _inputs(dev)
+    gate, armed = threading.Event(), threading.Event()
+    last = 3  # the last block: with prefetch 1 its copy in a pass is issued in that pass
+
+    def checked_merge(i: int, name: str, w: torch.Tensor) -> torch.Tensor:
+        if name == "qkv.weight" and w.float().norm().item() <= 0:  # a check the host must see
+            raise ValueError("an empty weight")
+        if i == last and name == "qkv.weight" and armed.is_set():
+            gate.wait()
+        return _merge(i, name, w)
+
+    with torch.no_grad():
+        ref = _merged_reference(ref_model, _merge)(x, t)
+    st = LayerwiseStreamer(model.blocks, dev, resident=1, prefetch=1)  # a pinned pack: no staging
+    st.attach(checked_merge)
+    syncs = stream_model.host_syncs
+    seen = len(syncs)
+    with torch.no_grad():
+        assert torch.equal(model(x, t), ref)
+        armed.set()
+
+        def open_once_the_sampling_thread_waits() -> None:
+            for _ in range(3000):  # it never waits when the merge runs on the sampling thread
+                if st.telemetry.staging_waits:
+                    break
+                time.sleep(0.01)
+            gate.set()
+
+        opener = threading.Thread(target=open_once_the_sampling_thread_waits)
+        opener.start()
+        out = model(x, t)
+        opener.join()
+    assert torch.equal(out, ref)
+    me = threading.current_thread().name
+    assert [s for s in syncs[seen:] if s[0] == me] == [], "the sampling thread synchronized"
+    assert any(s[0] != me for s in syncs[seen:]), "the merge's own synchronize is not seen"
+    snap = st.telemetry.snapshot(wait=True)
+    # At least the wait the gate forces (a copy of the pass before may have kept it waiting too).
+    assert snap["staging_waits"] >= 1 and snap["staged_copies"] == 0, snap
+    st.close()

@@ -25,12 +25,13 @@ ENGINE_THIRD_PARTY = {"torch", "safetensors", "psutil"}
 ENGINE_ROOMS = {
     "units": set(),
     "per_module": set(),
-    "host": {"units"},
-    "blocks": {"host"},
-    "device": {"host", "units"},
-    "disk": {"host", "device", "units"},
-    "layerwise": {"blocks", "device", "disk", "host", "units"},
-    "models": {"host", "units"},
+    "ordering": set(),
+    "host": {"ordering", "units"},
+    "blocks": {"host", "ordering"},
+    "device": {"host", "ordering", "units"},
+    "disk": {"host", "device", "ordering", "units"},
+    "layerwise": {"blocks", "device", "disk", "host", "ordering", "units"},
+    "models": {"host", "ordering", "units"},
 }
 # The ComfyUI side's process-wide registries: created in nodes/state.py only.
 REGISTRY_TYPES = {"PerModule", "TierManager", "PromptHolds", "LayerwiseRegistry"}
@@ -283,7 +284,7 @@ def test_the_checks_see_what_they_look_for(tmp_path):
     assert circles(known, edges) == [["nodes.a", "nodes.b"]]
     engine = "\n".join(engine_problems(known, edges))
     assert "imports comfy.model_management" in engine and "imports folder_paths" in engine
-    assert "host may import only units" in engine
+    assert "host may import only ordering, units" in engine
     private = "\n".join(private_reaches(known, edges))
     assert "imports _hidden from nodes.c" in private and "uses packing._peek" in private
     assert registries_outside_state(known) == [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -15,6 +16,7 @@ import torch
 
 from offload_core import HostStorage, available_ram_bytes, pin_cap, pinned_bytes, set_pin_accounting
 from offload_core.host.pinned import ALIGN, PAGE, PIN_FRACTION, _malloc_trim
+from offload_core.ordering import for_device
 
 
 def test_exact_sizes_and_chunks_never_split_an_item():
@@ -170,3 +172,22 @@ def test_a_failed_registration_clears_the_cuda_error_the_host_application_way(mo
         hs.release()
     finally:
         set_cuda_error_discard(None)
+
+
+def test_a_collected_storage_waits_for_its_readers_before_unpinning(stream_model):
+    """Under the stream model: a storage dropped without release() is unpinned by its finalizer,
+    which waits for the devices that read it as release() does; a copy out of it may still be
+    queued on a side stream (issue 30, item 4)."""
+    ordering = for_device(torch.device("cpu"))
+    storage = HostStorage([1 << 16], pin=True, label="a collected storage")
+    storage.note_reader(torch.device("cpu"))
+    src = storage.buffer(0)
+    assert storage.is_pinned(0)
+    dst = ordering.buffer(1 << 16, "its copy")
+    stream = ordering.stream("copy")
+    with ordering.on(stream):
+        ordering.copy(dst, src)  # may run after the storage is gone
+    del src
+    del storage
+    gc.collect()
+    assert not [v for v in stream_model.violations if "unpinned" in v], stream_model.violations

@@ -12,6 +12,7 @@ from offload_core import HostStorage
 from offload_core.device.slots import SlotRing
 from offload_core.device.telemetry import Telemetry
 from offload_core.host.staging import Stager
+from offload_core.ordering import for_device
 
 CPU = torch.device("cpu")
 
@@ -73,7 +74,7 @@ def test_prepare_sees_the_copied_bytes_before_the_slot_is_ready():
 
 def test_stager_copies_in_pieces_without_holding_the_caller():
     bounce = HostStorage([2 * 4096], pin=False)
-    stager = Stager(CPU, None, bounce, piece_bytes=4096)
+    stager = Stager(CPU, for_device(CPU).stream("copy"), bounce, piece_bytes=4096)
     src = _host(4096 * 3 + 123, 4)  # three full pieces through alternating halves and a tail
     dst = torch.zeros_like(src)
     gate = threading.Event()
@@ -142,3 +143,20 @@ def test_ring_with_a_bounce_buffer_stages_every_copy():
     ring.mark_free(0)
     ring.close()
     bounce.release()
+
+
+def test_close_frees_the_slots_only_once_a_reader_on_any_stream_is_done(stream_model):
+    """Under the stream model: a block may read its slot on a stream other than the one that
+    closes the ring, so close waits for the whole device before it gives the slots back. Syncing
+    the copy stream and the caller's current stream only would hand the memory to the caching
+    allocator while that read may still run (issue 30, item 3)."""
+    ordering = for_device(CPU)
+    ring = SlotRing(CPU, 2, 4096, Telemetry())
+    ring.copy_in(0, _host(3000, 1), "a")
+    compute = ordering.stream("compute")
+    with ordering.on(compute):
+        ring.wait_ready(0)
+        ring.buffers[0][:3000].sum()  # the block's read, on its own stream
+        ring.mark_free(0)
+    ring.close()  # from the default stream; the slots' last tensors go here
+    assert not [v for v in stream_model.violations if v.startswith("free while in use")], stream_model.violations

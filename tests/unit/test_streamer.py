@@ -367,7 +367,8 @@ def test_compute_never_sees_untransformed_slot_bytes():
     st.close()
 
 
-def test_transform_failure_mid_pass_leaves_engine_consistent():
+@pytest.mark.parametrize("device", ["cpu", "model"])  # model: the merge fails on the copy worker
+def test_transform_failure_mid_pass_leaves_engine_consistent(device):
     model = ToyDiT(depth=6, shared=False)
     salts = {i: 1 for i in range(6)}
     x, t = inputs()

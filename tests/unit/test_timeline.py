@@ -83,8 +83,11 @@ def test_off_by_default_records_nothing():
         streamer.close()
 
 
+@pytest.mark.parametrize("device", ["cpu", "model"])
 @pytest.mark.parametrize("granularity", ["block", "phase"])
-def test_records_the_last_complete_pass_of_each_streamed_unit(granularity):
+def test_records_the_last_complete_pass_of_each_streamed_unit(granularity, device):
+    """On a CPU every copy runs on the sampling thread. Under the stream model the pack is
+    pageable (pin=False), so every copy is staged by the copy worker, and still on the picture."""
     model = ToyDiT(depth=5)
     x, t = inputs()
     with torch.no_grad():
@@ -96,10 +99,12 @@ def test_records_the_last_complete_pass_of_each_streamed_unit(granularity):
         out = _run(streamer, model, passes=3)
         assert torch.equal(out, reference)  # recording changes nothing the blocks compute
         timeline = streamer.timeline()
-        assert timeline is not None and timeline["clock"] == "host"
+        assert timeline is not None and timeline["clock"] == ("host" if device == "cpu" else
+                                                               "cuda events (disk reads: host clock)")
         _check_pass(streamer, timeline)
         assert not _by_kind(timeline, "disk")  # streaming from RAM reads nothing from disk
-        assert all(s["blocking"] for s in timeline["spans"] if s["kind"] == "copy")  # CPU copies
+        blocking = [s["blocking"] for s in timeline["spans"] if s["kind"] == "copy"]
+        assert blocking == [device == "cpu"] * len(blocking)  # CPU copies; staged copies do not block
         # Off again: the next attach records nothing and the recording is dropped.
         streamer.record_timeline(False)
         assert streamer.timeline() is None
@@ -137,8 +142,9 @@ def test_a_pass_cut_short_is_not_the_picture():
         streamer.close()
 
 
+@pytest.mark.parametrize("device", ["cpu", "model"])
 @pytest.mark.parametrize("granularity", ["block", "phase"])
-def test_a_disk_run_shows_its_reads(spill_dir, granularity):
+def test_a_disk_run_shows_its_reads(spill_dir, granularity, device):
     model = ToyDiT(depth=6)
     x, t = inputs()
     with torch.no_grad():
@@ -192,3 +198,27 @@ def test_verdict_names_what_compute_waited_for():
     # A CPU copy on the sampling thread is waited for in full.
     blocking = [_span("copy", u, 10 * u - 4, 10 * u, bytes=1, blocking=True) for u in range(3)]
     assert verdict(compute + blocking + no_wait)["bound_by"] == "link"
+
+
+def test_a_recorded_run_reuses_its_marks_from_pass_to_pass(stream_model):
+    """Under the stream model, whose events are counted: a recorded pass takes five marks per
+    streamed unit (its copy's two, its wait's, its compute's two); those of a pass no longer shown
+    are recorded again, so a long run makes no new events after its first passes (issue 30,
+    item 8)."""
+    model = ToyDiT(depth=5)
+    x, t = inputs()
+    streamer = LayerwiseStreamer(model.blocks, "cpu", resident=1, prefetch=1, timing=False)
+    try:
+        streamer.record_timeline(True)
+        streamer.attach()
+        with torch.no_grad():
+            for _ in range(4):
+                model(x, t)
+            made = stream_model.events_made
+            for _ in range(6):
+                model(x, t)
+        assert stream_model.events_made == made
+        streamer.detach(keep_pack=True)
+        _check_pass(streamer, streamer.timeline())
+    finally:
+        streamer.close()
