@@ -179,9 +179,17 @@ class CudaOrdering(Ordering):
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
         self.key = device.index
+        self._streams: dict[str, torch.cuda.Stream] = {}
 
     def stream(self, label: str) -> torch.cuda.Stream:
-        return torch.cuda.Stream(device=self.device)
+        """One side stream per label for the process's life, reused by every attach: torch keeps
+        a cuBLAS workspace (32 MiB on recent cards) per thread and stream that ran a matrix
+        product, never freed, so a fresh stream per attach would leave one more behind each
+        time a merge ran on it. Work of two attaches on one stream is still ordered by events."""
+        stream = self._streams.get(label)
+        if stream is None:
+            stream = self._streams[label] = torch.cuda.Stream(device=self.device)
+        return stream
 
     def current_stream(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device)
