@@ -258,21 +258,18 @@ class TierManager:
         for a load, and the load publishes fresh figures when it ends).
         """
         tier = as_tier(tier, (Tier.VRAM, Tier.RAM, Tier.DISK))
-        if not self._lock.acquire(blocking=wait):
-            return False
-        try:
-            with self._locked():
-                entry = self.get(key)
-                if tier is entry.tier:
-                    entry.bytes_by_tier = dict(entry.backend.bytes_by_tier())
-                    return False
-                old = entry.tier
-                self._record(entry, tier, "observed")
-                logger.info("%s '%s' (%s) observed in %s, recorded in %s", entry.kind, entry.name,
-                            key, tier.value, old.value)
-                return True
-        finally:
-            self._lock.release()
+        with self._locked(wait=wait) as held:
+            if not held:
+                return False
+            entry = self.get(key)
+            if tier is entry.tier:
+                entry.bytes_by_tier = dict(entry.backend.bytes_by_tier())
+                return False
+            old = entry.tier
+            self._record(entry, tier, "observed")
+            logger.info("%s '%s' (%s) observed in %s, recorded in %s", entry.kind, entry.name,
+                        key, tier.value, old.value)
+            return True
 
     # ----------------------------------------------------------------------------------------
     # Budgets and room
@@ -417,20 +414,24 @@ class TierManager:
     # Internals; all below run with the lock held.
 
     @contextmanager
-    def _locked(self) -> Iterator[None]:
-        """Hold the lock; on leaving the outermost level publish the state and notify."""
+    def _locked(self, *, wait: bool = True) -> Iterator[bool]:
+        """Hold the lock and yield True; on leaving the outermost level publish the state, release
+        the lock, then notify. With ``wait=False`` yield False at once if another thread holds it."""
+        if not self._lock.acquire(blocking=wait):
+            yield False
+            return
         events: list[dict[str, Any]] = []
         try:
-            with self._lock:
-                self._depth += 1
-                try:
-                    yield
-                finally:
-                    self._depth -= 1
-                    if self._depth == 0:
-                        self._events.publish(self._entries.values())
-                        events = self._events.take()
+            self._depth += 1
+            try:
+                yield True
+            finally:
+                self._depth -= 1
+                if self._depth == 0:
+                    self._events.publish(self._entries.values())
+                    events = self._events.take()
         finally:
+            self._lock.release()
             self._events.deliver(events)
 
     @staticmethod

@@ -546,6 +546,26 @@ def test_observe_records_moves_made_outside_the_manager(rig):
     _consistent(manager, [a, b])
 
 
+def test_listeners_of_an_observed_move_run_outside_the_lock(rig):
+    """An observation announces its move after releasing the lock, as every other change does, so
+    a listener may wait for another thread that calls the manager."""
+    manager, _, (a,) = rig(1)
+    manager.park("m0")
+    outside_lock = []
+
+    def calls_back(event: dict) -> None:
+        if event["reason"] == "observed":
+            worker = threading.Thread(target=manager.set_priority, args=("m0", 1))
+            worker.start()
+            worker.join(JOIN_S)
+            outside_lock.append(not worker.is_alive())
+
+    manager.subscribe(calls_back)
+    a.to_vram()
+    assert manager.observe("m0", Tier.VRAM) is True
+    assert outside_lock == [True] and manager.get("m0").policy.priority == 1
+
+
 def test_snapshot_is_json_and_has_the_documented_shape(rig):
     manager, _, (a, b) = rig(2)
     manager.load("m0")
