@@ -328,7 +328,7 @@ def test_preload_then_concurrent_acquire_loads_once(rig):
 def test_failed_preload_is_logged_and_model_stays_usable(rig, caplog):
     manager, _, (a, b) = rig(2)
     a.fail_loads = 2
-    with caplog.at_level(logging.ERROR, logger="offload_core.models.tiers"):
+    with caplog.at_level(logging.ERROR, logger="offload_core.models.preloads"):
         manager.preload(["m0", "m1"]).join(JOIN_S)
         assert manager.preload(["m0"], background=False) is None
     assert caplog.text.count("preload of 'model 0' (m0) failed") == 2
@@ -413,7 +413,7 @@ def test_listeners_see_every_tier_change_and_a_raising_one_is_isolated(rig, capl
 
     for fn in (broken, events.append, calls_back):
         manager.subscribe(fn)
-    with caplog.at_level(logging.ERROR, logger="offload_core.models.tiers"):
+    with caplog.at_level(logging.ERROR, logger="offload_core.models.tier_events"):
         manager.load("m0")
         with manager.using("m1"):
             pass
