@@ -328,7 +328,7 @@ def test_preload_then_concurrent_acquire_loads_once(rig):
 def test_failed_preload_is_logged_and_model_stays_usable(rig, caplog):
     manager, _, (a, b) = rig(2)
     a.fail_loads = 2
-    with caplog.at_level(logging.ERROR, logger="offload_core.models.tiers"):
+    with caplog.at_level(logging.ERROR, logger="offload_core.models.preloads"):
         manager.preload(["m0", "m1"]).join(JOIN_S)
         assert manager.preload(["m0"], background=False) is None
     assert caplog.text.count("preload of 'model 0' (m0) failed") == 2
@@ -413,7 +413,7 @@ def test_listeners_see_every_tier_change_and_a_raising_one_is_isolated(rig, capl
 
     for fn in (broken, events.append, calls_back):
         manager.subscribe(fn)
-    with caplog.at_level(logging.ERROR, logger="offload_core.models.tiers"):
+    with caplog.at_level(logging.ERROR, logger="offload_core.models.tier_events"):
         manager.load("m0")
         with manager.using("m1"):
             pass
@@ -544,6 +544,26 @@ def test_observe_records_moves_made_outside_the_manager(rig):
     manager.load("m1")  # the observed copy is what gets parked for room
     assert manager.get("m0").tier is Tier.RAM and a.actual_tier() is Tier.RAM
     _consistent(manager, [a, b])
+
+
+def test_listeners_of_an_observed_move_run_outside_the_lock(rig):
+    """An observation announces its move after releasing the lock, as every other change does, so
+    a listener may wait for another thread that calls the manager."""
+    manager, _, (a,) = rig(1)
+    manager.park("m0")
+    outside_lock = []
+
+    def calls_back(event: dict) -> None:
+        if event["reason"] == "observed":
+            worker = threading.Thread(target=manager.set_priority, args=("m0", 1))
+            worker.start()
+            worker.join(JOIN_S)
+            outside_lock.append(not worker.is_alive())
+
+    manager.subscribe(calls_back)
+    a.to_vram()
+    assert manager.observe("m0", Tier.VRAM) is True
+    assert outside_lock == [True] and manager.get("m0").policy.priority == 1
 
 
 def test_snapshot_is_json_and_has_the_documented_shape(rig):
