@@ -13,6 +13,13 @@
   model's blocks, its class, whether it is a Parameter, its storage size and dtype, and the
   GGUF attributes (tensor_type, tensor_shape, number of patches) into /history. It takes the
   sampled latent too, so it runs after sampling.
+- TieredTestCompileBlocks: torch.compile the way per-block compile nodes (KJNodes) do it:
+  each block as a compiled module put in by an object patch, the whole diffusion model put in
+  that way, or core's compile wrapper with one key per block.
+- TieredTestCompileCounts: a pass-through that records dynamo's counts (graphs compiled,
+  graph breaks met) after every model call of the sampling run that follows; its output
+  twin TieredTestCompileReport puts them into /history with the totals and the graphs dynamo
+  holds for each block class's forward.
 
 With TIERED_TEST_CORE_WEIGHT_BUDGET=<bytes> in the server's environment, core loads every
 diffusion model with that weight budget: its real partial-loading ("lowvram") path, which
@@ -149,6 +156,99 @@ class TieredTestWeightReport(_StatsNode):
         return {"ui": {"weights": [report]}}
 
 
+def _torch_compile_kwargs(backend: str, mode: str, fullgraph: bool) -> dict:
+    return {"backend": backend, "mode": None if mode == "default" else mode, "fullgraph": fullgraph}
+
+
+class TieredTestCompileBlocks:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "model": ("MODEL",),
+            "how": (["blocks_by_object_patch", "model_by_object_patch", "core_wrapper_block_keys"],),
+            "backend": (["inductor", "cudagraphs", "eager"],),
+            "mode": (["default", "reduce-overhead", "max-autotune-no-cudagraphs"],),
+            "fullgraph": ("BOOLEAN", {"default": False}),
+        }}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "compile"
+    CATEGORY = "tiered_offload/testing"
+
+    def compile(self, model, how, backend, mode, fullgraph):
+        m = model.clone()
+        kwargs = _torch_compile_kwargs(backend, mode, fullgraph)
+        diffusion_model = m.get_model_object("diffusion_model")
+        keys = [f"diffusion_model.blocks.{i}" for i in range(len(diffusion_model.blocks))]
+        if how == "core_wrapper_block_keys":
+            from comfy_api.torch_helpers import set_torch_compile_wrapper
+            set_torch_compile_wrapper(model=m, keys=keys, **kwargs)
+        elif how == "model_by_object_patch":
+            m.add_object_patch("diffusion_model", torch.compile(diffusion_model, **kwargs))
+        else:
+            for key, block in zip(keys, diffusion_model.blocks):
+                m.add_object_patch(key, torch.compile(getattr(block, "_orig_mod", block), **kwargs))
+        return (m,)
+
+
+PASS_COUNTS: list = []  # dynamo's counts after each model call of the current sampling run
+
+
+def dynamo_counts() -> dict:
+    """Graphs dynamo compiled (a recompile is one more) and graph breaks it met. Not its frame
+    count: frames it only looks at and leaves without a graph count there too, at moments that
+    vary from run to run."""
+    from torch._dynamo.utils import counters
+    return {"graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["unimplemented"].values())}
+
+
+class TieredTestCompileCounts:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",)}}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "count"
+    CATEGORY = "tiered_offload/testing"
+
+    @classmethod
+    def IS_CHANGED(cls, **_):
+        return float("nan")
+
+    def count(self, model):
+        import comfy.patcher_extension
+        PASS_COUNTS.clear()
+
+        def after_each_call(executor, *args, **kwargs):
+            try:
+                return executor(*args, **kwargs)
+            finally:
+                PASS_COUNTS.append(dynamo_counts())
+
+        m = model.clone()
+        m.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL,
+                               "tiered_test.compile_counts", after_each_call)
+        return (m,)
+
+
+class TieredTestCompileReport(_StatsNode):
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",), "samples": ("LATENT",)}}
+
+    def stats(self, model, samples):
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+        from torch._dynamo.utils import counters
+        blocks = model.get_model_object("diffusion_model").blocks
+        classes = {type(getattr(b, "_orig_mod", b)) for b in blocks}
+        report = {"passes": list(PASS_COUNTS), "total": dynamo_counts(),
+                  "break_reasons": sorted({reason.splitlines()[0] + " | " + reason.splitlines()[1]
+                                           for reason in counters["unimplemented"]}),
+                  "block_graphs": {cls.__name__: len(_debug_get_cache_entry_list(cls.forward.__code__))
+                                   for cls in classes}}
+        return {"ui": {"compile_counts": [report]}}
+
+
 def _force_core_weight_budget(budget: float) -> None:
     import comfy.model_base
     import comfy.model_management
@@ -174,4 +274,7 @@ NODE_CLASS_MAPPINGS = {
     "TieredTestConditioning": TieredTestConditioning,
     "TieredTestLatentStats": TieredTestLatentStats,
     "TieredTestWeightReport": TieredTestWeightReport,
+    "TieredTestCompileBlocks": TieredTestCompileBlocks,
+    "TieredTestCompileCounts": TieredTestCompileCounts,
+    "TieredTestCompileReport": TieredTestCompileReport,
 }
