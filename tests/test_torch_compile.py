@@ -75,9 +75,9 @@ def core_compile(wf: dict, before_offload: bool = False) -> dict:
 
 
 def block_compile(wf: dict, how: str = PER_BLOCK, backend: str = "inductor", mode: str = "default",
-                  fullgraph: bool = False) -> dict:
+                  fullgraph: bool = False, dynamic: str = "auto") -> dict:
     return insert(wf, "compile", "TieredTestCompileBlocks", how=how, backend=backend, mode=mode,
-                  fullgraph=fullgraph)
+                  fullgraph=fullgraph, dynamic=dynamic)
 
 
 def run(comfy, wf: dict) -> tuple[str, dict]:
@@ -119,18 +119,20 @@ def test_per_block_compile_streams_bit_identical_and_reuses_its_graphs(server):
     assert report["block_graphs"]["WanAttentionBlock"] >= 1  # the streamed blocks ran compiled
     state = server.get("/offload/layerwise")["models"][-1]
     assert state["streamed_indices"] == [0, 1] and state["telemetry"]["copies"] > 0
-    # A strength change, one resident block, fullgraph: the same graphs, core's bits.
+    # A strength change, one resident block: the same graphs, core's bits.
     last = report["total"]
     for wf, expected in ((block_compile(wan(0.5, STREAMED)), half),
                          (block_compile(wan(1.0, {"resident_blocks": 1, "prefetch": 1})), full)):
         sha, report = run(server, wf)
         assert sha == expected, wf["offload"]["inputs"]
         assert_graphs_reused(report, last)
-    whole, _ = run(server, block_compile(wan(1.0), fullgraph=True))
-    sha, report = run(server, block_compile(wan(1.0, STREAMED), fullgraph=True))
-    assert sha == whole
-    assert_graphs_reused(report)
-    engine_breaks_only(ref, report)
+    # fullgraph on, and dynamic off (KJNodes' default).
+    for options in ({"fullgraph": True}, {"dynamic": "false"}):
+        reference, _ = run(server, block_compile(wan(1.0), **options))
+        sha, report = run(server, block_compile(wan(1.0, STREAMED), **options))
+        assert sha == reference, options
+        assert_graphs_reused(report)
+        engine_breaks_only(ref, report)
     # Later prompts without the node are core's.
     assert run(server, block_compile(wan(1.0)))[0] == full
     assert run(server, wan(1.0))[0] == plain
@@ -220,12 +222,13 @@ def test_compiled_streaming_after_an_interrupt_and_from_disk(server):
     ({"mode": "max-autotune-no-cudagraphs"}, ("have not been tested with streamed blocks",
                                               "Choose backend 'inductor' with mode 'default'")),
     ({"backend": "eager"}, ("backend 'eager' has not been tested", "Choose backend 'inductor'")),
+    ({"dynamic": "true"}, ("dynamic=True has not been tested", "Compile with dynamic off")),
     ({"granularity": "phase"}, ("granularity 'phase' splits", "Use granularity 'block'")),
 ])
 def test_compile_setups_streamed_blocks_cannot_keep_are_refused_before_anything_moves(server, setup, words):
     wf = block_compile(wan(None, dict(STREAMED, granularity=setup.get("granularity", "block"))),
                        setup.get("how", PER_BLOCK), setup.get("backend", "inductor"),
-                       setup.get("mode", "default"))
+                       setup.get("mode", "default"), dynamic=setup.get("dynamic", "auto"))
     plain = latent_sha(server.run(wan(None)))
     attached = server.log_text().count("attached ")
     message = server.run_expect_error(wf)["exception_message"]

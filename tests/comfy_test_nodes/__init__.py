@@ -156,8 +156,9 @@ class TieredTestWeightReport(_StatsNode):
         return {"ui": {"weights": [report]}}
 
 
-def _torch_compile_kwargs(backend: str, mode: str, fullgraph: bool) -> dict:
-    return {"backend": backend, "mode": None if mode == "default" else mode, "fullgraph": fullgraph}
+def _torch_compile_kwargs(backend: str, mode: str, fullgraph: bool, dynamic: str) -> dict:
+    return {"backend": backend, "mode": None if mode == "default" else mode, "fullgraph": fullgraph,
+            "dynamic": {"auto": None, "false": False, "true": True}[dynamic]}
 
 
 class TieredTestCompileBlocks:
@@ -169,15 +170,16 @@ class TieredTestCompileBlocks:
             "backend": (["inductor", "cudagraphs", "eager"],),
             "mode": (["default", "reduce-overhead", "max-autotune-no-cudagraphs"],),
             "fullgraph": ("BOOLEAN", {"default": False}),
+            "dynamic": (["auto", "false", "true"],),
         }}
 
     RETURN_TYPES = ("MODEL",)
     FUNCTION = "compile"
     CATEGORY = "tiered_offload/testing"
 
-    def compile(self, model, how, backend, mode, fullgraph):
+    def compile(self, model, how, backend, mode, fullgraph, dynamic):
         m = model.clone()
-        kwargs = _torch_compile_kwargs(backend, mode, fullgraph)
+        kwargs = _torch_compile_kwargs(backend, mode, fullgraph, dynamic)
         diffusion_model = m.get_model_object("diffusion_model")
         keys = [f"diffusion_model.blocks.{i}" for i in range(len(diffusion_model.blocks))]
         if how == "core_wrapper_block_keys":

@@ -53,3 +53,27 @@ def test_hook_overhead_bench_streams_every_block_in_order(tmp_path):
     (engine,) = bench.main(["--blocks", "6", "--passes", "3", "--repeats", "2", "--timeline"])["engines"].values()
     assert engine["timeline_recorded"] is True
     assert engine["sync_fallbacks"] == 0 and engine["order_misses"] == 0
+
+
+def test_bench_compiled_row_streams_the_compiled_blocks_bit_identically(tmp_path):
+    """--compiled: each block compiled (inductor), resident and then streamed; on the CPU the two
+    give the same bits and the timed passes compile nothing (one small model: compiling is slow)."""
+    spec = importlib.util.spec_from_file_location("bench_layerwise", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    try:
+        spec.loader.exec_module(bench)
+    finally:
+        sys.modules.pop(spec.name, None)
+    import torch._dynamo
+    torch._dynamo.reset()
+    try:
+        result = bench.main(["--smoke", "--compiled", "--models", "wan", "--skip-naive",
+                             "--settings", "1:1", "--out", str(tmp_path / "compiled.json")])
+    finally:
+        torch._dynamo.reset()
+    (model,) = result["models"].values()
+    row = model["compiled"]
+    assert (row["resident"], row["prefetch"]) == (1, 1)
+    assert row["bit_identical"] is True and row["graphs_compiled_while_timed"] == 0
+    assert row["resident_compiled_step_s"] > 0 and row["streamed_over_resident"] > 0
