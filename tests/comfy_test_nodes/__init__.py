@@ -161,6 +161,9 @@ def _torch_compile_kwargs(backend: str, mode: str, fullgraph: bool, dynamic: str
             "dynamic": {"auto": None, "false": False, "true": True}[dynamic]}
 
 
+BLOCK_LISTS = ("blocks", "joint_blocks", "double_blocks", "single_blocks")  # Wan, SD3, Flux/HunyuanVideo
+
+
 class TieredTestCompileBlocks:
     @classmethod
     def INPUT_TYPES(cls):
@@ -181,14 +184,16 @@ class TieredTestCompileBlocks:
         m = model.clone()
         kwargs = _torch_compile_kwargs(backend, mode, fullgraph, dynamic)
         diffusion_model = m.get_model_object("diffusion_model")
-        keys = [f"diffusion_model.blocks.{i}" for i in range(len(diffusion_model.blocks))]
+        blocks = {f"diffusion_model.{name}.{i}": block for name in BLOCK_LISTS
+                  if isinstance(getattr(diffusion_model, name, None), torch.nn.ModuleList)
+                  for i, block in enumerate(getattr(diffusion_model, name))}
         if how == "core_wrapper_block_keys":
             from comfy_api.torch_helpers import set_torch_compile_wrapper
-            set_torch_compile_wrapper(model=m, keys=keys, **kwargs)
+            set_torch_compile_wrapper(model=m, keys=list(blocks), **kwargs)
         elif how == "model_by_object_patch":
             m.add_object_patch("diffusion_model", torch.compile(diffusion_model, **kwargs))
         else:
-            for key, block in zip(keys, diffusion_model.blocks):
+            for key, block in blocks.items():
                 m.add_object_patch(key, torch.compile(getattr(block, "_orig_mod", block), **kwargs))
         return (m,)
 
