@@ -254,7 +254,8 @@ class DeviceSchedule:
             raise RuntimeError(
                 f"block {i} is streamed by the layerwise offload engine and cannot be captured in a CUDA "
                 "graph: its weights move between device slots on every pass. Capture without the engine, "
-                "or keep every block resident."
+                "keep every block resident, or compile each block with torch.compile's default mode "
+                "(inductor without CUDA graphs), which streamed blocks keep."
             )
 
     def _on_enter(self, i: int) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "layerwise.py"
 
 
-def test_bench_smoke_writes_json(tmp_path):
+def load_layerwise_bench():
     spec = importlib.util.spec_from_file_location("bench_layerwise", BENCH)
     bench = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = bench  # dataclasses look their module up while the class is built
@@ -18,6 +18,11 @@ def test_bench_smoke_writes_json(tmp_path):
         spec.loader.exec_module(bench)
     finally:
         sys.modules.pop(spec.name, None)
+    return bench
+
+
+def test_bench_smoke_writes_json(tmp_path):
+    bench = load_layerwise_bench()
     out = tmp_path / "smoke.json"
     bench.main(["--smoke", "--out", str(out)])
     data = json.loads(out.read_text())
@@ -58,13 +63,7 @@ def test_hook_overhead_bench_streams_every_block_in_order(tmp_path):
 def test_bench_compiled_row_streams_the_compiled_blocks_bit_identically(tmp_path):
     """--compiled: each block compiled (inductor), resident and then streamed; on the CPU the two
     give the same bits and the timed passes compile nothing (one small model: compiling is slow)."""
-    spec = importlib.util.spec_from_file_location("bench_layerwise", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
-    try:
-        spec.loader.exec_module(bench)
-    finally:
-        sys.modules.pop(spec.name, None)
+    bench = load_layerwise_bench()
     import torch._dynamo
     torch._dynamo.reset()
     try:
