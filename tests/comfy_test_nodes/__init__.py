@@ -23,7 +23,9 @@
 
 With TIERED_TEST_CORE_WEIGHT_BUDGET=<bytes> in the server's environment, core loads every
 diffusion model with that weight budget: its real partial-loading ("lowvram") path, which
---cpu otherwise never takes.
+--cpu otherwise never takes. With TIERED_TEST_DYNAMO_RECOMPILE_LIMIT=<n>, dynamo keeps up to n
+graphs per function (torch's default is 8), set by TieredTestConditioning on the thread that
+samples: dynamo's settings are the thread's own.
 """
 import hashlib
 import os
@@ -53,6 +55,10 @@ class TieredTestConditioning:
         return float("nan")
 
     def make(self, model_kind, seed):
+        limit = os.environ.get("TIERED_TEST_DYNAMO_RECOMPILE_LIMIT")
+        if limit:
+            import torch._dynamo
+            torch._dynamo.config.recompile_limit = int(limit)
         return (tiny_models.make_conditioning(model_kind, seed),)
 
 
