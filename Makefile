@@ -22,7 +22,7 @@ TOOLS_VENV := .venv-tools
 COMFY_CLI := comfy-cli==1.23.0
 COMFY_CMD := $(TOOLS_VENV)/bin/comfy --skip-prompt --no-enable-telemetry
 
-.PHONY: demo test test-0.3.75 test-0.33 env env-033 gpu-kit clean screenshot example-workflows pack-check
+.PHONY: demo test test-0.3.75 test-0.33 env env-033 gpu-kit clean screenshot example-workflows pack-check cxx
 
 env: $(VENV)/.ready $(COMFY)/.ready
 
@@ -92,6 +92,22 @@ $(COMFY033)/.ready: $(COMFY033_TARBALL)
 	  exit 1; \
 	fi
 
+# The torch.compile tests run inductor, which builds C++ kernels on a CPU: a C++ compiler must be
+# there (CXX, else c++ or g++, as torch looks for one). Only root installs Debian's g++; anyone else
+# is told what to install, before any test starts.
+cxx:
+	@if command -v "$${CXX:-c++}" >/dev/null 2>&1 || command -v g++ >/dev/null 2>&1; then \
+	  true; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends g++; \
+	else \
+	  echo "The torch.compile tests need a C++ compiler (inductor builds its CPU kernels with one),"; \
+	  echo "and none is installed. Install one once, e.g. on Debian/Ubuntu:"; \
+	  echo "    sudo apt-get install --no-install-recommends g++"; \
+	  echo "or point CXX=/path/to/c++ at one you have, then run make test again."; \
+	  exit 1; \
+	fi
+
 # Runs the demo workflow on a real ComfyUI and says how to open it in the UI (see tools/demo.py).
 demo: env
 	$(PY) tools/demo.py $(DEMO_ARGS)
@@ -122,18 +138,18 @@ pack-check: $(TOOLS_VENV)/.ready
 	$(TOOLS_VENV)/bin/python tools/check_pack_archive.py tests/artifacts/node.zip
 
 # Both lanes run even when the first fails, so one CI log shows both; either failing fails.
-test: env env-033 /usr/bin/chromium
+test: cxx env env-033 /usr/bin/chromium
 	@status=0; \
 	$(MAKE) --no-print-directory pack-check || status=1; \
 	$(MAKE) --no-print-directory test-0.3.75 || status=1; \
 	$(MAKE) --no-print-directory test-0.33 || status=1; \
 	exit $$status
 
-test-0.3.75: env /usr/bin/chromium
+test-0.3.75: cxx env /usr/bin/chromium
 	OMP_NUM_THREADS=2 $(PY) -m pytest tests
 
 # The same runner (.venv/) drives a server from the other tree with the other Python.
-test-0.33: env env-033 /usr/bin/chromium
+test-0.33: cxx env env-033 /usr/bin/chromium
 	TIERED_OFFLOAD_COMFY_ROOT=$(CURDIR)/$(COMFY033) TIERED_OFFLOAD_COMFY_PYTHON=$(CURDIR)/$(PY033) \
 	OMP_NUM_THREADS=2 $(PY) -m pytest -m comfy_tree tests
 
@@ -151,5 +167,5 @@ clean:
 SEED ?= 1
 PROMPTS ?= 300
 .PHONY: difftest
-difftest: env
+difftest: cxx env
 	OMP_NUM_THREADS=2 $(PY) -m tests.differential --seed $(SEED) --prompts $(PROMPTS) $(DIFFTEST_ARGS)

@@ -8,6 +8,9 @@ What one run measures, per model:
   * efficiency = max(compute, streamed bytes / peak) / measured, i.e. how close a
     setting gets to the physical bound (1.0 is the bound itself);
   * pinned RAM / packed bytes (the budget is <= 1.05);
+  * with a compile of each block (inductor, default mode, as per-block compile nodes do; on by
+    default on CUDA): the first setting's streamed step against the resident one, both compiled,
+    whether their outputs are bit-identical and how many graphs the timed passes compiled;
   * with --lora-settings, those settings again with a rank --lora-rank LoRA merged into every
     block's device copy (as the node merges one: factors uploaded beside the block, merged on the
     copy stream in the merge dtype, then stochastically rounded to bf16).
@@ -206,11 +209,11 @@ class Stack(nn.Module):
 
 def specs(args: argparse.Namespace) -> list[Spec]:
     if args.smoke:
-        return [
+        return [spec for spec in (
             # Six blocks each: with two resident and three slots, blocks are still copied every pass.
             Spec("wan-smoke", "wan", dim=64, heads=4, tokens=64, ctx=16, blocks=6, ffn=128),
             Spec("flux-smoke", "flux", dim=64, heads=4, tokens=48, ctx=16, blocks=2, singles=4),
-        ]
+        ) if spec.kind in args.models]
     out = []
     if "wan" in args.models:
         # 480p, 81 frames: 21 latent frames x 30 x 52 patches; 512 text tokens
@@ -409,6 +412,29 @@ def run_streaming(stack: Stack, device: torch.device, resident: int, prefetch: i
     return result
 
 
+def run_compiled(stack: Stack, device: torch.device, resident: int, prefetch: int, args) -> dict:
+    """Each block compiled on its own (the setup Apply Layerwise Offload streams compiled, see
+    docs/torch-compile.md), resident on the device, then streamed: the ratio of their steps,
+    whether their outputs are the same bits, and the graphs compiled during the timed passes."""
+    from torch._dynamo.utils import counters
+    compiled = Stack(stack.spec, device, blocks=[torch.compile(b) for b in stack.blocks])
+    resident_out = compiled()  # compiles
+    resident_steps = timed(device, compiled, args.steps)
+    st = LayerwiseStreamer(list(stack.blocks), device, resident=resident, prefetch=prefetch, pin=True)
+    st.attach()
+    try:
+        streamed_out = compiled()  # warm-up: wraps the prefetch around
+        graphs = counters["stats"]["unique_graphs"]
+        streamed_steps = timed(device, compiled, args.steps)
+        recompiled = counters["stats"]["unique_graphs"] - graphs
+    finally:
+        st.close()
+    resident_step, streamed_step = statistics.median(resident_steps), statistics.median(streamed_steps)
+    return {"resident": resident, "prefetch": prefetch, "resident_compiled_step_s": resident_step,
+            "streamed_compiled_step_s": streamed_step, "streamed_over_resident": streamed_step / resident_step,
+            "bit_identical": torch.equal(resident_out, streamed_out), "graphs_compiled_while_timed": recompiled}
+
+
 def bench_model(spec: Spec, device: torch.device, args: argparse.Namespace, link: float) -> dict:
     """Every measurement of one model, each appended to --rows as soon as it is taken."""
     torch.manual_seed(0)
@@ -435,6 +461,10 @@ def bench_model(spec: Spec, device: torch.device, args: argparse.Namespace, link
     naive = run_naive(stack, device, max(1, args.steps // 2)) if not args.skip_naive else None
     if naive is not None:
         append_row(args.rows, {"bench": "layerwise", "row": "naive", "model": spec.name, "step_s": naive})
+    compiled = None
+    if args.compiled:
+        compiled = run_compiled(stack, device, *parse_settings(args.settings, len(stack.blocks))[0], args)
+        append_row(args.rows, {"bench": "layerwise", "row": "compiled", "model": spec.name, **compiled})
     return {
         "spec": asdict(spec),
         "blocks": len(stack.blocks),
@@ -444,6 +474,7 @@ def bench_model(spec: Spec, device: torch.device, args: argparse.Namespace, link
         "resident_peak_vram_bytes": resident_peak,
         "naive_swap_step_s": naive,
         "streaming": streaming,
+        "compiled": compiled,
     }
 
 
@@ -472,6 +503,12 @@ def print_table(result: dict) -> None:
             print(f"{name:<12} {setting:<10} {s['step_s']:>9.4f} {s['bound_s']:>9.4f} "
                   f"{s['efficiency']:>6.2f} {100 * s['overhead_vs_resident']:>6.1f}% {bw:>9} "
                   f"{s['telemetry']['compute_wait_s']:>8.4f} {_gib(s['peak_vram_bytes']):>9} {pin:>8}")  # fmt: skip
+        c = m.get("compiled")
+        if c:
+            print(f"{name:<12} {'compiled':<10} r{c['resident']} p{c['prefetch']}: streamed "
+                  f"{c['streamed_compiled_step_s']:.4f} s / resident {c['resident_compiled_step_s']:.4f} s "
+                  f"= {c['streamed_over_resident']:.2f}, bit-identical {c['bit_identical']}, "
+                  f"graphs compiled while timed {c['graphs_compiled_while_timed']}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -489,6 +526,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--lora-rank", type=int, default=0, help="rank of that LoRA; 0: no LoRA runs")
     ap.add_argument("--skip-naive", action="store_true")
     ap.add_argument("--rows", type=Path, help="append one JSON row per measurement here")
+    ap.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=None,
+                    help="the compiled row (each block compiled; default: on CUDA only)")
     ap.add_argument("--out", type=Path, help="JSON path (default: bench/results/layerwise-<device>-<time>.json)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -497,6 +536,8 @@ def main(argv: list[str] | None = None) -> dict:
         args.steps = min(args.steps, 2)
         torch.set_num_threads(1)  # tiny shapes: thread fan-out only adds noise
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    if args.compiled is None:
+        args.compiled = device.type == "cuda"
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     link = link_peak(device, args.link_bytes, 3 if args.smoke else 5)
     append_row(args.rows, {"bench": "layerwise", "row": "link", "device": name, "torch": torch.__version__,

@@ -19,7 +19,7 @@ import comfy.patcher_extension
 from comfy_api.v0_0_2 import io
 
 from ..offload_core.blocks.phases import GRANULARITIES
-from . import dynamic_cooperation, dynamic_vram, spill_folder
+from . import compiled_models, dynamic_cooperation, dynamic_vram, spill_folder
 from .core_models import is_dynamic
 from .layerwise_session import LayerwiseSession
 from .layerwise_settings import (MAX_DISK_WORKERS, MAX_HOST_CACHE_GB, MAX_PREFETCH,
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 def session_for(patcher, settings: LayerwiseSettings) -> LayerwiseSession:
     """The engine session of this patcher's diffusion model (one per nn.Module, shared by all its
     clones), built anew when the settings or the device changed."""
-    diffusion_model = patcher.get_model_object("diffusion_model")
+    diffusion_model = compiled_models.diffusion_module(patcher)
 
     def same(session: LayerwiseSession) -> bool:
         if session.settings == settings and session.device == patcher.load_device:

@@ -31,7 +31,6 @@ from typing import Any
 import torch
 
 import comfy.model_management
-import comfy.patcher_extension
 import comfy.utils
 
 from ..offload_core.blocks.discovery import find_blocks
@@ -40,21 +39,18 @@ from ..offload_core.disk.host_cache import CacheTooSmallError
 from ..offload_core.disk.tier import DiskOptions
 from ..offload_core.layerwise.streamer import LayerwiseStreamer
 from ..offload_core.units import size_text
-from . import block_budget, comfy_weights, dynamic_vram, host_moves, spill_folder
+from . import block_budget, comfy_weights, compiled_models, dynamic_vram, host_moves, spill_folder
 from .layerwise_settings import GIB, LayerwiseSettings
 from .state import LAYERWISE, LAYERWISE_KEY
 
 log = logging.getLogger(__name__)
-
-# The key of core's TorchCompileModel wrapper (comfy_api.torch_helpers.torch_compile.COMPILE_KEY).
-_COMPILE_KEY = "torch.compile"
 
 
 class LayerwiseSession:
     """The engine bound to one diffusion model (one nn.Module shared by all its clones)."""
 
     def __init__(self, patcher, settings: LayerwiseSettings) -> None:
-        diffusion_model = patcher.get_model_object("diffusion_model")
+        diffusion_model = compiled_models.diffusion_module(patcher)
         found = find_blocks(diffusion_model)
         self.model_class = type(diffusion_model).__name__
         self.layout = found.layout
@@ -161,19 +157,26 @@ class LayerwiseSession:
         self.started = time.perf_counter()
 
     def _refuse_compiled(self, patcher) -> None:
-        """Refuse, before anything moves, a run that torch.compile would trace over streamed
-        blocks: their weights move between device slots on every pass, and a compiled graph
-        follows none of that (the engine's hooks inside it become graph breaks, or errors that
-        do not name the cause). Resident blocks stay put for the run and may be compiled."""
-        if not self.streamer.streamed_indices:
+        """Refuse, before anything moves, a torch.compile setup the engine cannot run with core's
+        result (compiled_models.py says which and why): one that streamed blocks do not allow, or
+        one under which core drops a LoRA that the engine would merge. Resident blocks stay put
+        for the run and may otherwise be compiled any way."""
+        setups = compiled_models.compile_setups(patcher, self.blocks)
+        if not setups:
             return
-        how = compiled_by(patcher, self.blocks)
-        if how is not None:
+        refusal = compiled_models.dropped_patches_refusal(setups, list(self.prefixes), patcher.patches)
+        if refusal is not None:
+            raise ValueError(f"Apply Layerwise Offload: {self.model_class} is compiled with "
+                             f"torch.compile ({refusal.setup.source}): {refusal.why}. "
+                             f"{refusal.instead}.")
+        streamed = sorted({self.streamer.units[i].block for i in self.streamer.streamed_indices})
+        refusal = compiled_models.streaming_refusal(setups, [self.prefixes[b] for b in streamed],
+                                                    self.settings.granularity)
+        if refusal is not None:
             raise ValueError(
-                f"Apply Layerwise Offload: {self.model_class} is compiled with torch.compile ({how}), "
-                f"but {len(self.streamer.streamed_indices)} of its {len(self.blocks)} blocks are "
-                "streamed: their weights move between GPU slots on every pass, which a compiled "
-                "graph cannot follow. Remove the torch.compile node, or keep every block resident "
+                f"Apply Layerwise Offload: {self.model_class} is compiled with torch.compile "
+                f"({refusal.setup.source}), and {len(streamed)} of its {len(self.blocks)} blocks "
+                f"are streamed: {refusal.why}. {refusal.instead}, or keep every block resident "
                 f"(resident_blocks = {len(self.blocks)}, or a vram_budget_gb that holds them all).")
 
     def _plan(self, patcher, noise_shape, conds, model_options, merge_bytes: int) -> None:
@@ -316,26 +319,6 @@ class LayerwiseSession:
     def disk_bytes(self) -> int:
         """Bytes of the model's blocks that are only on disk now (disk streaming), else 0."""
         return self.streamer.host_bytes().get("disk", 0)
-
-
-def compiled_by(patcher, blocks) -> str | None:
-    """How torch.compile would run the diffusion model or its blocks in this patcher's sampling:
-    core's TorchCompileModel wrapper, a compiled module put in by an object patch (the way
-    per-block compile nodes do it), or a compiled block; None if it would not."""
-    if patcher.get_wrappers(comfy.patcher_extension.WrappersMP.APPLY_MODEL, _COMPILE_KEY):
-        return "ComfyUI's TorchCompileModel"
-    for key, value in getattr(patcher, "object_patches", {}).items():
-        if (key == "diffusion_model" or key.startswith("diffusion_model.")) and _is_compiled(value):
-            return f"a compiled module patched in at {key}"
-    if any(_is_compiled(b) for b in blocks):
-        return "compiled blocks"
-    return None
-
-
-def _is_compiled(module: object) -> bool:
-    """torch.compile's module wrapper (OptimizedModule, known by the module it wraps)."""
-    return isinstance(module, torch.nn.Module) and isinstance(getattr(module, "_orig_mod", None),
-                                                               torch.nn.Module)
 
 
 def run_figures(snapshot: dict[str, Any], seconds: float, attach_seconds: float,

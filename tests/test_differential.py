@@ -57,6 +57,31 @@ def test_generator_is_deterministic_and_twins_hold_no_pack_node(excluded):
     assert not missing, f"the bounded campaign no longer covers {missing}: pick other SEEDS"
 
 
+def test_compile_is_drawn_on_and_off_from_a_stream_of_its_own():
+    """With a compile share, chains get ComfyUI's TorchCompileModel or a per-block compile, in
+    both the prompt and its twin; every other choice is drawn as without it, so the bounded
+    campaign's seeds keep their coverage. A whole-model compile over blocks that may stream is an
+    allowed refusal (docs/torch-compile.md)."""
+    cat = offline_catalogue(["flux"])
+    plain = [step for seed in SEEDS for step in generator.generate(seed, PROMPTS, cat)]
+    drawn = [step for seed in SEEDS for step in generator.generate(seed, PROMPTS, cat, compile_share=0.5)]
+    assert [step.get("models") for step in plain] == [step.get("models") for step in drawn]
+    assert [sorted(t for t in s["tags"] if not t.startswith("compile")) for s in plain] == \
+        [sorted(t for t in s["tags"] if not t.startswith("compile")) for s in drawn]
+    tags = collections.Counter(tag for step in drawn for tag in step["tags"])
+    assert tags["compile:whole"] and tags["compile:blocks"] and tags["compile"] < len(drawn)
+    assert not any("compile" in tag for step in plain for tag in step["tags"])
+    for step in (s for s in drawn if s["op"] == "prompt"):
+        compiles = sorted(n["class_type"] for n in step["p"].values()
+                          if n["class_type"] in ("TorchCompileModel", "TieredTestCompileBlocks"))
+        assert compiles == sorted(n["class_type"] for n in step["q"].values()
+                                  if n["class_type"] in ("TorchCompileModel", "TieredTestCompileBlocks"))
+        assert bool(compiles) == ("compile" in step["tags"])
+        whole = {"shape:single", "compile:whole", "offload"} <= set(step["tags"])
+        if whole and any(t in step["tags"] for t in ("resident:0", "resident:k")):
+            assert {"kind": "compile_streamed"} in step["allowed_refusals"], step["tags"]
+
+
 def test_twin_rewires_through_chained_pass_throughs():
     wf = {"1": {"class_type": "TieredUNETLoader", "inputs": {"unet_name": "m", "weight_dtype": "default"}},
           "2": {"class_type": "TieredCLIPLoader", "inputs": {"clip_name": "c", "type": "stable_diffusion",

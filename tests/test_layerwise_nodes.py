@@ -357,40 +357,6 @@ def test_a_failed_merge_is_caught_when_the_log_level_hides_cores_report(tmp_path
         server.stop()
 
 
-def compiled(wf: dict, before_offload: bool) -> dict:
-    """The workflow with core's TorchCompileModel (inductor) before or after the offload node."""
-    out = copy.deepcopy(wf)
-    source = out["offload"]["inputs"]["model"] if before_offload else ["offload", 0]
-    out["compile"] = {"class_type": "TorchCompileModel", "inputs": {"model": source, "backend": "inductor"}}
-    if before_offload:
-        out["offload"]["inputs"]["model"] = ["compile", 0]
-    else:
-        out["sample"]["inputs"]["model"] = ["compile", 0]
-    return out
-
-
-def test_torch_compile_over_streamed_blocks_is_refused_and_all_resident_runs_compiled(comfy):
-    """A compiled graph cannot follow weights that move between slots on every pass: the run is
-    refused with a message before anything moves, whichever node comes first, and the model is
-    core's again for the next prompt. With every block resident nothing moves during the run, and
-    the compiled run (inductor, on the CPU) gives core's own compiled result."""
-    reference = latent_sha(comfy.run(sample_workflow("wan21", lora_strength=1.0)))
-    streamed = sample_workflow("wan21", lora_strength=1.0, layerwise={"resident_blocks": 0, "prefetch": 1})
-    for before in (True, False):
-        error = comfy.run_expect_error(compiled(streamed, before))
-        message = error["exception_message"]
-        assert "compiled with torch.compile (ComfyUI's TorchCompileModel)" in message, message
-        assert "2 of its 2 blocks are streamed" in message and "resident_blocks = 2" in message
-    assert latent_sha(comfy.run(streamed)) == reference
-    assert latent_sha(comfy.run(sample_workflow("wan21", lora_strength=1.0))) == reference
-    # Every block resident: nothing moves during the run, and the compiled model runs.
-    resident = sample_workflow("wan21", lora_strength=1.0, layerwise={"resident_blocks": 2, "prefetch": 1})
-    plain = sample_workflow("wan21", lora_strength=1.0)
-    plain["compile"] = {"class_type": "TorchCompileModel", "inputs": {"model": ["lora", 0], "backend": "inductor"}}
-    plain["sample"]["inputs"]["model"] = ["compile", 0]
-    assert latent_sha(comfy.run(compiled(resident, True))) == latent_sha(comfy.run(plain))
-
-
 @pytest.fixture(scope="module")
 def big_wan(comfy_base):
     """A 16-block Wan of about 1 GiB with a LoRA: packing it takes long enough to interrupt."""

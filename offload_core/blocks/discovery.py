@@ -46,12 +46,21 @@ SUPPORTED_DESCRIPTION = "; ".join(name for name, _ in LAYOUTS) + \
     "; or any model whose largest child is an in-order ModuleList of like blocks"
 
 
+def uncompiled(module: nn.Module) -> nn.Module:
+    """The module torch.compile's wrapper (an OptimizedModule) compiles, or ``module`` itself.
+
+    Per-block compile nodes put such wrappers into a model's block list; the engine hooks and
+    packs the block inside, which the wrapper calls, and a weight's path stays the block's own."""
+    inner = getattr(module, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) else module
+
+
 def _children_of(attr: str, value: nn.Module) -> list[tuple[str, nn.Module]]:
     if isinstance(value, nn.ModuleList):
-        return [(f"{attr}.{i}", m) for i, m in enumerate(value)]
+        return [(f"{attr}.{i}", uncompiled(m)) for i, m in enumerate(value)]
     if isinstance(value, nn.ModuleDict):  # Cosmos v1 keeps blocks in insertion order by name
-        return [(f"{attr}.{k}", m) for k, m in value.items()]
-    return [(attr, value)]
+        return [(f"{attr}.{k}", uncompiled(m)) for k, m in value.items()]
+    return [(attr, uncompiled(value))]
 
 
 def _vace_order(model: nn.Module, main: list[tuple[str, nn.Module]],
@@ -96,7 +105,7 @@ def _generic(model: nn.Module) -> BlockList | None:
     best: tuple[int, str, nn.ModuleList] | None = None
     for name, child in model.named_children():
         if isinstance(child, nn.ModuleList) and len(child) >= 2:
-            if len({type(m) for m in child}) != 1:
+            if len({type(uncompiled(m)) for m in child}) != 1:
                 continue
             n = _param_count(child)
             if best is None or n > best[0]:
@@ -113,6 +122,7 @@ def _generic(model: nn.Module) -> BlockList | None:
 
 def find_blocks(model: nn.Module) -> BlockList:
     """Return the model's blocks in run order, or raise UnsupportedModelError naming the class."""
+    model = uncompiled(model)
     for layout, attrs in LAYOUTS:
         present = [(a, getattr(model, a, None)) for a in attrs]
         if any(not isinstance(v, nn.Module)

@@ -25,6 +25,14 @@ once in ``_timed``): the hot path is those methods, ``_fill`` and ``_copy_in``. 
 pass (``device/timeline.py``) is recorded when ``telemetry.timeline`` is set at ``start``: the
 hooks are then wrapped once more (``_recording``); otherwise the hot path has no trace of it
 beyond the ring's one check per copy.
+
+torch.compile: the hooks of streamed units run eagerly, outside any compiled graph
+(``device/hooks.py``), so each streamed block's forward is a graph of its own whose weights are
+graph inputs, read from whichever slot the hook bound: the same graph serves every slot and every
+pass, because a unit's views lie at the same offsets, with the same strides and dtypes, in every
+slot. A CUDA graph captured over a streamed block is refused in its hook (``_refuse_capture``).
+The resident units' wait stays traceable and does nothing in a graph, so a model with every
+block resident keeps one whole graph.
 """
 
 from __future__ import annotations
@@ -119,7 +127,7 @@ class DeviceSchedule:
             # Phases: a block's own tensors are resident, and it may read them before any phase.
             waits = [(i, self.blocks[i]) for i in self.resident_indices] if self.granularity == "block" \
                 else list(enumerate(self.blocks))
-            self._hooks.append(BlockHooks(waits, self._on_enter_resident))  # never waits on the host
+            self._hooks.append(BlockHooks(waits, self._on_enter_resident, eager=False))  # never waits on the host
         if not self.streamed_indices:
             return
         if disk is not None:
@@ -177,16 +185,10 @@ class DeviceSchedule:
 
     # ---------------------------------------------------------------- hot path
     def _timed(self, hook: Callable[[int], None]) -> Callable[[int], None]:
-        """``hook`` with its time on the sampling thread added to the telemetry's host waits.
-
-        Not while torch.compile traces: a clock is no graph op, and the hook's own refusal must
-        be what a trace of a streamed block meets."""
+        """``hook`` with its time on the sampling thread added to the telemetry's host waits."""
         tel = self.telemetry
 
         def timed(i: int) -> None:
-            if torch.compiler.is_compiling():
-                hook(i)
-                return
             start = time.perf_counter()
             try:
                 hook(i)
@@ -201,15 +203,14 @@ class DeviceSchedule:
         A unit's wait is its whole enter hook (on CUDA, the compute stream's wait for the slot
         between two events; on the host, the hook's time, the way ``host_wait_s`` counts it);
         its compute runs from there to its exit, or to the next unit's wait for a phase ended by
-        the next one. Not while torch.compile traces or a CUDA graph captures: the plain hooks
-        refuse those, and a mark there would be no graph op."""
+        the next one. Not while a CUDA graph captures: the plain hook refuses that, and a mark
+        there would be no graph op."""
         on_enter, on_exit, on_block_enter, on_block_exit = (
             self._on_enter, self._on_exit, self._on_block_enter, self._on_block_exit)
         pos, units, cuda = self._pos, self.units, self.device.type == "cuda"
 
         def enter(i: int) -> None:
-            if self._running == i or torch.compiler.is_compiling() or (
-                    cuda and torch.cuda.is_current_stream_capturing()):
+            if self._running == i or (cuda and torch.cuda.is_current_stream_capturing()):
                 on_enter(i)
                 return
             timeline.wait_begins(i, first=pos[i] == 0)
@@ -253,26 +254,21 @@ class DeviceSchedule:
             stream.wait_event(ready)
             self._resident_waited.add(stream.cuda_stream)
 
-    def _refuse_untraceable(self, i: int) -> None:
-        """Streamed blocks re-point their weights at a different slot on every pass: a traced or
-        captured graph would keep reading whatever the first pass's slot holds later."""
-        if torch.compiler.is_compiling():
-            raise RuntimeError(
-                f"block {i} is streamed by the layerwise offload engine and cannot be traced by "
-                "torch.compile: its weights move between device slots on every pass. Compile without "
-                "the engine, or keep every block resident."
-            )
+    def _refuse_capture(self, i: int) -> None:
+        """Streamed blocks re-point their weights at a different slot on every pass: a captured
+        CUDA graph would keep reading whatever the first pass's slot holds later."""
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 f"block {i} is streamed by the layerwise offload engine and cannot be captured in a CUDA "
                 "graph: its weights move between device slots on every pass. Capture without the engine, "
-                "or keep every block resident."
+                "keep every block resident, or compile each block with torch.compile's default mode "
+                "(inductor without CUDA graphs), which streamed blocks keep."
             )
 
     def _on_enter(self, i: int) -> None:
         if self._running == i:  # another module of the phase that is running
             return
-        self._refuse_untraceable(i)
+        self._refuse_capture(i)
         self._await_resident()
         if self._running is not None:  # the previous phase ends here (or a block whose exit never ran)
             self._on_exit(self._running)

@@ -13,10 +13,19 @@
   model's blocks, its class, whether it is a Parameter, its storage size and dtype, and the
   GGUF attributes (tensor_type, tensor_shape, number of patches) into /history. It takes the
   sampled latent too, so it runs after sampling.
+- TieredTestCompileBlocks: torch.compile the way per-block compile nodes (KJNodes) do it:
+  each block as a compiled module put in by an object patch, the whole diffusion model put in
+  that way, or core's compile wrapper with one key per block.
+- TieredTestCompileCounts: a pass-through that records dynamo's counts (graphs compiled,
+  graph breaks met) after every model call of the sampling run that follows; its output
+  twin TieredTestCompileReport puts them into /history with the totals and the graphs dynamo
+  holds for each block class's forward.
 
 With TIERED_TEST_CORE_WEIGHT_BUDGET=<bytes> in the server's environment, core loads every
 diffusion model with that weight budget: its real partial-loading ("lowvram") path, which
---cpu otherwise never takes.
+--cpu otherwise never takes. With TIERED_TEST_DYNAMO_RECOMPILE_LIMIT=<n>, dynamo keeps up to n
+graphs per function (torch's default is 8), set by TieredTestConditioning on the thread that
+samples: dynamo's settings are the thread's own.
 
 With TIERED_TEST_FIRST_LINE=<text>, the text is printed when this package loads. ComfyUI's log
 buffer (app/logger.py, 0.3.75 and 0.33) fails with "deque index out of range" on a progress line
@@ -51,6 +60,10 @@ class TieredTestConditioning:
         return float("nan")
 
     def make(self, model_kind, seed):
+        limit = os.environ.get("TIERED_TEST_DYNAMO_RECOMPILE_LIMIT")
+        if limit:
+            import torch._dynamo
+            torch._dynamo.config.recompile_limit = int(limit)
         return (tiny_models.make_conditioning(model_kind, seed),)
 
 
@@ -154,6 +167,106 @@ class TieredTestWeightReport(_StatsNode):
         return {"ui": {"weights": [report]}}
 
 
+def _torch_compile_kwargs(backend: str, mode: str, fullgraph: bool, dynamic: str) -> dict:
+    return {"backend": backend, "mode": None if mode == "default" else mode, "fullgraph": fullgraph,
+            "dynamic": {"auto": None, "false": False, "true": True}[dynamic]}
+
+
+BLOCK_LISTS = ("blocks", "joint_blocks", "double_blocks", "single_blocks")  # Wan, SD3, Flux/HunyuanVideo
+
+
+class TieredTestCompileBlocks:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "model": ("MODEL",),
+            "how": (["blocks_by_object_patch", "model_by_object_patch", "core_wrapper_block_keys"],),
+            "backend": (["inductor", "cudagraphs", "eager"],),
+            "mode": (["default", "reduce-overhead", "max-autotune-no-cudagraphs"],),
+            "fullgraph": ("BOOLEAN", {"default": False}),
+            "dynamic": (["auto", "false", "true"],),
+        }}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "compile"
+    CATEGORY = "tiered_offload/testing"
+
+    def compile(self, model, how, backend, mode, fullgraph, dynamic):
+        m = model.clone()
+        kwargs = _torch_compile_kwargs(backend, mode, fullgraph, dynamic)
+        diffusion_model = m.get_model_object("diffusion_model")
+        blocks = {f"diffusion_model.{name}.{i}": block for name in BLOCK_LISTS
+                  if isinstance(getattr(diffusion_model, name, None), torch.nn.ModuleList)
+                  for i, block in enumerate(getattr(diffusion_model, name))}
+        if how == "core_wrapper_block_keys":
+            from comfy_api.torch_helpers import set_torch_compile_wrapper
+            set_torch_compile_wrapper(model=m, keys=list(blocks), **kwargs)
+        elif how == "model_by_object_patch":
+            m.add_object_patch("diffusion_model", torch.compile(diffusion_model, **kwargs))
+        else:
+            for key, block in blocks.items():
+                m.add_object_patch(key, torch.compile(getattr(block, "_orig_mod", block), **kwargs))
+        return (m,)
+
+
+PASS_COUNTS: list = []  # dynamo's counts after each model call of the current sampling run
+
+
+def dynamo_counts() -> dict:
+    """Graphs dynamo compiled (a recompile is one more) and graph breaks it met. Not its frame
+    count: frames it only looks at and leaves without a graph count there too, at moments that
+    vary from run to run."""
+    from torch._dynamo.utils import counters
+    return {"graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["unimplemented"].values())}
+
+
+class TieredTestCompileCounts:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",)}}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "count"
+    CATEGORY = "tiered_offload/testing"
+
+    @classmethod
+    def IS_CHANGED(cls, **_):
+        return float("nan")
+
+    def count(self, model):
+        import comfy.patcher_extension
+        PASS_COUNTS.clear()
+
+        def after_each_call(executor, *args, **kwargs):
+            try:
+                return executor(*args, **kwargs)
+            finally:
+                PASS_COUNTS.append(dynamo_counts())
+
+        m = model.clone()
+        m.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL,
+                               "tiered_test.compile_counts", after_each_call)
+        return (m,)
+
+
+class TieredTestCompileReport(_StatsNode):
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",), "samples": ("LATENT",)}}
+
+    def stats(self, model, samples):
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+        from torch._dynamo.utils import counters
+        blocks = model.get_model_object("diffusion_model").blocks
+        classes = {type(getattr(b, "_orig_mod", b)) for b in blocks}
+        report = {"passes": list(PASS_COUNTS), "total": dynamo_counts(),
+                  "break_reasons": sorted({reason.splitlines()[0] + " | " + reason.splitlines()[1]
+                                           for reason in counters["unimplemented"]}),
+                  "block_graphs": {cls.__name__: len(_debug_get_cache_entry_list(cls.forward.__code__))
+                                   for cls in classes}}
+        return {"ui": {"compile_counts": [report]}}
+
+
 def _force_core_weight_budget(budget: float) -> None:
     import comfy.model_base
     import comfy.model_management
@@ -181,4 +294,7 @@ NODE_CLASS_MAPPINGS = {
     "TieredTestConditioning": TieredTestConditioning,
     "TieredTestLatentStats": TieredTestLatentStats,
     "TieredTestWeightReport": TieredTestWeightReport,
+    "TieredTestCompileBlocks": TieredTestCompileBlocks,
+    "TieredTestCompileCounts": TieredTestCompileCounts,
+    "TieredTestCompileReport": TieredTestCompileReport,
 }

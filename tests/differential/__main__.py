@@ -31,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-big", action="store_true",
                     help="leave out the 1.1 GB Wan (and so the interrupts during packing)")
     ap.add_argument("--no-interrupts", action="store_true")
+    ap.add_argument("--compile-share", type=float, default=0.15,
+                    help="share of chains that get a torch.compile, whole model or per block (0: none)")
     ap.add_argument("--name", help="run folder under tests/artifacts/differential/ (default: a timestamp and the process id)")
     ap.add_argument("--replay", type=Path, help="run the steps of a replay.json on fresh servers")
     ap.add_argument("--minimize", type=Path, help="shrink a replay.json to the fewest steps that still mismatch")
@@ -55,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give --seed N or --seeds N ...")
     opts = campaign.Options(seeds=seeds, prompts=a.prompts, workdir=ARTIFACTS / "work" / name,
                             out_dir=ARTIFACTS / name, models_root=models_root, big=not a.no_big,
-                            interrupts=not a.no_interrupts, threads=a.threads, echo=print)
+                            interrupts=not a.no_interrupts, compile_share=a.compile_share,
+                            threads=a.threads, echo=print)
     summary = campaign.run(opts)
     print(report.summary_text(summary))
     print(f"summary: {opts.out_dir / 'summary.json'}")

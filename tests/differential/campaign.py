@@ -37,6 +37,7 @@ class Options:
     big: bool = True
     interrupts: bool = True
     rest_actions: bool = True
+    compile_share: float = 0.0  # chains that get a torch.compile (see generator.py)
     threads: int = 2
     timeout: float = 900.0
     echo: Callable[[str], None] = field(default=lambda line: None, repr=False)
@@ -125,7 +126,7 @@ def run(opts: Options) -> dict[str, Any]:
             if n:
                 pair.restart()
             steps = generate(seed, opts.prompts, cat, interrupts=opts.interrupts,
-                             rest_actions=opts.rest_actions)
+                             rest_actions=opts.rest_actions, compile_share=opts.compile_share)
             run_sequence(pair, seed, steps, opts, cat, totals, coverage, log_flags, mismatches)
     except KeyboardInterrupt:  # Ctrl-C ends a long campaign early, with its summary so far
         stopped_early = True

@@ -10,7 +10,8 @@ A sequence is a list of steps, each a JSON-ready dict:
 
 Prompts are built from "chains": a loader and an ordered list of model operations (LoRA or LoHa
 loaders, Apply Layerwise Offload, VRAM Tier Manager, Model-Level Swap, a test block-replace
-patch). Shapes: one sampler, two branches from one loader, or two samplers with two models.
+patch, torch.compile of the whole model or of each block). Compile is drawn from a random stream
+of its own, so a campaign without it (`compile_share` 0) draws every other choice as before. Shapes: one sampler, two branches from one loader, or two samplers with two models.
 Consecutive prompts often reuse the previous chain's model and loader with changed operations,
 because state carried between prompts is where the pack can go wrong. Two scenarios are planted
 as fixed runs of prompts: an interrupt while a LoRA'd 16-block Wan is packed (issue 10's case
@@ -37,6 +38,10 @@ SCHEDULERS = ("simple", "normal", "karras")
 WORDS = ("lighthouse", "dusk", "harbour", "fox", "lantern", "glacier", "market", "violin",
          "orchard", "comet", "tram", "ember")
 SHARED_MIB = 64
+# torch.compile as ComfyUI's TorchCompileModel (the whole model) or as per-block compile nodes
+# (core's compile wrapper, one key per block); inductor, its default mode.
+COMPILES = ("whole", "blocks")
+COMPILED_FILE_DTYPES = ("fp32", "bf16", "fp16")
 
 
 @dataclass
@@ -45,6 +50,9 @@ class Chain:
     loader: str
     weight_dtype: str = "default"
     ops: list[dict[str, Any]] = field(default_factory=list)
+    # A torch.compile among the ops: {"how", "at": where, as a share of the final op list}. Kept
+    # apart so that no draw of the main stream depends on it.
+    compile: dict[str, Any] | None = None
 
     def adapters(self) -> list[dict[str, Any]]:
         return [op for op in self.ops if op["op"] == "lora"]
@@ -52,9 +60,11 @@ class Chain:
 
 class Generator:
     def __init__(self, seed: int, catalogue: Catalogue, *, interrupts: bool = True,
-                 rest_actions: bool = True) -> None:
+                 rest_actions: bool = True, compile_share: float = 0.0) -> None:
         self.seed = seed
         self.rng = random.Random(seed)
+        self.compile_rng = random.Random(f"compile-{seed}")
+        self.compile_share = compile_share
         self.cat = catalogue
         self.models = [m for m in catalogue.usable() if not m.big]
         self.big = [m for m in catalogue.usable() if m.big]
@@ -188,9 +198,18 @@ class Generator:
         tiered_loader = loader.startswith("Tiered")
         if rng.random() < (0.3 if tiered_loader else 0.02):
             ops.insert(rng.randint(0, len(ops)), self._tier_op())
-        chain = Chain(model, loader, weight_dtype, ops)
+        chain = Chain(model, loader, weight_dtype, ops, self._compile_op(model, weight_dtype))
         self.previous = chain
         return chain
+
+    def _compile_op(self, model: Model, weight_dtype: str) -> dict[str, Any] | None:
+        """With ``compile_share``, a torch.compile for the chain (on models whose weights inductor
+        compiles as they are: not fp8, not the big Wan)."""
+        crng = self.compile_rng
+        if (self.compile_share and not model.big and not model.mixed and weight_dtype == "default"
+                and model.file_dtype in COMPILED_FILE_DTYPES and crng.random() < self.compile_share):
+            return {"op": "compile", "how": crng.choice(COMPILES), "at": crng.random()}
+        return None
 
     def _offload_op(self, model: Model) -> dict[str, Any]:
         rng = self.rng
@@ -319,6 +338,8 @@ class Generator:
             else:
                 ops.insert(self.rng.randint(0 if offload_at is None else offload_at + 1, len(ops)),
                            {"op": "swap"})
+        if chain.compile is not None:
+            ops.insert(int(chain.compile["at"] * (len(ops) + 1)), chain.compile)
         swapped = False
         for op in ops:
             kind = op["op"]
@@ -357,6 +378,11 @@ class Generator:
                     tags.add("tiny_budget")
             elif kind == "block_replace":
                 model = out(g.add("TieredTestBlockReplace", model=model, scale=op["scale"]))
+            elif kind == "compile":
+                model = out(g.add("TorchCompileModel", model=model, backend="inductor")
+                            if op["how"] == "whole" else
+                            g.add("TieredTestCompileBlocks", model=model, how="core_wrapper_block_keys",
+                                  backend="inductor", mode="default", fullgraph=False, dynamic="auto"))
         return model
 
     def _offload_refusals(self, chain: Chain, op: dict[str, Any], node: str, swapped: bool
@@ -381,6 +407,8 @@ class Generator:
                 patched |= {k[: -len(".weight")] for k in adapter.keys}
         if streamed and any(q.startswith("blocks.") for q in m.quantized & patched):
             found.append({"kind": "quantized_lora_streamed"})
+        if streamed and chain.compile is not None and chain.compile["how"] == "whole":
+            found.append({"kind": "compile_streamed"})
         return found
 
     def _chain_tags(self, chain: Chain) -> set[str]:
@@ -417,6 +445,8 @@ class Generator:
             tags.add("tier_manager")
         if "block_replace" in kinds:
             tags.add("block_replace")
+        if chain.compile is not None:
+            tags.update({"compile", f"compile:{chain.compile['how']}"})
         return tags
 
     def _remember_tiered(self, name: str) -> None:

@@ -49,6 +49,10 @@ DOCUMENTED: dict[str, Refusal] = {
     "tier_untracked": Refusal(
         "docs/vram-tier-manager.md: connect models loaded by the Tiered loaders",
         nodes=("VRAMTierManager",), message=r"Tiered"),
+    "compile_streamed": Refusal(
+        "docs/torch-compile.md: a compile of the whole model over streamed blocks (streaming would "
+        "split its graph, which changes inductor's result)", message=r"is compiled with torch\.compile",
+        terms=("resident_blocks",)),
     "tier_capacity": Refusal(
         "docs/tiered-loaders.md: a model in use is never evicted, so a RAM budget below "
         "what a prompt holds refuses the load", exception_suffix="TierCapacityError"),

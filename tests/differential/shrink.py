@@ -16,6 +16,8 @@ BYPASS: dict[str, dict[int, str]] = {
     **PASS_THROUGH,
     "LoraLoaderModelOnly": {0: "model"},
     "TieredTestBlockReplace": {0: "model"},
+    "TorchCompileModel": {0: "model"},
+    "TieredTestCompileBlocks": {0: "model"},
 }
 OUTPUTS = ("TieredTestLatentStats", "TieredTestConditioningStats")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "layerwise.py"
 
 
-def _load_layerwise():
+def load_layerwise_bench():
     spec = importlib.util.spec_from_file_location("bench_layerwise", BENCH)
     bench = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = bench  # dataclasses look their module up while the class is built
@@ -22,7 +22,7 @@ def _load_layerwise():
 
 
 def test_bench_smoke_writes_json(tmp_path):
-    bench = _load_layerwise()
+    bench = load_layerwise_bench()
     out = tmp_path / "smoke.json"
     bench.main(["--smoke", "--out", str(out)])
     data = json.loads(out.read_text())
@@ -63,7 +63,7 @@ def test_hook_overhead_bench_streams_every_block_in_order(tmp_path):
 def test_bench_rows_give_the_session_its_figures(tmp_path):
     """--rows appends each measurement as it is taken, and bench/gpu_summary.py turns them into
     issue 34's engine figures: each one the ratio of the measurements it names."""
-    bench = _load_layerwise()
+    bench = load_layerwise_bench()
     rows_path = tmp_path / "rows.jsonl"
     data = bench.main(["--smoke", "--settings", "0:1,2:2", "--lora-settings", "2:2", "--lora-rank", "4",
                        "--skip-naive", "--rows", str(rows_path), "--out", str(tmp_path / "smoke.json")])
@@ -87,3 +87,21 @@ def test_bench_rows_give_the_session_its_figures(tmp_path):
     assert [f["value"] for f in p12] == [lora["step_s"] / plain["step_s"]]
     p2 = [f["value"] for f in figures if f["id"] == "P2" and f["where"].startswith("wan-smoke")]
     assert p2 == [s["step_s"] / s["bound_s"] for s in wan["streaming"] if not s["lora_rank"]]
+
+
+def test_bench_compiled_row_streams_the_compiled_blocks_bit_identically(tmp_path):
+    """--compiled: each block compiled (inductor), resident and then streamed; on the CPU the two
+    give the same bits and the timed passes compile nothing (one small model: compiling is slow)."""
+    bench = load_layerwise_bench()
+    import torch._dynamo
+    torch._dynamo.reset()
+    try:
+        result = bench.main(["--smoke", "--compiled", "--models", "wan", "--skip-naive",
+                             "--settings", "1:1", "--out", str(tmp_path / "compiled.json")])
+    finally:
+        torch._dynamo.reset()
+    (model,) = result["models"].values()
+    row = model["compiled"]
+    assert (row["resident"], row["prefetch"]) == (1, 1)
+    assert row["bit_identical"] is True and row["graphs_compiled_while_timed"] == 0
+    assert row["resident_compiled_step_s"] > 0 and row["streamed_over_resident"] > 0

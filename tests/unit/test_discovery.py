@@ -78,3 +78,20 @@ def test_unsupported_model_names_its_class_and_the_layouts():
         find_blocks(Unsupported())
     message = str(err.value)
     assert "Unsupported" in message and "joint_blocks" in message and "double_blocks" in message
+
+
+@pytest.mark.parametrize("model", [FluxLike, Generic])
+def test_blocks_wrapped_by_torch_compile_are_found_as_themselves(model):
+    """Per-block compile nodes put torch.compile's wrapper into the block list (ComfyUI keeps
+    object patches applied between prompts), and a whole-model compile may be patched in for
+    the model: the engine must hook and pack the blocks themselves, under their own paths."""
+    import torch
+    m = model()
+    plain = find_blocks(m)
+    lists = [getattr(m, name) for name in ("double_blocks", "single_blocks", "stack") if hasattr(m, name)]
+    for blocks in lists:
+        for i, block in enumerate(blocks):
+            blocks[i] = torch.compile(block)  # lazy: nothing compiles until it is called
+    for wrapped in (find_blocks(m), find_blocks(torch.compile(m))):
+        assert wrapped.paths == plain.paths and wrapped.layout == plain.layout
+        assert all(a is b for a, b in zip(wrapped.blocks, plain.blocks))

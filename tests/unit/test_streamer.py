@@ -532,37 +532,6 @@ def test_telemetry_snapshot_is_json_and_resets():
     assert st.telemetry.snapshot()["materialized_bytes"] == 0
 
 
-def test_streamed_block_refuses_torch_compile_tracing():
-    """A streamed block's weights move between slots each pass, so tracing it is refused in its hook.
-
-    With fullgraph=True the refusal is the compile error, with inductor as with the eager backend
-    (the hook's host-wait clock stays out of the trace). Without, dynamo gives up on the frame
-    and runs it eagerly, which the engine serves as usual; Apply Layerwise Offload refuses a
-    compiled model with streamed blocks before sampling (tests/test_layerwise_nodes.py).
-    """
-    import torch._dynamo
-
-    model = ToyDiT(depth=3, shared=False)
-    x, t = inputs()
-    with torch.no_grad():
-        ref = model(x, t)
-    st = LayerwiseStreamer(model.blocks, "cpu", resident=1, prefetch=1)
-    st.attach()
-    torch._dynamo.reset()
-    try:
-        for backend in ("eager", "inductor"):
-            with torch.no_grad(), pytest.raises(Exception, match="cannot be traced by torch.compile"):
-                torch.compile(model, backend=backend, fullgraph=True)(x, t)
-            torch._dynamo.reset()
-        assert st._schedule._running is None and st.telemetry.materialized_bytes <= st.bound_bytes()
-        with torch.no_grad():
-            assert torch.equal(torch.compile(model, backend="eager")(x, t), ref)
-            assert torch.equal(model(x, t), ref)
-    finally:
-        torch._dynamo.reset()
-    st.close()
-
-
 def test_transform_sees_the_block_bound_to_the_copy_it_rewrites():
     """A transform may call the layer's own methods, which read the layer's other tensors (a
     scaled-fp8 layer's scale): while it runs, the block's modules show the very copy it
