@@ -421,7 +421,7 @@ def run_compiled(stack: Stack, device: torch.device, resident: int, prefetch: in
     resident_out = compiled()  # compiles
     resident_steps = timed(device, compiled, args.steps)
     st = LayerwiseStreamer(list(stack.blocks), device, resident=resident, prefetch=prefetch, pin=True)
-    st.attach()
+    st.attach(compiled=True)
     try:
         streamed_out = compiled()  # warm-up: wraps the prefetch around
         graphs = counters["stats"]["unique_graphs"]

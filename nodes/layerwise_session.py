@@ -126,7 +126,7 @@ class LayerwiseSession:
             merge_bytes = self.block_patches.device_bytes + comfy_weights.merge_workspace_bytes(
                 patcher, self.prefixes, self.blocks)
         self._plan(patcher, noise_shape, conds, model_options, merge_bytes)
-        self._refuse_compiled(patcher)
+        compiled = self._refuse_compiled(patcher)
         self.begun = True
         if hasattr(patcher, "size"):
             # While core loads, the model it sees is the part outside the blocks, which it loads.
@@ -141,7 +141,8 @@ class LayerwiseSession:
         progress = comfy.utils.ProgressBar(len(self.streamer.units) + 1)
         try:
             self.streamer.attach(transform=transform,
-                                 progress=lambda done, total: progress.update_absolute(done, total))
+                                 progress=lambda done, total: progress.update_absolute(done, total),
+                                 compiled=compiled)
         except CacheTooSmallError as e:
             remedies = "Raise host_cache_gb or lower prefetch"
             if self.settings.granularity != "phase":
@@ -156,14 +157,15 @@ class LayerwiseSession:
         self.attach_seconds = time.perf_counter() - start
         self.started = time.perf_counter()
 
-    def _refuse_compiled(self, patcher) -> None:
+    def _refuse_compiled(self, patcher) -> bool:
         """Refuse, before anything moves, a torch.compile setup the engine cannot run with core's
         result (compiled_models.py says which and why): one that streamed blocks do not allow, or
         one under which core drops a LoRA that the engine would merge. Resident blocks stay put
-        for the run and may otherwise be compiled any way."""
+        for the run and may otherwise be compiled any way. True when the run compiles: the
+        engine then keeps its hooks outside the compiled graphs."""
         setups = compiled_models.compile_setups(patcher, self.blocks)
         if not setups:
-            return
+            return False
         refusal = compiled_models.dropped_patches_refusal(setups, list(self.prefixes), patcher.patches)
         if refusal is not None:
             raise ValueError(f"Apply Layerwise Offload: {self.model_class} is compiled with "
@@ -178,6 +180,7 @@ class LayerwiseSession:
                 f"({refusal.setup.source}), and {len(streamed)} of its {len(self.blocks)} blocks "
                 f"are streamed: {refusal.why}. {refusal.instead}, or keep every block resident "
                 f"(resident_blocks = {len(self.blocks)}, or a vram_budget_gb that holds them all).")
+        return True
 
     def _plan(self, patcher, noise_shape, conds, model_options, merge_bytes: int) -> None:
         """Resident blocks for this run: the node's count, or the most its budget (or, in auto,

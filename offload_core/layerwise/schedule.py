@@ -69,8 +69,10 @@ class DeviceSchedule:
     """
 
     def __init__(self, plan: StreamPlan, device: torch.device, telemetry: Telemetry,
-                 transform: Transform | None, disk: DiskTier | None, bounce: HostStorage | None) -> None:
+                 transform: Transform | None, disk: DiskTier | None, bounce: HostStorage | None,
+                 compiled: bool = False) -> None:
         self.device = device
+        self._compiled = compiled
         self._ordering = for_device(device)
         self._current_stream = self._ordering.current_stream  # the compute stream, asked for per unit
         self.telemetry = telemetry
@@ -141,18 +143,21 @@ class DeviceSchedule:
         if tel.timeline is not None:  # chosen once per attach: while off, no hook looks for it
             hooks = self._recording(tel.timeline)
         enter, leave, block_enter, block_exit = (self._timed(h) for h in hooks)
+        # Outside compiled graphs only where a compile runs: keeping a hook out of dynamo's trace
+        # costs a few microseconds per call, which an eager run need not pay.
+        eager = self._compiled
         if self.granularity == "block":
             self._hooks.append(
-                BlockHooks([(i, self.blocks[i]) for i in self.streamed_indices], enter, leave)
+                BlockHooks([(i, self.blocks[i]) for i in self.streamed_indices], enter, leave, eager=eager)
             )
         else:
             # A phase starts when any module inside it is called and ends when the next one starts
             # or its block returns.
             members = [(i, m) for i in self.streamed_indices for m in hooked_modules(self.units[i])]
-            self._hooks.append(BlockHooks(members, enter))
+            self._hooks.append(BlockHooks(members, enter, eager=eager))
             streamed_blocks = sorted({self.units[i].block for i in self.streamed_indices})
             self._hooks.append(BlockHooks([(b, self.blocks[b]) for b in streamed_blocks],
-                                          block_enter, block_exit))
+                                          block_enter, block_exit, eager=eager))
         self._fill()
         # A copy worker (the disk tier's, or the staging of pageable packs) may still be issuing the
         # copies queued so far, transforms included. A transform binds its unit's tensors while it
@@ -185,10 +190,15 @@ class DeviceSchedule:
 
     # ---------------------------------------------------------------- hot path
     def _timed(self, hook: Callable[[int], None]) -> Callable[[int], None]:
-        """``hook`` with its time on the sampling thread added to the telemetry's host waits."""
+        """``hook`` with its time on the sampling thread added to the telemetry's host waits.
+
+        A trace by torch.compile reaches it only when the attach was not told of a compile (its
+        hooks are then traceable): refused there, before a clock or a weight move is traced."""
         tel = self.telemetry
 
         def timed(i: int) -> None:
+            if torch.compiler.is_compiling():
+                self._refuse_trace(i)
             start = time.perf_counter()
             try:
                 hook(i)
@@ -253,6 +263,13 @@ class DeviceSchedule:
         if stream.cuda_stream not in self._resident_waited:
             stream.wait_event(ready)
             self._resident_waited.add(stream.cuda_stream)
+
+    def _refuse_trace(self, i: int) -> None:
+        raise RuntimeError(
+            f"block {i} is streamed by the layerwise offload engine, and torch.compile is tracing "
+            "its hooks: the engine was attached for eager runs. Attach with compiled=True (Apply "
+            "Layerwise Offload does so when it sees the compile), which keeps the hooks outside "
+            "compiled graphs.")
 
     def _refuse_capture(self, i: int) -> None:
         """Streamed blocks re-point their weights at a different slot on every pass: a captured

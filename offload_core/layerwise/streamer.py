@@ -202,7 +202,7 @@ class LayerwiseStreamer:
 
     # ---------------------------------------------------------------- lifecycle
     def attach(self, transform: Transform | None = None,
-               progress: Callable[[int, int], None] | None = None) -> None:
+               progress: Callable[[int, int], None] | None = None, *, compiled: bool = False) -> None:
         """Pack (unless a kept pack is still valid), pin, upload residents, allocate slots, install hooks.
 
         ``transform(block_index, name, view)`` may rewrite a tensor, e.g. to merge a
@@ -212,7 +212,10 @@ class LayerwiseStreamer:
         buffers here, a streamed block's slot after each copy into it.  The host pack
         always keeps the untransformed values, so changing the transform between
         attaches re-packs nothing.  ``progress(done, total)`` is called as blocks are
-        packed, because packing and pinning a large model takes seconds.
+        packed, because packing and pinning a large model takes seconds. ``compiled``: torch.compile
+        runs the model (or its blocks); the streamed units' hooks then stay outside compiled
+        graphs, which costs a few microseconds per block call that an eager run does not pay. An
+        attach without it refuses a trace that reaches its hooks.
         """
         if self._closed:
             raise RuntimeError("this streamer is closed")
@@ -235,7 +238,7 @@ class LayerwiseStreamer:
                 store.host.note_reader(self.device)
             self._install_timeline()  # before the first copies, which the first pass waits for
             self._schedule = DeviceSchedule(plan, self.device, self.telemetry, transform,
-                                            store.disk if on_disk else None, store.bounce)
+                                            store.disk if on_disk else None, store.bounce, compiled)
             self._schedule.start()
         except BaseException:
             # A complete pack outlives a failed upload (out of device memory, a merge that

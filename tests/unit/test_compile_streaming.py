@@ -180,7 +180,7 @@ def test_streamed_blocks_run_compiled_bit_identical_with_no_recompile_after_the_
     first = None
     for spill_dir in (None, tmp_path):  # from RAM, then from the spill file: the same graphs
         st = streamer(blocks, spill_dir)
-        st.attach()
+        st.attach(compiled=True)
         try:
             assert (st.disk_figures() or {}).get("active", False) == (spill_dir is not None)
             slots, handles = record_slots(st, blocks)
@@ -196,7 +196,7 @@ def test_streamed_blocks_run_compiled_bit_identical_with_no_recompile_after_the_
                         handle.remove()
                     handles = []
                 st.detach()
-                st.attach()
+                st.attach(compiled=True)
         finally:
             st.close()
     # Every block ran one compiled graph of its forward, whatever slot held its weights.
@@ -220,7 +220,7 @@ def test_phases_split_a_block_graph_at_its_hooks_and_serve_every_slot():
 
     fresh_dynamo()
     st = LayerwiseStreamer(list(model.blocks), "cpu", resident=0, prefetch=1, granularity="phase")
-    st.attach()
+    st.attach(compiled=True)
     try:
         assert len(st.streamed_indices) > DEPTH
         outs, seen = passes(torch.compile(model), inputs)
@@ -252,5 +252,34 @@ def test_a_unit_looks_the_same_to_guards_in_every_slot(granularity):
                 looks.append([(v.shape, v.stride(), v.dtype, v.device, v.storage_offset())
                               for v in views.tensors])
             assert looks and all(look == looks[0] for look in looks), i
+    finally:
+        st.close()
+
+
+def test_an_attach_not_told_of_a_compile_never_puts_its_hooks_in_a_graph():
+    """Keeping the hooks out of dynamo's trace costs a few microseconds per block call, so an
+    attach does it only when told of a compile (Apply Layerwise Offload tells it when it finds
+    one). A compile it was not told of still never traces a hook into a graph that would keep one
+    slot's weights: the hook's first line refuses a trace, which is a graph break there (the hook
+    then runs eagerly, with the same bits), and with ``fullgraph`` the compile fails naming what
+    to do."""
+    inputs = batches(2)
+    model = Net()
+    run = compiled(model, "per-block modules")
+    reference, _ = passes(run, inputs)
+    blocks = [getattr(b, "_orig_mod", b) for b in model.blocks]
+    fresh_dynamo()
+    st = streamer(blocks)
+    st.attach()
+    try:
+        outs, _ = passes(run, inputs)
+        assert all(torch.equal(a, b) for a, b in zip(outs, reference))
+        assert any("compiled=True" in reason for reason in counters["unimplemented"]), \
+            list(counters["unimplemented"])
+        for i, block in enumerate(blocks):
+            model.blocks[i] = torch.compile(block, fullgraph=True)
+        fresh_dynamo()
+        with pytest.raises(Exception, match="compiled=True"):
+            passes(model, inputs)
     finally:
         st.close()
