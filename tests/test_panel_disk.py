@@ -198,3 +198,16 @@ def test_the_full_view_draws_one_labelled_row_per_unit(disk_run):
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     view.screenshot(path=str(ARTIFACTS / "panel_disk_timeline_full.png"))
     page.page.screenshot(path=str(ARTIFACTS / "panel_disk_timeline_full_page.png"))
+
+    # In a narrower bottom panel (a smaller window, or the frontend's right side panel open) the
+    # figures go under the picture and the picture keeps its width.
+    page.page.set_viewport_size({"width": 1150, "height": 1000})
+    try:
+        sync_api.expect(aside).to_be_visible()
+        page.page.wait_for_function("(el) => el.getBoundingClientRect().top > 0 && "
+                                    "el.getBoundingClientRect().top >= el.previousElementSibling"
+                                    ".getBoundingClientRect().bottom", arg=aside.element_handle())
+        narrow = picture.locator(".to-tl-plot").bounding_box()
+        assert view.bounding_box()["width"] < 900 and narrow["width"] > 1.5 * compact["width"], (narrow, compact)
+    finally:
+        page.page.set_viewport_size({"width": 1400, "height": 1000})
