@@ -14,8 +14,8 @@ after its copy lands.  Host RAM is one copy of the weights with or without it.
 The streamer is the lifecycle (attach, detach, reclaim, close) over four collaborators with one
 job each: the plan (plan.py: units, their layouts, residency), the pack store (pack_store.py:
 where the packs live between attaches, RAM or disk), the device schedule (schedule.py: one
-attach's device memory, hooks and hot path, including blocks that run out of order) and the
-figures (figures.py: states, sizes, counters).
+attach's device memory and hooks, over resident.py's resident units and window.py's hot path,
+including blocks that run out of order) and the figures (figures.py: states, sizes, counters).
 """
 
 from __future__ import annotations

@@ -123,7 +123,7 @@ def record_slots(st: LayerwiseStreamer, blocks: list[nn.Module]) -> tuple[dict[i
     """Which slots held each streamed block's weights when it ran (seen by a hook after the
     engine's, outside any graph), and the hooks' handles."""
     seen: dict[int, set[int]] = {i: set() for i in st.streamed_indices}
-    buffers = st._schedule._ring.buffers
+    buffers = st._schedule._window.ring.buffers
 
     def recorder(i: int):
         def record(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -241,13 +241,13 @@ def test_a_unit_looks_the_same_to_guards_in_every_slot(granularity):
     st = LayerwiseStreamer(list(model.blocks), "cpu", resident=0, prefetch=2, granularity=granularity)
     st.attach()
     try:
-        schedule = st._schedule
-        buffers = schedule._ring.buffers
+        window = st._schedule._window
+        buffers = window.ring.buffers
         assert len(buffers) == 3
         for i in st.streamed_indices:
             looks = []
             for buf in buffers:
-                views = schedule._packs[i].views(buf)
+                views = window._packs[i].views(buf)
                 assert all(v.data_ptr() % 16 == 0 for v in views.tensors), i
                 looks.append([(v.shape, v.stride(), v.dtype, v.device, v.storage_offset())
                               for v in views.tensors])

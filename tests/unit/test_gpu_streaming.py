@@ -228,7 +228,7 @@ def test_ordering_under_random_delays(device):
 
     for b in model.blocks:
         b.register_forward_pre_hook(slow_compute, with_kwargs=True)
-    ring = st._schedule._ring
+    ring = st._schedule._window.ring
     copy_in = ring.copy_in
 
     def slow_copy(slot, host, tag, prepare=None):
@@ -452,7 +452,7 @@ def test_transform_runs_on_device_copies_under_delays(device, pin):
     rng = random.Random(1)
     st = LayerwiseStreamer(model.blocks, dev, resident=2, prefetch=2, pin=pin)
     st.attach(_merge)
-    ring = st._schedule._ring
+    ring = st._schedule._window.ring
     copy_in = ring.copy_in
 
     def slow_copy(slot, host, tag, prepare=None):

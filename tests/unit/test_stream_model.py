@@ -94,7 +94,7 @@ def _unrecorded(events: list[ModelEvent], monkeypatch: pytest.MonkeyPatch) -> No
 # ---------------------------------------------------------------- a read not ordered after the write
 def test_compute_without_the_wait_for_its_slot_is_named_and_reads_stale_bytes(monkeypatch):
     def scenario(model, patches, mutated):
-        mutate = (lambda st: _skip_waits(model.default, st._schedule._ring._ready, patches)) if mutated else None
+        mutate = (lambda st: _skip_waits(model.default, st._schedule._window.ring._ready, patches)) if mutated else None
         return _streamed(model, patches, mutate, hold=mutated)  # held, the right order would wait forever
 
     right, violations = _checked(scenario, monkeypatch)
@@ -111,7 +111,7 @@ def test_a_slot_event_never_recorded_is_named(monkeypatch, events, hazard):
     the reads."""
 
     def scenario(model, patches, mutated):
-        mutate = (lambda st: _unrecorded(getattr(st._schedule._ring, events), patches)) if mutated else None
+        mutate = (lambda st: _unrecorded(getattr(st._schedule._window.ring, events), patches)) if mutated else None
         return _streamed(model, patches, mutate)
 
     _, violations = _checked(scenario, monkeypatch)
@@ -124,11 +124,11 @@ def test_a_slot_overwritten_while_its_block_runs_is_named(monkeypatch):
 
     def scenario(model, patches, mutated):
         def overwrite(st):
-            schedule, ordering = st._schedule, for_device(CPU)
-            ring = schedule._ring
+            window, ordering = st._schedule._window, for_device(CPU)
+            ring = window.ring
 
             def early(module, args, kwargs):  # after the engine's own pre-hook: the block is bound
-                slot = schedule._slot_of[schedule._running]
+                slot = window._slot_of[window.running]
                 with ordering.on(ring.stream):
                     ordering.copy(ring.buffers[slot][:64], torch.zeros(64, dtype=torch.uint8))
 
@@ -145,7 +145,7 @@ def test_a_slot_overwritten_while_its_block_runs_is_named(monkeypatch):
 def test_a_copy_that_does_not_wait_for_the_slot_s_last_reader_is_named(monkeypatch):
     def scenario(model, patches, mutated):
         def mutate(st):
-            ring = st._schedule._ring
+            ring = st._schedule._window.ring
             _skip_waits(ring.stream, ring._free, patches)
 
         return _streamed(model, patches, mutate if mutated else None)
@@ -230,7 +230,7 @@ def test_a_bounce_half_refilled_before_its_copy_ran_is_named(monkeypatch):
 
     def scenario(model, patches, mutated):
         def mutate(st):
-            for event in st._schedule._ring._stager._drained:
+            for event in st._schedule._window.ring._stager._drained:
                 patches.setattr(event, "synchronize", lambda: None)
 
         return _streamed(model, patches, mutate if mutated else None, pin=False)
@@ -247,7 +247,7 @@ def test_a_host_read_of_a_slot_its_stream_never_waited_for_is_named(monkeypatch)
     def scenario(model, patches, mutated):
         def mutate(st):
             if mutated:
-                _skip_waits(model.default, st._schedule._ring._ready, patches)
+                _skip_waits(model.default, st._schedule._window.ring._ready, patches)
 
             def peek(module, args, kwargs):
                 module.qkv.weight[0, 0].item()

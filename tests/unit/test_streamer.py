@@ -200,7 +200,7 @@ def test_exception_mid_pass_leaves_engine_consistent():
     model.blocks[victim].fail = True
     with torch.no_grad(), pytest.raises(RuntimeError, match="injected"):
         model(x, t)
-    assert st._schedule._running is None  # the always-call exit hook handed the slot back
+    assert st._schedule._window.running is None  # the always-call exit hook handed the slot back
     assert st.telemetry.materialized_bytes <= st.bound_bytes()
     model.blocks[victim].fail = False
     with torch.no_grad():
