@@ -20,10 +20,10 @@ _EXPORTS = {
     "LayerwiseStreamer": "layerwise.streamer",
     "ModuleSwap": "models.swap",
     "PackedBlock": "host.packing",
-    "PackedTensor": "host.packing",
-    "TensorRef": "host.packing",
-    "tensor_refs": "host.packing",
-    "check_packable": "host.packing",
+    "PackedTensor": "host.layout",
+    "TensorRef": "host.tensor_refs",
+    "tensor_refs": "host.tensor_refs",
+    "check_packable": "host.layout",
     "HostStorage": "host.pinned",
     "pinned_bytes": "host.pinned",
     "pin_cap": "host.pinned",
@@ -41,7 +41,8 @@ if TYPE_CHECKING:
     from .device.hooks import BlockHooks
     from .device.residency import plan_residency, spread_evenly
     from .device.telemetry import Telemetry
-    from .host.packing import PackedBlock, PackedTensor, TensorRef, check_packable, tensor_refs
+    from .host.layout import PackedTensor, check_packable
+    from .host.packing import PackedBlock
     from .host.pinned import (
         HostStorage,
         available_ram_bytes,
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
         pinned_bytes,
         set_pin_accounting,
     )
+    from .host.tensor_refs import TensorRef, tensor_refs
     from .layerwise.streamer import LayerwiseStreamer
     from .models.swap import ModuleSwap
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 
-from ..host.packing import TensorRef, tensor_refs
+from ..host.tensor_refs import TensorRef, tensor_refs
 
 # A candidate holding less than this share of its block's bytes joins its neighbour.
 SMALL_SHARE = 1 / 8

@@ -32,7 +32,8 @@ from collections.abc import Mapping
 
 import torch
 
-from ..host.packing import PackedBlock, PackedTensor
+from ..host.layout import PackedTensor
+from ..host.packing import PackedBlock
 from ..units import size_text
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,9 @@ from torch import nn
 
 from ..blocks.phases import Unit, own_refs, unit_refs
 from ..device.residency import bound_bytes, plan_residency, slot_count
-from ..host.packing import PackedBlock, alias_key, check_packable, tensor_refs
+from ..host.layout import alias_key, check_packable
+from ..host.packing import PackedBlock
+from ..host.tensor_refs import tensor_refs
 
 log = logging.getLogger(__name__)
 

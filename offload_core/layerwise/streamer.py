@@ -31,8 +31,10 @@ from ..device.slots import resolve_device
 from ..device.telemetry import StallTimer, Telemetry
 from ..device.timeline import Timeline
 from ..disk.tier import DiskOptions
-from ..host.packing import PackedBlock, Transform, tables_under
+from ..host.packing import PackedBlock
 from ..host.pinned import DEFAULT_CHUNK_BYTES
+from ..host.tensor_refs import tables_under
+from ..host.transform import Transform
 from ..ordering import for_device
 from . import figures
 from .pack_store import PackStore

@@ -18,9 +18,11 @@ import logging
 import torch
 from torch import nn
 
-from ..host.packing import PackedBlock, alias_key, check_packable, tensor_refs
+from ..host.layout import alias_key, check_packable
+from ..host.packing import PackedBlock
 from ..host.pinned import DEFAULT_CHUNK_BYTES, HostStorage, return_freed_ram
 from ..host.subclass import tensor_nbytes
+from ..host.tensor_refs import tensor_refs
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +48,7 @@ class ModuleSwap:
         for ref, t in refs:
             check_packable(t, ref.label)
         # Where the model runs on the CPU, core computes from the master itself, so its tensors
-        # sit where the originals sat modulo a SIMD width (packing's notes on address phase);
+        # sit where the originals sat modulo a SIMD width (host/layout.py's notes on address phase);
         # elsewhere core copies each tensor to the device and the phase costs only padding.
         self._packs = [PackedBlock(items, index=i, keep_address_phase=True)
                        for i, items in enumerate(_split(refs, part_bytes))]

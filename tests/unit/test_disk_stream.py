@@ -16,8 +16,9 @@ from torch import nn
 from offload_core.disk.host_cache import CacheTooSmallError, DiskTelemetry, HostCache, _union
 from offload_core.disk.store import DiskStore
 from offload_core.disk.tier import DiskOptions
-from offload_core.host.packing import PackedBlock, tensor_refs
+from offload_core.host.packing import PackedBlock
 from offload_core.host.pinned import HostStorage
+from offload_core.host.tensor_refs import tensor_refs
 from offload_core.layerwise.streamer import LayerwiseStreamer
 
 PAGE = 4096

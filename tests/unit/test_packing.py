@@ -8,7 +8,7 @@ from toy_models import ToyBlock, assert_restored, bits, snapshot
 from torch import nn
 
 from offload_core import PackedBlock, check_packable, tensor_refs
-from offload_core.host.packing import ALIGN, PHASE, empty_at_phase
+from offload_core.host.layout import ALIGN, PHASE, empty_at_phase
 
 
 def _block() -> ToyBlock:
