@@ -1,20 +1,26 @@
-"""The pack's ComfyUI side: thin adapters over offload_core, the nodes (V3 schema), and the server
-wiring.
+"""The pack's ComfyUI side, one room per thing a user sees: the node families (`layerwise/`,
+`swap/`, `tiers/`), the server (`server/`: the REST routes and panel events), and what they all
+share (`core/`: the adapters to ComfyUI's core and the pack's process state), over the engine
+(offload_core).
 
-ARCHITECTURE.md at the pack's root says which module does what. Process-wide state lives in
-state.py; node modules import it, never each other's registries. The nodes are `io.ComfyNode`
-classes of ComfyUI's versioned `comfy_api.v0_0_2` (not `latest`, which ComfyUI documents as
-unstable), handed to ComfyUI by `TieredOffloadExtension` through the root's `comfy_entrypoint`.
+Imports point one way: server -> node families -> core -> engine; no family imports another.
+Each room's __init__ says what it holds and may import; ARCHITECTURE.md says which module does
+what, and tests/unit/test_package_shape.py holds the rooms to it. This module lists the nodes and
+wires the server at start-up, so it may import every room. The nodes are `io.ComfyNode` classes
+of ComfyUI's versioned `comfy_api.v0_0_2` (not `latest`, which ComfyUI documents as unstable),
+handed to ComfyUI by `TieredOffloadExtension` through the root's `comfy_entrypoint`.
 """
 import logging
 
 from comfy_api.v0_0_2 import ComfyExtension, io
 
-from . import managed_models, preload, prompt_lifecycle, routes, tiered_loaders
-from .core_pins import install as share_pinned_budget_with_core
-from .layerwise import ApplyLayerwiseOffload
-from .swap import ModelLevelSwap
-from .tier_manager_node import VRAMTierManager
+from .core import prompt_lifecycle
+from .core.pins import install as share_pinned_budget_with_core
+from .layerwise.node import ApplyLayerwiseOffload
+from .server import routes
+from .swap.node import ModelLevelSwap
+from .tiers import loaders, managed_models, preload
+from .tiers.manager_node import VRAMTierManager
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +29,7 @@ share_pinned_budget_with_core()
 NODES: tuple[type[io.ComfyNode], ...] = (
     ApplyLayerwiseOffload,
     ModelLevelSwap,
-    *tiered_loaders.LOADERS.values(),
+    *loaders.LOADERS.values(),
     VRAMTierManager,
 )
 
@@ -41,7 +47,7 @@ def install() -> None:
     the pack's import)."""
     routes.register()
     prompt_lifecycle.install()
-    prompt_lifecycle.on_prompt_start(tiered_loaders.hold_graph)
+    prompt_lifecycle.on_prompt_start(loaders.hold_graph)
     prompt_lifecycle.on_prompt_end(managed_models.release_prompt)
     try:
         preload.preload_from_settings()

@@ -92,7 +92,7 @@ def main() -> None:
     except ImportError:
         OUT.write_text(json.dumps({"version": None}))
         return
-    vbar_layout = tree_probe.import_pack_module("nodes.vbar_layout")
+    vbar_layout = tree_probe.import_pack_module("nodes.layerwise.vbar_layout")
     native_lib = model_vbar.lib
     try:
         cases = {"unpin_succeeds": reset_case(vbar_layout, model_vbar, NativeStandIn()),

@@ -74,7 +74,7 @@ def core_weights(patcher, noise_shape) -> int:
 
 
 def main() -> None:
-    block_budget = tree_probe.import_pack_module("nodes.block_budget")
+    block_budget = tree_probe.import_pack_module("nodes.layerwise.block_budget")
     path = Path(tempfile.mkdtemp()) / "wan.safetensors"
     tiny_models.write_tiny_wan21(path, layers=4)
     patcher = comfy.sd.load_diffusion_model(str(path))
@@ -117,7 +117,7 @@ def main() -> None:
 def lora_figures(path: Path) -> dict:
     """What a LoRA'd run keeps beside the blocks: the merge workspace and the device buffer of
     the patches' tensors, against the model's own weights and the LoRA's factors."""
-    comfy_weights = tree_probe.import_pack_module("nodes.comfy_weights")
+    comfy_weights = tree_probe.import_pack_module("nodes.layerwise.comfy_weights")
     lora_path = path.with_name("lora.safetensors")
     tiny_models.write_tiny_wan_lora(lora_path, model_layers=4)
     import comfy.utils
@@ -196,7 +196,7 @@ def _storages(value) -> set[int]:
 def merge_peaks(path: Path) -> list[dict]:
     """For each adapter type (and a model merge's difference), the most core's merge of one of
     the blocks' weights holds at once, against the node's figure for the run."""
-    comfy_weights = tree_probe.import_pack_module("nodes.comfy_weights")
+    comfy_weights = tree_probe.import_pack_module("nodes.layerwise.comfy_weights")
     dtypes = [None] + ([torch.float16] if hasattr(mm, "lora_compute_dtype") else [])
     rows = []
     for kind in (*tiny_models.WAN_ADAPTER_KINDS, "diff"):
@@ -250,7 +250,7 @@ def _merge_peak(comfy_weights, patcher, prefixes, blocks, known) -> dict:
 def allocator_figures() -> dict:
     """The node's figures for CUDA's caching allocator and torch's cuBLAS workspace, for sizes
     and settings whose answers torch's sources fix."""
-    block_budget = tree_probe.import_pack_module("nodes.block_budget")
+    block_budget = tree_probe.import_pack_module("nodes.layerwise.block_budget")
     mib = 1024 ** 2
     return {
         "cached": {"7 x 100 MiB + 1": block_budget.cached_bytes(100 * mib + 1, 7),

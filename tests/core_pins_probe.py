@@ -1,4 +1,4 @@
-"""Probe of nodes/core_pins.py against the ComfyUI tree under test (run by test_core_pins.py).
+"""Probe of nodes/core/pins.py against the ComfyUI tree under test (run by test_core_pins.py).
 
 Run as `PYTHON core_pins_probe.py` with the ComfyUI root as the working directory; prints one
 JSON object. ComfyUI's real `comfy.model_management` is imported (with --cpu), the adapter is
@@ -29,7 +29,7 @@ from tree_probe import import_pack_module  # noqa: E402
 
 
 def main() -> None:
-    core_pins = import_pack_module("nodes.core_pins")
+    core_pins = import_pack_module("nodes.core.pins")
     pinned = import_pack_module("offload_core.host.pinned")
     out: dict = {"core_cap_on_cpu": mm.MAX_PINNED_MEMORY, "own_cap": pinned.pin_cap()}
     discarded: list[bool] = []

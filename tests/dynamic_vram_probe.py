@@ -52,12 +52,12 @@ def import_pack():
         module = types.ModuleType(name)
         module.__path__ = [str(path)]
         sys.modules[name] = module
-    return (importlib.import_module("tiered_offload_probe.nodes.layerwise"),
-            importlib.import_module("tiered_offload_probe.nodes.state"))
+    return (importlib.import_module("tiered_offload_probe.nodes.layerwise.node"),
+            importlib.import_module("tiered_offload_probe.nodes.core.state"))
 
 
 def is_dynamic(patcher) -> bool:
-    return sys.modules["tiered_offload_probe.nodes.core_models"].is_dynamic(patcher)
+    return sys.modules["tiered_offload_probe.nodes.core.models"].is_dynamic(patcher)
 
 
 def state_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
@@ -145,7 +145,7 @@ def order_cases(layerwise, state, path: Path) -> dict:
     with changed settings; with the default settings; and where the layout cannot be handed back.
     Every run is core's own sampler on the stand-in, so each latent can be compared with core's."""
     import dynamic_vram_standin as standin
-    vbar_layout = sys.modules["tiered_offload_probe.nodes.vbar_layout"]
+    vbar_layout = sys.modules["tiered_offload_probe.nodes.layerwise.vbar_layout"]
     logs = LogLines()
     logging.getLogger("tiered_offload_probe").addHandler(logs)
     logging.getLogger("tiered_offload_probe").setLevel(logging.INFO)

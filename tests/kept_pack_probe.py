@@ -36,8 +36,8 @@ import tiny_models  # noqa: E402
 
 
 def main() -> None:
-    layerwise = tree_probe.import_pack_module("nodes.layerwise")
-    state = tree_probe.import_pack_module("nodes.state")
+    layerwise = tree_probe.import_pack_module("nodes.layerwise.node")
+    state = tree_probe.import_pack_module("nodes.core.state")
     path = Path(tempfile.mkdtemp()) / "wan.safetensors"
     tiny_models.write_tiny_wan21(path, layers=4)
     patcher = comfy.sd.load_diffusion_model(str(path))

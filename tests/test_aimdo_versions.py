@@ -2,8 +2,8 @@
 
 comfy-aimdo 0.6 changed what the pack relies on: `unpin`, `set_watermark` and `free_memory`
 raise when the native call fails, and `ModelVBAR` takes a page-out callback. The pack calls
-`vbar_unpin` and `get_residency` itself (nodes/vbar_layout.py); `set_watermark`, `free_memory`
-and the making of a VBAR only core does. The probe (aimdo_probe.py) runs those calls through
+`vbar_unpin` and `get_residency` itself (nodes/layerwise/vbar_layout.py); `set_watermark`,
+`free_memory` and the making of a VBAR only core does. The probe (aimdo_probe.py) runs those calls through
 comfy-aimdo's real Python wrappers over a stand-in of its native library (CUDA only); the
 Makefile installs 0.6 into .aimdo-0.6/ (`make .aimdo-0.6/.ready`, a step of the 0.33 lane).
 """

@@ -11,8 +11,8 @@ compiles anything, that a prompt of a setup already run compiles nothing, that t
 breaks the node adds are its hooks between blocks, and that it adds no graph of the blocks. A
 compile of the whole diffusion model (core's TorchCompileModel) would be split at every streamed
 block, which changes inductor's results: it is refused, with the other setups
-nodes/compiled_models.py refuses, before anything moves; with every block resident it keeps its
-one graph.
+nodes/layerwise/compiled_models.py refuses, before anything moves; with every block resident it
+keeps its one graph.
 
 Compiling on a CPU is slow: one server for the module, two tiny Wans of the same block shape (so
 their blocks share graphs), and refusals that never reach a compile.

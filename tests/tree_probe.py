@@ -26,7 +26,7 @@ def start() -> Path:
 
 
 def import_pack_module(name: str):
-    """A module of the pack (``"nodes.layerwise"``) as part of a package."""
+    """A module of the pack (``"nodes.layerwise.node"``) as part of a package."""
     for pkg, path in (("tiered_offload_probe", REPO), ("tiered_offload_probe.nodes", REPO / "nodes")):
         if pkg not in sys.modules:
             module = types.ModuleType(pkg)

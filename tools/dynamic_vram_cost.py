@@ -54,12 +54,15 @@ def boot_comfy() -> None:
 
 
 def import_nodes(pack: Path):
-    """`pack`/nodes/layerwise.py as a package module, without the pack's server wiring."""
+    """`pack`'s Apply Layerwise Offload module as a package module, without the pack's server
+    wiring: nodes/layerwise/node.py, or nodes/layerwise.py in a checkout from before nodes/ had
+    rooms (the "before" figures of an older commit)."""
     for name, path in (("tiered_offload_cost", pack), ("tiered_offload_cost.nodes", pack / "nodes")):
         module = types.ModuleType(name)
         module.__path__ = [str(path)]
         sys.modules[name] = module
-    return importlib.import_module("tiered_offload_cost.nodes.layerwise")
+    node = "layerwise.node" if (pack / "nodes" / "layerwise" / "node.py").exists() else "layerwise"
+    return importlib.import_module(f"tiered_offload_cost.nodes.{node}")
 
 
 def memory() -> dict[str, int]:

@@ -53,7 +53,7 @@ class TierManager:
 
     Each request checks its arguments, takes the registry's lock, refuses what must not happen
     (a model in use, superseded or pinned) and hands the work to the part whose job it is. It is
-    one class because the ComfyUI side holds one manager for the process (nodes/state.py), its
+    one class because the ComfyUI side holds one manager for the process (nodes/core/state.py), its
     REST layer maps this class's refusals to HTTP statuses, and every request must run under the
     same lock; nothing outside the manager reaches the parts behind it.
 

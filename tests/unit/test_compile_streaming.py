@@ -6,10 +6,10 @@ what that promises: a compile of each block gives the same bits with the engine 
 compile of the whole model or at phase granularity is split where the engine's hooks are, and
 gives the bits of the same compiled model split there by hooks that do nothing (inductor's results
 depend on the split, which is why Apply Layerwise Offload refuses those two over streamed blocks:
-nodes/compiled_models.py); every pass after the first reuses the graphs (no new graph or graph
-break: dynamo's own counters), the only graph breaks the engine adds are its hooks, and a unit's
-views look the same to dynamo's guards in every slot. Compiling on a CPU is slow: one small fp32
-model, a handful of compiles, each reused across the cases of its test.
+nodes/layerwise/compiled_models.py); every pass after the first reuses the graphs (no new graph or
+graph break: dynamo's own counters), the only graph breaks the engine adds are its hooks, and a
+unit's views look the same to dynamo's guards in every slot. Compiling on a CPU is slow: one small
+fp32 model, a handful of compiles, each reused across the cases of its test.
 """
 from __future__ import annotations
 

@@ -48,9 +48,9 @@ def test_a_development_file_is_found(archive, tracked):
 
 
 def test_a_module_the_pack_imports_is_missing(archive, tracked):
-    del archive["nodes/routes.py"]
+    del archive["nodes/server/routes.py"]
     found = check.problems(archive, tracked)
-    assert "tracked but not in the archive: nodes/routes.py" in found
+    assert "tracked but not in the archive: nodes/server/routes.py" in found
     assert any(p.startswith("nodes/__init__.py imports routes") for p in found), found
 
 
@@ -62,9 +62,9 @@ def test_an_untracked_module_the_pack_imports_is_found(archive, tracked):
 
 
 def test_an_import_of_a_development_folder_is_found(archive, tracked):
-    archive["nodes/budgets.py"] += b"\nimport tests.workflows\n"
+    archive["nodes/core/budgets.py"] += b"\nimport tests.workflows\n"
     assert check.problems(archive, tracked) == [
-        "nodes/budgets.py imports tests.workflows, a development folder"]
+        "nodes/core/budgets.py imports tests.workflows, a development folder"]
 
 
 def test_a_frontend_module_the_extension_imports_is_missing(archive, tracked):

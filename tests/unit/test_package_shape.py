@@ -1,6 +1,8 @@
 """The pack's import graph keeps its shape (ARCHITECTURE.md): no import circle, an engine that never
-imports ComfyUI, engine rooms whose imports only point down, no module reaching into another's
-private names, and the process-wide registries of the ComfyUI side in one module.
+imports ComfyUI, engine rooms whose imports only point down, rooms of the ComfyUI side (nodes/)
+whose imports point one way (server -> node families -> core -> engine, no family importing
+another), no module reaching into another's private names, and the process-wide registries of the
+ComfyUI side in one module.
 
 Read from the source with `ast` (nothing is imported), over the root `__init__.py`, `nodes/` and
 `offload_core/`; imports inside functions and under `TYPE_CHECKING` count as well, since a lazy
@@ -33,9 +35,19 @@ ENGINE_ROOMS = {
     "layerwise": {"blocks", "device", "disk", "host", "ordering", "units"},
     "models": {"host", "ordering", "units"},
 }
-# The ComfyUI side's process-wide registries: created in nodes/state.py only.
+NODES = "nodes"
+# The ComfyUI side's rooms and the rooms of nodes/ each may import (nodes/*/__init__.py says the
+# same in words); every room may import the engine as well. nodes/__init__.py lists the nodes and
+# wires the server at start-up: it may import every room. A module at nodes/ top level is in no room.
+NODE_FAMILIES = ("layerwise", "swap", "tiers")
+NODE_ROOMS = {
+    "core": set(),
+    **{family: {"core"} for family in NODE_FAMILIES},
+    "server": {*NODE_FAMILIES, "core"},
+}
+# The ComfyUI side's process-wide registries: created in nodes/core/state.py only.
 REGISTRY_TYPES = {"PerModule", "TierManager", "PromptHolds", "LayerwiseRegistry"}
-STATE_MODULE = "nodes.state"
+STATE_MODULE = "nodes.core.state"
 
 
 @dataclass(frozen=True)
@@ -183,6 +195,33 @@ def engine_problems(known: dict[str, Path], edges: list[Import]) -> list[str]:
     return problems
 
 
+def node_room_problems(known: dict[str, Path], edges: list[Import]) -> list[str]:
+    """Modules of nodes/ outside every room, and arrows between its rooms that NODE_ROOMS does not
+    allow: a node family importing another, core importing a family or the server, a family
+    importing the server, a room importing nodes/__init__ or the pack root. The imports of the two
+    __init__s above the rooms are not held to the table: they may import every room."""
+    problems = []
+    for name in known:
+        parts = name.split(".")
+        if parts[0] == NODES and len(parts) > 1 and parts[1] not in NODE_ROOMS:
+            problems.append(f"{name}: {parts[1]} is no room of nodes/ ({', '.join(NODE_ROOMS)})")
+    for e in edges:
+        source, target = e.module.split("."), e.target.split(".")
+        if not e.internal or source[0] != NODES or len(source) < 2 or source[1] not in NODE_ROOMS:
+            continue
+        if target[0] != NODES:
+            if target[0] != ENGINE:
+                problems.append(f"{e.module} (line {e.line}) imports {_shown(e.target)}: "
+                                f"nodes/ imports only itself and the engine")
+            continue
+        room = source[1]
+        into = target[1] if len(target) > 1 else "<nodes/__init__>"
+        if into != room and into not in NODE_ROOMS[room]:
+            problems.append(f"{e.module} (line {e.line}) imports {e.target}: {room} may import only "
+                            f"{', '.join(sorted(NODE_ROOMS[room] | {ENGINE}))}")
+    return problems
+
+
 def private_reaches(known: dict[str, Path], edges: list[Import]) -> list[str]:
     """Imports of another module's private names (`from .x import _y`) and uses of them through a
     module imported whole (`x._y`)."""
@@ -207,7 +246,7 @@ def private_reaches(known: dict[str, Path], edges: list[Import]) -> list[str]:
 
 def registries_outside_state(known: dict[str, Path]) -> list[str]:
     """Module-level registries of the ComfyUI side (PerModule, the tier manager...) made anywhere
-    but nodes/state.py."""
+    but nodes/core/state.py."""
     problems = []
     for name, path in known.items():
         if not name.startswith("nodes") or name == STATE_MODULE:
@@ -235,6 +274,12 @@ def test_engine_imports_no_comfyui_and_its_rooms_point_down():
     assert not problems, "\n".join(problems)
 
 
+def test_node_rooms_import_one_way():
+    known, edges = graph()
+    problems = node_room_problems(known, edges)
+    assert not problems, "\n".join(problems)
+
+
 def test_no_module_reaches_into_another_s_private_names():
     known, edges = graph()
     problems = private_reaches(known, edges)
@@ -258,6 +303,52 @@ def test_each_engine_room_says_what_it_is_for_and_may_import():
         assert doc and "May import" in doc, f"{init} must say what the room is for and may import"
         mentioned = {r for r in ENGINE_ROOMS if r in doc.split("May import", 1)[1]}
         assert ENGINE_ROOMS[room] <= mentioned, f"{init} must name {sorted(ENGINE_ROOMS[room])}"
+
+
+def test_each_node_room_says_what_it_is_for_and_may_import():
+    """Every room of nodes/ is a package whose __init__ is a docstring of its job and of the rooms
+    it may import, and nothing else (so importing one module of a room runs no other)."""
+    for room in NODE_ROOMS:
+        init = ROOT / NODES / room / "__init__.py"
+        assert init.exists(), f"no room {room} in nodes/"
+        tree = ast.parse(init.read_text(encoding="utf-8"))
+        doc = ast.get_docstring(tree)
+        assert doc and "May import" in doc, f"{init} must say what the room is for and may import"
+        assert len(tree.body) == 1, f"{init} must hold its docstring only"
+        mentioned = {r for r in NODE_ROOMS if r in doc.split("May import", 1)[1]}
+        assert NODE_ROOMS[room] <= mentioned, f"{init} must name {sorted(NODE_ROOMS[room])}"
+
+
+def test_the_rooms_check_names_a_forbidden_import(tmp_path):
+    """A node family importing another, core importing a family, a family importing the server,
+    a module outside every room and an import of the pack root are each named; the arrows the
+    table allows pass."""
+    for package in (NODES, ENGINE, *(f"{NODES}/{room}" for room in NODE_ROOMS)):
+        (tmp_path / package).mkdir(parents=True, exist_ok=True)
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "__init__.py").write_text("from .nodes.server import routes\n")
+    (tmp_path / ENGINE / "units.py").write_text("")
+    (tmp_path / NODES / "__init__.py").write_text("from .swap import node\nfrom .server import routes\n")
+    (tmp_path / NODES / "core" / "state.py").write_text("from ...offload_core import units\n")
+    (tmp_path / NODES / "core" / "models.py").write_text("def late():\n    from ..tiers import loaders\n")
+    (tmp_path / NODES / "swap" / "node.py").write_text(
+        "from ..core import state\nfrom ...offload_core.units import GIB\nfrom ..layerwise import session\n")
+    (tmp_path / NODES / "layerwise" / "session.py").write_text("from ..server.routes import register\n")
+    (tmp_path / NODES / "tiers" / "loaders.py").write_text(
+        "from .. import core\nfrom ... import nodes\nfrom ... import comfy_entrypoint\n")
+    (tmp_path / NODES / "server" / "routes.py").write_text(
+        "from ..tiers import loaders\nfrom ..swap import node\nfrom ..core import state\n")
+    (tmp_path / NODES / "helpers.py").write_text("from .core import state\n")
+    known, edges = graph(tmp_path)
+    assert node_room_problems(known, edges) == [
+        "nodes.helpers: helpers is no room of nodes/ (core, layerwise, swap, tiers, server)",
+        "nodes.core.models (line 2) imports nodes.tiers.loaders: core may import only offload_core",
+        "nodes.layerwise.session (line 1) imports nodes.server.routes: layerwise may import only "
+        "core, offload_core",
+        "nodes.swap.node (line 3) imports nodes.layerwise.session: swap may import only core, offload_core",
+        "nodes.tiers.loaders (line 2) imports nodes: tiers may import only core, offload_core",
+        "nodes.tiers.loaders (line 3) imports <root __init__>: nodes/ imports only itself and the engine",
+    ]
 
 
 def test_the_checks_see_what_they_look_for(tmp_path):
@@ -288,4 +379,4 @@ def test_the_checks_see_what_they_look_for(tmp_path):
     private = "\n".join(private_reaches(known, edges))
     assert "imports _hidden from nodes.c" in private and "uses packing._peek" in private
     assert registries_outside_state(known) == [
-        "nodes.b (line 4) creates a PerModule: process-wide state lives in nodes.state"]
+        "nodes.b (line 4) creates a PerModule: process-wide state lives in nodes.core.state"]

@@ -15,8 +15,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from ..offload_core.models.tier_budgets import MAX_BUDGET_BYTES, ram_total_bytes, vram_total_bytes
-from ..offload_core.units import size_text
+from ...offload_core.models.tier_budgets import MAX_BUDGET_BYTES, ram_total_bytes, vram_total_bytes
+from ...offload_core.units import size_text
 
 GIB = 1024 ** 3
 ONE_BYTE_GIB = 1 / GIB

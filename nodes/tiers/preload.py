@@ -9,9 +9,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..offload_core.models.tier_entries import Tier
-from . import budgets, settings_file, state
-from .tiered_loaders import LOADERS
+from ...offload_core.models.tier_entries import Tier
+from ..core import budgets, settings_file, state
+from .loaders import LOADERS
 
 log = logging.getLogger(__name__)
 

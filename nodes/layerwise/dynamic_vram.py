@@ -38,9 +38,9 @@ import torch
 
 import comfy.model_patcher
 
-from ..offload_core.blocks.discovery import find_blocks
-from ..offload_core.layerwise.streamer import LayerwiseStreamer
-from . import state
+from ...offload_core.blocks.discovery import find_blocks
+from ...offload_core.layerwise.streamer import LayerwiseStreamer
+from ..core import state
 
 log = logging.getLogger(__name__)
 

@@ -27,11 +27,11 @@ import comfy.model_base
 import comfy.model_management
 import comfy.sd1_clip
 
-from ..offload_core.models.tier_errors import TierError
-from . import prompt_lifecycle
-from .core_models import unload_from_core
-from .managed_models import diffusion_module_ids, key_of
-from .state import LAYERWISE, MANAGER, SWAP_MEMBERS
+from ...offload_core.models.tier_errors import TierError
+from ..core import prompt_lifecycle
+from ..core.models import unload_from_core
+from ..core.state import LAYERWISE, MANAGER, SWAP_MEMBERS
+from ..tiers.managed_models import diffusion_module_ids, key_of
 
 log = logging.getLogger(__name__)
 

@@ -36,10 +36,10 @@ import torch
 import comfy.patcher_extension
 from comfy_api.v0_0_2 import io
 
-from ..offload_core.models.swap import ModuleSwap
-from . import host_moves
-from .core_models import is_dynamic, loaded_entries, unload_from_core
-from .state import LAYERWISE, LAYERWISE_KEY, SWAP_KEY, SWAP_MEMBERS
+from ...offload_core.models.swap import ModuleSwap
+from ..core import host_moves
+from ..core.models import is_dynamic, loaded_entries, unload_from_core
+from ..core.state import LAYERWISE, LAYERWISE_KEY, SWAP_KEY, SWAP_MEMBERS
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ from typing import Any, Callable
 
 import folder_paths
 
-from ..offload_core.models.file_identity import file_version, model_id, source_key
-from . import state
-from .tier_backend import ComfyModelBackend, Source, patchers_of
+from ...offload_core.models.file_identity import file_version, model_id, source_key
+from ..core import state
+from .backend import ComfyModelBackend, Source, patchers_of
 
 
 def backends() -> list[tuple[str, ComfyModelBackend]]:

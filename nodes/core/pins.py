@@ -17,7 +17,7 @@ import threading
 
 import comfy.model_management as mm
 
-from ..offload_core.host import pinned
+from ...offload_core.host import pinned
 
 log = logging.getLogger(__name__)
 GIB = 1024 ** 3

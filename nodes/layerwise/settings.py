@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..offload_core.blocks.phases import GRANULARITIES
-from . import budgets
+from ...offload_core.blocks.phases import GRANULARITIES
+from ..core import budgets
 
 GIB = 1024 ** 3
 MAX_RESIDENT_BLOCKS = 4096

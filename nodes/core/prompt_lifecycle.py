@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Callable
 
-from ..offload_core.models.tier_errors import TierError
+from ...offload_core.models.tier_errors import TierError
 
 log = logging.getLogger(__name__)
 

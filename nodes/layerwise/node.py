@@ -1,9 +1,9 @@
 """Apply Layerwise Offload, the node: stream a DiT's blocks from pinned RAM during sampling.
 
-It checks its inputs (layerwise_settings.py) and picks the path. On a model core runs with
+It checks its inputs (settings.py) and picks the path. On a model core runs with
 Dynamic VRAM, `auto` lets core stream it in the node's order (dynamic_cooperation.py); anywhere
 else the pack's engine streams, on a classic patcher (a twin for a Dynamic VRAM model in `engine`
-mode: dynamic_vram.py), through one session per diffusion model (layerwise_session.py), which two
+mode: dynamic_vram.py), through one session per diffusion model (session.py), which two
 wrappers registered under the pack's key run inside core's sampling: PREPARE_SAMPLING hands the
 blocks over before core's load and corrects core's figures after it, OUTER_SAMPLE gives
 everything back however the run ends.
@@ -18,13 +18,13 @@ import logging
 import comfy.patcher_extension
 from comfy_api.v0_0_2 import io
 
-from ..offload_core.blocks.phases import GRANULARITIES
+from ...offload_core.blocks.phases import GRANULARITIES
+from ..core.models import is_dynamic
+from ..core.state import LAYERWISE, LAYERWISE_KEY, SWAP_KEY, SWAP_MEMBERS
 from . import compiled_models, dynamic_cooperation, dynamic_vram, spill_folder
-from .core_models import is_dynamic
-from .layerwise_session import LayerwiseSession
-from .layerwise_settings import (MAX_DISK_WORKERS, MAX_HOST_CACHE_GB, MAX_PREFETCH,
-                                 MAX_RESIDENT_BLOCKS, MAX_VRAM_BUDGET_GB, LayerwiseSettings)
-from .state import LAYERWISE, LAYERWISE_KEY, SWAP_KEY, SWAP_MEMBERS
+from .session import LayerwiseSession
+from .settings import (MAX_DISK_WORKERS, MAX_HOST_CACHE_GB, MAX_PREFETCH, MAX_RESIDENT_BLOCKS,
+                       MAX_VRAM_BUDGET_GB, LayerwiseSettings)
 
 log = logging.getLogger(__name__)
 

@@ -35,13 +35,14 @@ from aiohttp import web
 
 import comfy.model_management
 
-from ..offload_core.host.pinned import pinned_bytes
-from ..offload_core.models.tier_errors import (
+from ...offload_core.host.pinned import pinned_bytes
+from ...offload_core.models.tier_errors import (
     ModelInUseError, ModelPinnedError, SourceChangedError, SourceGoneError, SourceUnreadableError,
     TierCapacityError, TierError, UnknownModelError)
-from . import budgets, loaded_models, prompt_lifecycle
-from .managed_models import diffusion_module_ids, release_prompt, sync_tiers
-from .state import LAYERWISE, MANAGER, SWAP_MEMBERS
+from ..core import budgets, prompt_lifecycle
+from ..core.state import LAYERWISE, MANAGER, SWAP_MEMBERS
+from ..tiers.managed_models import diffusion_module_ids, release_prompt, sync_tiers
+from . import loaded_models
 
 log = logging.getLogger(__name__)
 
@@ -295,7 +296,7 @@ async def post_action(request: web.Request) -> web.Response:
 
 @state_changing
 async def post_budgets(request: web.Request) -> web.Response:
-    """Change the budgets: GiB fields as `budgets.py` defines them, and disk_tier."""
+    """Change the budgets: GiB fields as `core/budgets.py` defines them, and disk_tier."""
     try:
         body = await read_json_object(request)
         if not body:

@@ -30,7 +30,7 @@ import comfy.model_patcher
 import comfy.utils
 import comfy.weight_adapter
 
-from ..offload_core.host.side_tensors import SideTensors
+from ...offload_core.host.side_tensors import SideTensors
 from .block_budget import cached_bytes, cublas_workspace_bytes
 
 log = logging.getLogger(__name__)

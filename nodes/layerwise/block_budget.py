@@ -26,9 +26,9 @@ import torch
 
 import comfy.model_management
 
-from ..offload_core.device.residency import fit_budget
-from ..offload_core.units import size_text
-from .core_models import loaded_entries
+from ...offload_core.device.residency import fit_budget
+from ...offload_core.units import size_text
+from ..core.models import loaded_entries
 
 log = logging.getLogger(__name__)
 

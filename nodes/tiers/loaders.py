@@ -26,10 +26,10 @@ from typing import Any
 import nodes as core_nodes
 from comfy_api.v0_0_2 import io
 
-from . import prompt_lifecycle, state
-from .budgets import shorten
+from ..core import prompt_lifecycle, state
+from ..core.budgets import shorten
+from .backend import Source
 from .managed_models import register_model, source_of
-from .tier_backend import Source
 
 log = logging.getLogger(__name__)
 

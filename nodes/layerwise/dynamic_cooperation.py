@@ -40,11 +40,12 @@ import torch
 import comfy.model_management
 import comfy.patcher_extension
 
-from ..offload_core.device.residency import fit_budget, plan_residency, slot_count, spread_evenly
-from . import block_budget, state, vbar_layout
-from .core_models import is_dynamic, loaded_entries
+from ...offload_core.device.residency import fit_budget, plan_residency, slot_count, spread_evenly
+from ..core import state
+from ..core.models import is_dynamic, loaded_entries
+from ..core.state import DYNAMIC_ORDER_KEY
+from . import block_budget, vbar_layout
 from .dynamic_vram import UNITS_ATTR, BlockPlan, binary_bytes, plan_blocks
-from .state import DYNAMIC_ORDER_KEY
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ import torch
 
 import comfy.patcher_extension
 
-from ..offload_core.blocks.discovery import uncompiled
+from ...offload_core.blocks.discovery import uncompiled
 
 # The key of core's TorchCompileModel wrapper, the model option holding its settings and the
 # wrapper's own name for what it compiles (comfy_api.torch_helpers.torch_compile).

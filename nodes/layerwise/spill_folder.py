@@ -4,7 +4,7 @@ server's owner listed in the pack's settings file, and nowhere else.
 Why a list and not any path: `spill_dir` comes from a workflow, and any client of ComfyUI's HTTP
 API can queue one, so a free path would let it put a model-sized file wherever the server may
 write: system folders, `/dev/shm` (which is RAM), a home folder. The list is "spill_dirs" in
-<ComfyUI user directory>/tiered_offload.json, which no request can write (settings_file.py).
+<ComfyUI user directory>/tiered_offload.json, which no request can write (core/settings_file.py).
 Paths are compared after `~`, variables, symlinks and `..` are resolved, so no spelling of a path
 leads out of the allowed folders.
 """
@@ -14,8 +14,8 @@ import os
 
 import folder_paths
 
-from . import settings_file
-from .budgets import shorten
+from ..core import settings_file
+from ..core.budgets import shorten
 
 KEY = "spill_dirs"
 

@@ -6,7 +6,7 @@ bytes. Here that is always core's own load and unload path, so core's view
 
 Dropping a model to disk frees its weights even though ComfyUI's output cache still holds the
 loader's objects: the objects are emptied (moved to the meta device), and `generation` moves on
-with every drop, which the Tiered loader's `fingerprint_inputs` carries (tiered_loaders.py), so no prompt
+with every drop, which the Tiered loader's `fingerprint_inputs` carries (loaders.py), so no prompt
 is ever handed the emptied objects: the loader runs again and reloads, or fails the prompt with the
 manager's clear refusal.
 """
@@ -21,12 +21,12 @@ import torch
 
 import comfy.model_management
 
-from ..offload_core.models.file_identity import file_version
-from ..offload_core.models.tier_entries import Tier
-from ..offload_core.models.tier_errors import (
+from ...offload_core.models.file_identity import file_version
+from ...offload_core.models.tier_entries import Tier
+from ...offload_core.models.tier_errors import (
     SourceChangedError, SourceGoneError, SourceUnreadableError, TierError)
-from . import budgets, state
-from .core_models import loaded_entries, unload_from_core
+from ..core import budgets, state
+from ..core.models import loaded_entries, unload_from_core
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ holds which of its models, and the keys the pack registers its wrappers and call
 core (`comfy.patcher_extension` keys, `host_moves` keys). Node modules never import each other's
 registries, so no import circle can form around them.
 
-Imports the engine only, nothing of nodes/: any node module may import this one. The objects held
+Imports the engine only, nothing else of nodes/: any module of nodes/ may import this one. The objects held
 here are duck-typed (a session has `report()`, `disk_bytes()`, `active`), so this module needs no
 node module's classes.
 """
@@ -20,9 +20,9 @@ from typing import Any, Callable
 
 import torch
 
-from ..offload_core.models.tier_entries import Tier
-from ..offload_core.models.tiers import TierManager
-from ..offload_core.per_module import PerModule
+from ...offload_core.models.tier_entries import Tier
+from ...offload_core.models.tiers import TierManager
+from ...offload_core.per_module import PerModule
 
 log = logging.getLogger(__name__)
 

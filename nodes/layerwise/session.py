@@ -1,6 +1,6 @@
 """Apply Layerwise Offload's engine session: the streamer bound to one diffusion model, and its run.
 
-How it cooperates with core's ModelPatcher (classic, as in 0.3.75); the node (layerwise.py) calls
+How it cooperates with core's ModelPatcher (classic, as in 0.3.75); the node (node.py) calls
 `begin` and `account` from its PREPARE_SAMPLING wrapper and `end` from its OUTER_SAMPLE wrapper:
 - A PREPARE_SAMPLING wrapper, inside the sampler's OUTER_SAMPLE, first decides the engine's
   device budget (what is free once core has made room for the rest of the run), then hands the
@@ -33,15 +33,16 @@ import torch
 import comfy.model_management
 import comfy.utils
 
-from ..offload_core.blocks.discovery import find_blocks
-from ..offload_core.device.telemetry import overlap_efficiency
-from ..offload_core.disk.host_cache import CacheTooSmallError
-from ..offload_core.disk.tier import DiskOptions
-from ..offload_core.layerwise.streamer import LayerwiseStreamer
-from ..offload_core.units import size_text
-from . import block_budget, comfy_weights, compiled_models, dynamic_vram, host_moves, spill_folder
-from .layerwise_settings import GIB, LayerwiseSettings
-from .state import LAYERWISE, LAYERWISE_KEY
+from ...offload_core.blocks.discovery import find_blocks
+from ...offload_core.device.telemetry import overlap_efficiency
+from ...offload_core.disk.host_cache import CacheTooSmallError
+from ...offload_core.disk.tier import DiskOptions
+from ...offload_core.layerwise.streamer import LayerwiseStreamer
+from ...offload_core.units import size_text
+from ..core import host_moves
+from ..core.state import LAYERWISE, LAYERWISE_KEY
+from . import block_budget, comfy_weights, compiled_models, dynamic_vram, spill_folder
+from .settings import GIB, LayerwiseSettings
 
 log = logging.getLogger(__name__)
 

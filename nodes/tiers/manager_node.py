@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from comfy_api.v0_0_2 import io
 
-from ..offload_core.models.tier_budgets import DEFAULT_RAM_RESERVE_BYTES, DEFAULT_VRAM_RESERVE_BYTES
-from . import budgets, state
+from ...offload_core.models.tier_budgets import DEFAULT_RAM_RESERVE_BYTES, DEFAULT_VRAM_RESERVE_BYTES
+from ..core import budgets, state
 from .managed_models import key_of
 
 
