@@ -24,6 +24,7 @@ _EXPORTS = {
     "TensorRef": "host.tensor_refs",
     "tensor_refs": "host.tensor_refs",
     "check_packable": "host.layout",
+    "wrappers_to_inference": "host.subclass",
     "HostStorage": "host.pinned",
     "pinned_bytes": "host.pinned",
     "pin_cap": "host.pinned",
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
         pinned_bytes,
         set_pin_accounting,
     )
+    from .host.subclass import wrappers_to_inference
     from .host.tensor_refs import TensorRef, tensor_refs
     from .layerwise.streamer import LayerwiseStreamer
     from .models.swap import ModuleSwap

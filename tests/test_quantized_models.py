@@ -26,7 +26,7 @@ import quantized_models as qm
 from comfy_server import COMFY_PYTHON, COMFY_ROOT, REPO, ComfyServer
 from conftest import WAN_CLIP_LORA
 from test_model_swap import with_text_encode
-from workflows import latent_sha, sample_workflow
+from workflows import LORA_FILE, latent_sha, sample_workflow
 
 GGUF_NODES = REPO.parent / "shared" / "third_party" / "ComfyUI-GGUF"
 FP8_BLOCKS = "tiny_wan21_fp8_blocks.safetensors"
@@ -290,3 +290,34 @@ def test_quantized_blocks_streamed_from_disk_as_phases(qserver, unet, loader, ca
     assert state["disk"]["active"] and state["granularity"] == "phase", state["disk"]
     assert state["telemetry"]["disk_reads"] > 0, state["telemetry"]
     assert latent_sha(qserver.run(workflow(unet, lora=True, loader=loader))) == ref_lora
+
+
+def test_fp8_blocks_after_a_free_take_a_lora_in_the_tier_manager(qserver):
+    """Found by the differential test (seed 61, 0.3.75): the fp8 model streamed with all blocks
+    resident under the tier manager, then `/free` (which core's prompt worker runs outside
+    inference mode), then the same loaded model with a LoRA under a tier budget it cannot meet:
+    core's LoRA loader reads the model's state_dict inside inference mode, and every quantized
+    parameter must still be readable there."""
+    def chain(offload: bool, lora: float, budget: float, disk: bool, loader: str) -> dict:
+        wf = workflow(FP8_BLOCKS, loader=loader)
+        model = ["load", 0]
+        if offload:
+            wf["offload"] = {"class_type": "ApplyLayerwiseOffload", "inputs": {
+                "model": model, "resident_blocks": -1, "vram_budget_gb": 0.0, "prefetch": 16, "pin": False}}
+            model = ["offload", 0]
+        if loader == "TieredUNETLoader":
+            wf["tiers"] = {"class_type": "VRAMTierManager", "inputs": {
+                "model": model, "ram_budget_gb": budget, "ram_reserve_gb": 0.0, "vram_reserve_gb": 0.0,
+                "disk_tier": disk, "keep_in_ram": False, "priority": 0}}
+            model = ["tiers", 0]
+        wf["lora"] = {"class_type": "LoraLoaderModelOnly", "inputs": {
+            "model": model, "lora_name": LORA_FILE, "strength_model": lora}}
+        model = ["lora", 0]
+        wf["sample"]["inputs"]["model"] = model
+        return wf
+
+    first = latent_sha(qserver.run(chain(False, 0.0, 0, False, "UNETLoader")))
+    second = latent_sha(qserver.run(chain(False, -0.7, 0, False, "UNETLoader")))
+    assert latent_sha(qserver.run(chain(True, 0.0, 0.5, True, "TieredUNETLoader"))) == first
+    qserver.free()
+    assert latent_sha(qserver.run(chain(False, -0.7, 0.001, False, "TieredUNETLoader"))) == second

@@ -21,6 +21,7 @@ import torch
 
 import comfy.model_management
 
+from ...offload_core.host.subclass import wrappers_to_inference
 from ...offload_core.models.file_identity import file_version
 from ...offload_core.models.tier_entries import Tier
 from ...offload_core.models.tier_errors import (
@@ -117,6 +118,16 @@ class ComfyModelBackend:
                                         f"{budgets.shorten(e, 400)}") from e
         self._check_source()  # rewritten while it loaded: these bytes belong to no known id
         self.outputs = outputs
+
+    def mend(self) -> None:
+        """Before the outputs are handed out again: quantized weights that core's prompt worker
+        moved outside inference mode (`/free`) become inference tensors again, or core's next
+        LoRA loader cannot read the model (see `wrappers_to_inference`)."""
+        for patcher in patchers_of(self.outputs or ()):
+            mended = wrappers_to_inference(patcher.model)
+            if mended:
+                log.info("tiered offload: '%s': %d quantized tensors rewrapped for inference mode "
+                         "(core unloaded the model outside it)", self.source.name, mended)
 
     @torch.inference_mode()
     def to_vram(self) -> None:

@@ -38,7 +38,9 @@ def managed_outputs(key: str) -> tuple:
     """The loader outputs for this id, from whichever tier holds them, held for this prompt."""
     state.MANAGER.wait_ready(key)
     state.PROMPT_HOLDS.hold(key, prompt_lifecycle.current_prompt_id())
-    return state.MANAGER.get(key).backend.outputs
+    backend = state.MANAGER.get(key).backend
+    backend.mend()
+    return backend.outputs
 
 
 def _v3_input(name: str, spec: tuple, optional: bool) -> io.Input:

@@ -167,6 +167,33 @@ def swap(a: torch.Tensor, b: torch.Tensor, label: str) -> None:
         raise RuntimeError(f"cannot bind {label!r}: {e}") from e
 
 
+def wrappers_to_inference(module: nn.Module) -> int:
+    """Make every wrapper parameter and buffer of ``module`` an inference tensor again; returns how many were not.
+
+    Why: ComfyUI loads models under ``torch.inference_mode`` and its prompt worker unloads them
+    outside it (``POST /free``). ``Module.to()`` there swaps each wrapper (a QuantizedTensor) for a
+    normal tensor, which no code in inference mode can ``detach()`` again: core's LoRA loader
+    reads ``state_dict()`` and fails with "Cannot set version_counter for inference tensor". Core
+    loads its own models afresh after a ``/free``; a model kept across one is mended with this
+    before it is handed out. The same inner tensors are rewrapped and swapped into the same
+    object: nothing is copied, and whoever holds the parameter keeps holding it.
+    """
+    mended = 0
+    for mod in module.modules():
+        for table in (mod._parameters, mod._buffers):
+            for name, t in table.items():
+                if t is None or t.is_inference() or not is_wrapper(t):
+                    continue
+                flat = flatten(t)
+                with torch.inference_mode():
+                    w = type(t).__tensor_unflatten__(dict(zip(flat.names, flat.inner)), flat.ctx, t.size(), t.stride())
+                own = vars(w)
+                own.update({k: v for k, v in vars(t).items() if k not in own})
+                swap(t, w, name)
+                mended += 1
+    return mended
+
+
 def tensor_nbytes(t: torch.Tensor) -> int:
     """Bytes a tensor really holds: a wrapper's inner tensors, not its logical numel x element size."""
     if is_wrapper(t):

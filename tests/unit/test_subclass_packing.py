@@ -312,3 +312,27 @@ def test_module_swap_parks_moved_wrappers_and_leaves_computed_ones_alone():
     sw.close()
     assert [b.weight for b in model] == ours
     assert torch.equal(model(x), ref)
+
+
+def test_wrappers_moved_outside_inference_mode_are_rewrapped_in_place():
+    """ComfyUI loads under inference mode and its prompt worker unloads (`.to()`) outside it: a
+    wrapper parameter then becomes a normal tensor that inference-mode code cannot detach (core's
+    LoRA loader reads state_dict()). Rewrapping mends it: same object, same inner memory, an
+    inference tensor again."""
+    from offload_core import wrappers_to_inference
+
+    with torch.inference_mode():
+        block = QuantLinear(8)
+    before = block.state_dict()
+    block.to("cpu")  # as core's unload: outside inference mode, to where it already is
+    weight, qdata = block.weight, block.weight._qdata
+    assert not weight.is_inference()  # 0.3.75's QuantizedTensor then fails a detach in inference
+    # mode (tests/test_quantized_models.py shows it through a server); this class does not
+
+    assert wrappers_to_inference(block) == 1
+    assert block.weight is weight and weight.is_inference() and weight._qdata is qdata
+    assert weight._is_param  # what nn.Parameter set on the wrapper survives
+    with torch.inference_mode():
+        after = block.state_dict()
+    assert torch.equal(after["weight"].dequantize(), before["weight"].dequantize())
+    assert wrappers_to_inference(block) == 0
