@@ -193,6 +193,15 @@ export const ENGLISH = {
     turns: "Model-Level Swap: {turns} turns, {parks} parks without a copy back",
     master: "master {size}",
   },
+  hostStore: {
+    sharedMemory: "Host copy: {size} in shared memory",
+    sharedDisk: "Host copy: {size} in a shared file on disk",
+    sharedAlone: "no other process maps it now",
+    sharedWithOne: "shared with 1 other process",
+    sharedWith: "shared with {n} other processes",
+    sharedUnknown: "shared with the machine's other processes",
+    private: "Host copy: this process's own ({why})",
+  },
   kind: {
     diffusion_model: "diffusion model",
     checkpoint: "checkpoint",

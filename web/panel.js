@@ -262,10 +262,23 @@ function layerwiseHtml(lw, showStrip, open) {
     <div class="to-lw-head"><b>${esc(tr("layerwise.head"))}</b>
       <span class="to-muted" data-role="lw-summary">${esc(parts.join(" · "))}</span></div>
     ${lw.dynamic_vram?.cost ? `<div class="to-muted" data-role="lw-cost">${esc(tr("layerwise.cost", { cost: lw.dynamic_vram.cost }))}</div>` : ""}
+    ${hostStoreHtml(lw.host_store)}
     ${showStrip ? stripHtml(lw) : ""}
     ${telemetryHtml(lw.telemetry)}
     ${compactTimelineHtml(lw.timeline, !!lw.telemetry && num(lw.streamed_indices?.length) > 0, open)}
   </div>`;
+}
+
+// Where a model's host copy lives: a store every process loading the same file maps (with how
+// many others), or this process's own memory and why.
+function hostStoreHtml(st) {
+  if (!st) return "";
+  if (!st.shared) return `<div class="to-muted" data-role="host-store">${esc(tr("hostStore.private", { why: st.why ?? "" }))}</div>`;
+  const others = typeof st.users === "number" ? Math.max(0, st.users - 1) : null;
+  const withText = others === null ? tr("hostStore.sharedUnknown") : others === 0 ? tr("hostStore.sharedAlone")
+    : others === 1 ? tr("hostStore.sharedWithOne") : tr("hostStore.sharedWith", { n: others });
+  const where = tr(st.kind === "disk" ? "hostStore.sharedDisk" : "hostStore.sharedMemory", { size: fmtBytes(num(st.bytes)) });
+  return `<div class="to-muted" data-role="host-store" data-users="${esc(st.users ?? "")}" title="${esc(`${st.folder}/${st.file}`)}">${esc(`${where} · ${withText}`)}</div>`;
 }
 
 function swapHtml(sw) {
@@ -273,7 +286,8 @@ function swapHtml(sw) {
   const master = sw.bytes && typeof sw.bytes.master === "number"
     ? ` · ${tr("swap.master", { size: fmtBytes(sw.bytes.master) })}` : "";
   return `<div class="to-meta" data-role="swap"><span class="to-pill">${esc(tr("swap.pill"))}</span>
-    <span>${esc(tr("swap.turns", { turns: num(sw.turns), parks: num(sw.parks) }) + master)}</span></div>`;
+    <span>${esc(tr("swap.turns", { turns: num(sw.turns), parks: num(sw.parks) }) + master)}</span></div>
+    ${hostStoreHtml(sw.host_store)}`;
 }
 
 function button(action, icon, { disabled = false, busy = false } = {}) {

@@ -121,6 +121,12 @@ class ApplyLayerwiseOffload(io.ComfyNode):
                     tooltip="Folder for the spill file that blocks are streamed from when they "
                             "do not fit host_cache_gb: as large as the streamed blocks, written "
                             "once, gone with the engine. Empty: ComfyUI's temp folder."),
+                io.Boolean.Input(
+                    "share_host_memory", default=True, optional=True,
+                    tooltip="Share the blocks' host copy with every other ComfyUI process on this "
+                            "machine that streams the same model file (workers of a multi-GPU "
+                            "setup): one copy in shared memory instead of one per process. Off: "
+                            "this process keeps its own copy."),
             ],
             outputs=[io.Model.Output()],
         )
@@ -142,9 +148,10 @@ class ApplyLayerwiseOffload(io.ComfyNode):
     @classmethod
     def execute(cls, model, resident_blocks: int, vram_budget_gb: float, prefetch: int, pin: bool,
                 mode: str = "auto", host_cache_gb: float = 0.0, disk_workers: int = 2,
-                granularity: str = "block", spill_dir: str = "") -> io.NodeOutput:
+                granularity: str = "block", spill_dir: str = "",
+                share_host_memory: bool = True) -> io.NodeOutput:
         settings = LayerwiseSettings(resident_blocks, vram_budget_gb, prefetch, pin, host_cache_gb,
-                                     disk_workers, granularity, spill_dir)
+                                     disk_workers, granularity, spill_dir, share_host_memory)
         if dynamic_vram.check_mode(mode) == "auto" and is_dynamic(model):
             return io.NodeOutput(dynamic_cooperation.cooperate(model, settings.streamer_kwargs()))
         # Checked on the input (clones carry its wrappers), so a refusal costs no copy.

@@ -350,6 +350,16 @@ class HostStorage:
     def pageable_bytes(self) -> int:
         return sum(c.nbytes for c in self._chunks if c.data is not None and not c.pinned_len)
 
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s bytes lie in this storage (a view of one of its buffers)."""
+        if t.device.type != "cpu" or not t.numel():
+            return False
+        ptr = t.data_ptr()
+        for c in self._chunks:
+            if c.data is not None and c.data.numel() and c.data.data_ptr() <= ptr < c.data.data_ptr() + c.nbytes:
+                return True
+        return False
+
     def is_pinned(self, i: int) -> bool:
         return bool(self._chunks[self._where[i][0]].pinned_len)
 

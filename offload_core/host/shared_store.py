@@ -19,12 +19,15 @@ of the same name with another key, format or sample is never mapped.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import mmap
 import os
 import struct
+import threading
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -46,6 +49,9 @@ from .store_folder import (
 from .store_key import FORMAT_VERSION, StoreKey
 
 log = logging.getLogger(__name__)
+
+_open_stores: weakref.WeakSet[SharedHostStore] = weakref.WeakSet()
+_open_lock = threading.Lock()
 
 HEADER = mmap.PAGESIZE
 _MAGIC = b"TOSTORE\x01"
@@ -117,6 +123,8 @@ class SharedHostStore:
         for i in range(self.storage.num_items):
             c = self.storage.chunk_of(i)
             self._left[c] = self._left.get(c, 0) + 1
+        with _open_lock:
+            _open_stores.add(self)
         try:
             self._dfd = folder.open()
             self._lock = folder.lock(self._dfd, self.key.digest, waiting)
@@ -279,6 +287,13 @@ class SharedHostStore:
         finally:
             self._abandon()
 
+    def let_go_at_exit(self) -> None:
+        """The process ends: let go of the files only (the memory goes with the process, and the
+        device may be gone already, so nothing is unpinned)."""
+        if not self._released:
+            self._released = True
+            self._abandon()
+
     def _abandon(self) -> None:
         """Let go of the files: a part file goes (its lock is still ours), a store goes when no
         other process holds it."""
@@ -315,3 +330,18 @@ class SharedHostStore:
         if self._lock is not None:
             lock, self._lock = self._lock, None
             os.close(lock)
+
+
+def let_go_of_all() -> None:
+    """Let go of every store this process still maps: the last process to end removes each one.
+    Runs at interpreter exit; a host application that ends on a signal calls it first."""
+    with _open_lock:
+        stores = list(_open_stores)
+    for store in stores:
+        try:
+            store.let_go_at_exit()
+        except Exception:
+            log.exception("shared host store: could not let go of %s at exit", store.folder.path)
+
+
+atexit.register(let_go_of_all)

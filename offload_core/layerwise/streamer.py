@@ -34,6 +34,7 @@ from ..disk.tier import DiskOptions
 from ..host.packing import PackedBlock
 from ..host.pinned import DEFAULT_CHUNK_BYTES
 from ..host.shared_packing import HostShare
+from ..host.subclass import flatten, is_wrapper
 from ..host.tensor_refs import tables_under
 from ..host.transform import Transform
 from ..ordering import for_device
@@ -166,6 +167,15 @@ class LayerwiseStreamer:
         """Host master size, the tensors in it without alignment padding, how much of it is
         page-locked; with disk streaming, what the host cache holds and what lives on disk."""
         return figures.host_bytes(self._plan, self._store)
+
+    def shows_kept_pack(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` (a wrapper: each of its inner tensors) shows this streamer's kept host
+        pack while detached: another host master of the same module need not copy it."""
+        host = self._store.host
+        if host is None or self._attached:
+            return False
+        inner = flatten(t).inner if is_wrapper(t) else (t,)
+        return bool(inner) and all(host.holds(x) for x in inner)
 
     def host_store(self) -> dict | None:
         """Whether the host pack is in a shared store (its folder, file, bytes and how many
