@@ -177,7 +177,7 @@ class SharedHostStore:
         self.sample = info.get("sample")
 
     def _create(self) -> None:
-        """Under the lock, kept: a part file of the full size, its chunks made as they are written."""
+        """Under the lock, kept: a part file, its chunks made as they are written."""
         free = self.folder.free_bytes()
         if free < self.file_bytes:
             raise StoreUnavailable(f"{self.folder.path} has {size_text(free)} free and the store needs "
@@ -191,12 +191,10 @@ class SharedHostStore:
                            dir_fd=self._dfd)
         hold_shared(self._fd)  # held from the start: the store never lacks a holder
         try:
-            os.ftruncate(self._fd, self.file_bytes)
-            os.pwrite(self._fd, _MAGIC, 0)
+            os.pwrite(self._fd, _MAGIC, 0)  # the file grows as its chunks are made (``writable``)
         except OSError as e:
             if no_room(e):
-                raise StoreUnavailable(f"{self.folder.path} refused the store's {size_text(self.file_bytes)}: "
-                                       f"{e.strerror}") from None
+                raise StoreUnavailable(f"{self.folder.path} refused a new store: {e.strerror}") from None
             raise
         self.writing = True
         self.created = True
