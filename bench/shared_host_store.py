@@ -5,8 +5,8 @@ workers are) load one Wan file from one models folder and stream it with Apply L
 one after the other. Once all have run, the script reads each server's proportional set size
 (PSS: shared pages divided among the processes that map them, so the sum over the servers is what
 the machine holds for them) and its growth since the server started, and the PSS of the store's
-mappings. It does that twice: with "share_host_memory" off in the servers' settings file (each
-packs its own copy) and on (each maps the one store).
+mappings. It does that twice, on fresh servers each time: with the node's `share_host_memory`
+off (each packs its own copy) and on (each maps the one store).
 
 Per worker, the second especially (the first packs in both runs):
   attach_s       the engine's attach: packing the blocks (off), or mapping the store (on)
@@ -14,7 +14,8 @@ Per worker, the second especially (the first packs in both runs):
 The first worker's prompt loads the model file cold or warm alike in both runs (page cache warm:
 every run reads the same file first).
 
---smoke runs a small model with N = 2 only; the test suite runs it. The JSON goes to
+--smoke runs a small model with N = 2 only. The test suite measures the same way (``measure``) on
+servers it already runs (tests/test_shared_host_store.py). The JSON goes to
 bench/results/shared_host_store-<device>-<time>.json unless --out says otherwise; the table and
 the JSON hold the bounds checked: with sharing, each worker after the first adds less than half
 the blocks' bytes to the machine's total, and the store's PSS over all workers is one copy.
@@ -56,9 +57,9 @@ def pss(pid: int) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
 
 
-def workflow(seed: int) -> dict:
-    wf = soak.workflow(MODEL, None, True, seed=seed)
-    wf["offload"]["inputs"].update(resident_blocks=0, prefetch=1)
+def workflow(model: str, seed: int, share: bool) -> dict:
+    wf = soak.workflow(model, None, True, seed=seed)
+    wf["offload"]["inputs"].update(resident_blocks=0, prefetch=1, share_host_memory=share)
     wf["sample"]["inputs"]["steps"] = STEPS
     return wf
 
@@ -90,34 +91,41 @@ async def _first_step(server: ComfyServer, wf: dict, timeout: float) -> tuple[st
     raise TimeoutError(f"no sampler step of {prompt_id} within {timeout} s")
 
 
+def measure(servers: list[ComfyServer], stores: Path, model: str, share: bool,
+            timeout: float = 1800) -> dict[str, Any]:
+    """Run the workflow on each server in turn (the node's ``share_host_memory`` set to ``share``),
+    then read every server's memory; the servers hold no model before (their growth is the run's)."""
+    idle = [pss(s.proc.pid) for s in servers]
+    rows = []
+    for k, server in enumerate(servers):
+        prompt_id, first = asyncio.run(_first_step(server, workflow(model, seed=k, share=share), timeout))
+        entry = server.wait(prompt_id, timeout)
+        if entry["status"]["status_str"] != "success":
+            raise RuntimeError(json.dumps(entry["status"])[:3000])
+        card = next(c for c in server.get("/offload/tiers")["loaded"] if c.get("layerwise"))
+        lw = card["layerwise"]
+        rows.append({"worker": k, "first_step_s": first, "attach_s": lw["telemetry"]["attach_seconds"],
+                     "blocks_packed": lw["telemetry"]["blocks_packed"], "host_store": lw["host_store"],
+                     "block_bytes": lw["block_bytes"]})
+    for row, server, before in zip(rows, servers, idle):
+        row["pss"] = pss(server.proc.pid)
+        row["pss_growth"] = row["pss"] - before
+        row["store_pss"] = sum(m["pss"] for m in soak.mapped_stores(server.proc.pid, stores).values())
+    store_files = soak.store_files(stores)
+    return {"workers": len(servers), "share": share, "rows": rows, "store_files": store_files,
+            "store_bytes": sum((soak.store_folder(stores) / n).stat().st_size for n in store_files),
+            "pss_total": sum(r["pss"] for r in rows), "pss_growth_total": sum(r["pss_growth"] for r in rows),
+            "store_pss_total": sum(r["store_pss"] for r in rows)}
+
+
 def run(root: Path, models: Path, workers: int, share: bool, timeout: float) -> dict[str, Any]:
+    """Fresh servers for one (N, sharing) pair, so no run starts with another's memory."""
     stores = root / f"stores-{workers}-{share}"
     stores.mkdir()
-    servers = soak.start_all([ComfyServer(soak.prepare_base(root / f"w{workers}-{share}-{k}", models, stores,
-                                                            share_host_memory=share))
+    servers = soak.start_all([ComfyServer(soak.prepare_base(root / f"w{workers}-{share}-{k}", models, stores))
                               for k in range(workers)])
     try:
-        idle = [pss(s.proc.pid) for s in servers]
-        rows = []
-        for k, server in enumerate(servers):
-            prompt_id, first = asyncio.run(_first_step(server, workflow(seed=k), timeout))
-            entry = server.wait(prompt_id, timeout)
-            if entry["status"]["status_str"] != "success":
-                raise RuntimeError(json.dumps(entry["status"])[:3000])
-            card = next(c for c in server.get("/offload/tiers")["loaded"] if c.get("layerwise"))
-            lw = card["layerwise"]
-            rows.append({"worker": k, "first_step_s": first, "attach_s": lw["telemetry"]["attach_seconds"],
-                         "blocks_packed": lw["telemetry"]["blocks_packed"], "host_store": lw["host_store"],
-                         "block_bytes": lw["block_bytes"]})
-        for row, server, before in zip(rows, servers, idle):
-            row["pss"] = pss(server.proc.pid)
-            row["pss_growth"] = row["pss"] - before
-            row["store_pss"] = sum(m["pss"] for m in soak.mapped_stores(server.proc.pid, stores).values())
-        store_files = soak.store_files(stores)
-        return {"workers": workers, "share": share, "rows": rows, "store_files": store_files,
-                "store_bytes": sum((soak.store_folder(stores) / n).stat().st_size for n in store_files),
-                "pss_total": sum(r["pss"] for r in rows), "pss_growth_total": sum(r["pss_growth"] for r in rows),
-                "store_pss_total": sum(r["store_pss"] for r in rows)}
+        return measure(servers, stores, MODEL, share, timeout)
     finally:
         for server in servers:
             server.stop()

@@ -70,9 +70,10 @@ class LayerwiseSession:
         resident = settings.resident_blocks if settings.resident_blocks >= 0 else None
         # One host copy per machine: the pack maps the store of this file's blocks that another
         # ComfyUI process made, or makes it for them (core/host_sharing.py).
+        # Disk streaming reads its own spill file, not a store: nothing to share, nothing to refuse.
         spill_dir = spill_folder.spill_folder(settings.spill_dir) if settings.spill_dir.strip() else None
-        self.share, self.share_why = host_sharing.share_for(patcher.model, settings.share_host_memory,
-                                                            spill_dir=spill_dir)
+        self.share, self.share_why = (None, "the blocks stream from disk") if settings.host_cache_gb > 0 \
+            else host_sharing.share_for(patcher.model, settings.share_host_memory, spill_dir=spill_dir)
         self.streamer = LayerwiseStreamer(list(self.blocks), self.device, resident=resident,
                                           prefetch=settings.prefetch, pin=settings.pin,
                                           granularity=settings.granularity,

@@ -2,12 +2,14 @@
 processes (tests/unit/test_shared_store.py): run by the test's Python, never by ComfyUI.
 
     python shared_store_probe.py FOLDER [--disk FOLDER] [--seed N] [--source NAME] [--chunk BYTES]
-                                        [--slow] [--hold]
+                                        [--pause-at K] [--hold]
 
 It builds ``toy_models.ToyDiT(seed)``, attaches a streamer that shares its host pack under the
 key ``--source`` (folders: FOLDER as shared memory, then ``--disk``), runs the model and prints one
-JSON line per event: ``{"event": "packing", "done": i}`` per block packed or mapped (``--slow``:
-each is followed by a pause, so a test can kill the process while it packs), then ``{"event":
+JSON line per event: ``{"event": "packing", "done": i}`` per block packed or mapped (``done`` 0
+while it waits for another process that packs the same store; ``--pause-at K``: after the K-th
+block it says ``{"event": "paused"}`` and waits for a line on stdin, so a test can kill it while
+it packs), then ``{"event":
 "ready", "out": <sha256 of the output's bytes>, "ref": <the same model's own output, before any
 packing>, "store": <the streamer's host_store()>, "pid": ...}``. With ``--hold`` it keeps the pack
 until a line arrives on stdin, then closes the streamer and prints ``{"event": "closed"}``.
@@ -18,7 +20,6 @@ import argparse
 import hashlib
 import json
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -48,7 +49,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--source", default="toy")
     ap.add_argument("--chunk", type=int, default=64 << 10)
-    ap.add_argument("--slow", action="store_true")
+    ap.add_argument("--pause-at", type=int, default=None)
     ap.add_argument("--hold", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -62,8 +63,9 @@ def main() -> None:
 
     def progress(done: int, total: int) -> None:
         say(event="packing", done=done, total=total)
-        if args.slow and done:
-            time.sleep(0.4)
+        if done and done == args.pause_at:
+            say(event="paused")
+            sys.stdin.readline()
 
     streamer.attach(progress=progress)
     with torch.no_grad():

@@ -382,21 +382,41 @@ def test_processes_share_one_copy_and_a_killed_one_lets_go(tmp_path):
 
 
 def test_a_packer_killed_mid_pack_leaves_nothing_read_as_complete(tmp_path):
-    slow = Probe(tmp_path, "--slow", "--hold")
+    """Others wait for a process that packs the store they need (an interrupt ends the wait with
+    the model whole); once it is killed mid-pack, one of them packs the store itself, and its part
+    file is never read."""
+    packer = Probe(tmp_path, "--pause-at", "2", "--hold")
     waiter = None
     try:
-        slow.wait_for(lambda e: e["event"] == "packing" and e["done"] == 2)
+        packer.wait_for(lambda e: e["event"] == "paused")
+        model, ref = _model()  # the probes' model: the same key
+        before, keys = snapshot(model), list(model.state_dict())
+        s = LayerwiseStreamer(list(model.blocks), "cpu", resident=1, host_chunk_bytes=64 << 10,
+                              share=_share(tmp_path))
+
+        class Interrupted(Exception):
+            pass
+
+        def interrupt(done, total):
+            if done == 0:  # waiting: ComfyUI's progress hook raises on an interrupt
+                raise Interrupted
+        with pytest.raises(Interrupted):
+            s.attach(progress=interrupt)
+        assert_restored(model, before, keys)
         waiter = Probe(tmp_path, "--hold")
-        time.sleep(1.0)  # the waiter is waiting for the packer's lock now (or will be)
-        assert [n for n in _files(tmp_path) if n.endswith(".part")]
-        slow.kill()
+        waiter.wait_for(lambda e: e["event"] == "packing" and e["done"] == 0)  # waiting for the lock
+        assert _stores(tmp_path) == [] and [n for n in _files(tmp_path) if n.endswith(".part")]
+        packer.kill()
         e = waiter.ready()
         assert e["out"] == e["kept"] == e["ref"] and e["store"]["created_here"]  # it packed itself
         assert not [n for n in _files(tmp_path) if n.endswith(".part")]  # the dead packer's part is gone
+        s.attach()  # now it maps what the waiter packed
+        assert not s.host_store()["created_here"] and torch.equal(bits(_run(model)), bits(ref))
+        s.close()
         waiter.close()
         assert _files(tmp_path) == []
     finally:
-        slow.stop()
+        packer.stop()
         if waiter is not None:
             waiter.stop()
 
@@ -462,36 +482,6 @@ def test_no_room_in_shared_memory_uses_the_disk_folder(tmp_path, monkeypatch):
     assert store["shared"] and store["kind"] == DISK and store["folder"] == str(disk / user_folder_name())
     assert torch.equal(bits(_run(model)), bits(ref))
     s.close()
-
-
-def test_an_interrupted_wait_for_another_packer_leaves_the_model_whole(tmp_path):
-    """While another process packs the same store this one waits, and ComfyUI's interrupt (raised
-    from the progress hook) ends the wait with the model as it was."""
-    slow = Probe(tmp_path, "--slow", "--hold")
-    try:
-        slow.wait_for(lambda e: e["event"] == "packing" and e["done"] == 1)
-        model, ref = _model()  # the probe's model: the same key
-        before, keys = snapshot(model), list(model.state_dict())
-        s = LayerwiseStreamer(list(model.blocks), "cpu", resident=1, host_chunk_bytes=64 << 10,
-                              share=_share(tmp_path))
-
-        class Interrupted(Exception):
-            pass
-
-        def progress(done, total):
-            if done == 0:
-                raise Interrupted
-        with pytest.raises(Interrupted):
-            s.attach(progress=progress)
-        assert_restored(model, before, keys)
-        slow.ready()
-        s.attach()  # now it maps what the other process packed
-        assert not s.host_store()["created_here"] and torch.equal(bits(_run(model)), bits(ref))
-        s.close()
-        slow.close()
-    finally:
-        slow.stop()
-    assert _files(tmp_path) == []
 
 
 def test_holders_counts_each_open_file_that_holds_it(tmp_path):
