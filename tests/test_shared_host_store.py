@@ -273,7 +273,8 @@ def test_the_benchmark_measures_one_copy_with_sharing_and_two_without(cluster):
     assert all(row["blocks_packed"] > 0 and row["host_store"]["shared"] is False for row in off["rows"])
     assert len(on["store_files"]) == 1
     assert [row["blocks_packed"] > 0 for row in on["rows"]] == [True, False]  # the second maps
-    assert all(row["host_store"]["shared"] and row["host_store"]["users"] == 2 for row in on["rows"])
+    assert all(row["host_store"]["shared"] for row in on["rows"])
+    assert on["rows"][1]["host_store"]["users"] == 2  # read as each run ends: the second found the first
     block_bytes = on["rows"][0]["block_bytes"]
     assert bench.bounds([on], block_bytes)["checks"] == {"store_pss_is_one_copy_n2": True}
     for row in on["rows"] + off["rows"]:
