@@ -214,8 +214,11 @@ class SharedHostStore:
             raise RuntimeError("this store is not being written")
         chunk = self.storage.chunk_of(item)
         data = self._writable.get(chunk)
+        span = self.storage.chunk_spans[chunk]
+        if data is None and not span:  # a chunk of empty items: nothing to make or map
+            with torch.inference_mode(False):
+                data = self._writable[chunk] = torch.empty(0, dtype=torch.uint8)
         if data is None:
-            span = self.storage.chunk_spans[chunk]
             if self.folder.in_memory:
                 headroom = available_ram_bytes() - self._reserve
                 if span > headroom:

@@ -273,6 +273,22 @@ def test_module_swap_shares_its_master_and_leaves_a_kept_pack_alone(tmp_path):
     assert_restored(model, before, keys)
 
 
+def test_a_store_whose_first_chunk_holds_only_empty_items(tmp_path):
+    """An empty first item alone in its chunk (the next is larger than a chunk): nothing to map."""
+    folder = StoreFolder(str(tmp_path), SHARED_MEMORY)
+    store = SharedHostStore.open(folder, lambda spans: StoreKey({"a": 2}, [spans]), [0, 8192], pin=False,
+                                 ram_budget_bytes=None, chunk_bytes=4096, label="t")
+    assert store.storage.chunk_spans == [0, 8192]
+    assert store.writable(0).numel() == 0
+    store.written(0)
+    store.writable(1).fill_(3)
+    store.written(1)
+    store.finish("s")
+    assert store.storage.buffer(0).numel() == 0 and int(store.storage.buffer(1).sum()) == 3 * 8192
+    store.release()
+    assert _files(tmp_path) == []
+
+
 def test_host_storage_knows_which_tensors_live_in_it():
     storage = HostStorage([64, 4096], pin=False)
     buf = storage.buffer(1)
