@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import datetime as dt
 import json
-import os
 import sys
 import tempfile
 import time

@@ -18,7 +18,8 @@ import functools
 import inspect
 import logging
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import comfy.sd
 

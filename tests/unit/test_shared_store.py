@@ -35,7 +35,9 @@ from offload_core.host.store_folder import (
     holders,
     user_folder_name,
 )
+from offload_core.blocks.phases import stream_units
 from offload_core.host.store_key import StoreKey, content_sample
+from offload_core.layerwise.plan import StreamPlan
 from offload_core.layerwise.streamer import LayerwiseStreamer
 from offload_core.models.swap import ModuleSwap
 from toy_models import ToyDiT, assert_restored, bits, inputs, snapshot
@@ -142,7 +144,7 @@ def test_a_folder_open_to_others_or_a_link_is_refused_clearly(tmp_path):
 
 
 def test_a_store_without_its_completion_mark_is_never_mapped(tmp_path):
-    model, ref = _model()
+    model, _ = _model()
     s = LayerwiseStreamer(list(model.blocks), "cpu", host_chunk_bytes=64 << 10, share=_share(tmp_path))
     s.attach()
     s.detach(keep_pack=True)
@@ -542,8 +544,6 @@ def test_open_refuses_a_store_of_the_same_name_with_another_key(tmp_path):
 
 def test_pack_host_without_a_share_is_private(tmp_path):
     model, ref = _model()
-    from offload_core.layerwise.plan import StreamPlan
-    from offload_core.blocks.phases import stream_units
     plan = StreamPlan(list(model.blocks), stream_units(list(model.blocks), "block"), "block", resident=None,
                       vram_budget_bytes=None, prefetch=1)
     packed = pack_host(plan.all_packs(), pin=False, ram_budget_bytes=None, chunk_bytes=1 << 20,
