@@ -166,9 +166,6 @@ def test_swap_over_a_kept_layerwise_pack_holds_the_blocks_once(comfy):
     lw = next(m for m in comfy.get("/offload/layerwise")["models"] if m["model_class"] == "WanModel")
     assert dit["in_layerwise_pack"] > 0
     assert dit["bytes"]["master"] <= lw["rest_bytes"] + 64 * 1024  # the rest, not the blocks again
-    again = comfy.run(with_text_encode(sample_workflow("wan21", seed=43), swap=True))
-    assert latent_sha(again) == latent_sha(comfy.run(with_text_encode(sample_workflow("wan21", seed=43),
-                                                                      swap=False)))
     comfy.free()
 
 
