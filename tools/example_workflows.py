@@ -144,9 +144,11 @@ class Example(NamedTuple):
     note: str   # shown on the canvas
 
 
-# The file stem (the template browser's title and caption) -> the example. A stem is a file name
-# on every system: none of / \ : * ? " < > | (Windows refuses them).
-DEMO = "Stream a model from RAM, seen in the Offload panel (demo)"
+# The file stem -> the example. The template browser shows the stem as the title (cut at about 25
+# characters: the node comes first) and again as the caption (two lines, about 60 characters, with
+# "-" and "_" turned into spaces): it says what the workflow shows. A stem is a file name on every
+# system: none of / \ : * ? " < > | (Windows refuses them).
+DEMO = "Demo, a model streamed from RAM, seen in the Offload panel"
 EXAMPLES: dict[str, Example] = {
     DEMO: Example(demo, (
         f"The demo of comfyui-tiered-offload (make demo). Apply Layerwise Offload streams the "
@@ -155,7 +157,7 @@ EXAMPLES: dict[str, Example] = {
         f"bit-identical to the same workflow without the node. Open the Offload tab in the "
         f"sidebar before a run: every loaded model, where its blocks are, and a picture of the "
         f"run. " + _MODELS_NOTE)),
-    f"Keep {LAYERWISE_RESIDENT} blocks on the GPU, stream the rest from RAM (Apply Layerwise Offload)":
+    f"Apply Layerwise Offload, {DIT_BLOCKS - LAYERWISE_RESIDENT} of {DIT_BLOCKS} blocks streamed from RAM":
     Example(layerwise, (
         f"Apply Layerwise Offload between the model loader (and any LoRA) and the sampler. "
         f"resident_blocks {LAYERWISE_RESIDENT}: that many of the model's blocks stay on the GPU, "
@@ -164,11 +166,11 @@ EXAMPLES: dict[str, Example] = {
         f"and vram_budget_gb to the GiB the blocks may take on your card (for example 12 on a "
         f"24 GiB card running a 14B video model), or to 0 to let the node take what the card has "
         f"free. " + _MODELS_NOTE)),
-    "Model and text encoder take turns on the GPU (Model-Level Swap)": Example(swap, (
+    "Model-Level Swap, model and text encoder share the GPU": Example(swap, (
         "Model-Level Swap after the loaders: the diffusion model is parked in RAM while text is "
         "encoded, the text encoder while sampling. Both move from pinned RAM masters: a few "
         "large copies in, nothing copied back. " + _MODELS_NOTE)),
-    "Keep models in RAM between workflows (Tiered loaders)": Example(tiered, (
+    "Tiered loaders, models kept in RAM between workflows": Example(tiered, (
         "The Tiered loaders load what core's loaders load, and the tier manager keeps their "
         "models across workflows (VRAM, RAM, disk). The VRAM Tier Manager sets the budgets (GiB) "
         "and this model's policy: keep in RAM, priority 10. Run another workflow, then this one "

@@ -37,7 +37,7 @@ def main(argv: list[str]) -> int:
                 browser = pw.chromium.launch(executable_path=chromium, headless=True, args=LAUNCH_ARGS)
                 page = browser.new_page(viewport={"width": 1800, "height": 1000})
                 wait_for_ui(page, server.url)
-                load_template(page, PACK_LINK_NAME, "tiered_offload_demo")
+                load_template(page, PACK_LINK_NAME, example_workflows.DEMO)
                 open_offload_tab(page)
                 page.wait_for_selector('#tiered-offload-panel [data-role="layerwise"]', timeout=10_000)
                 page.evaluate("app.extensionManager.command.execute('Comfy.Canvas.FitView')")
