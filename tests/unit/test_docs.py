@@ -12,6 +12,7 @@ from __future__ import annotations
 import posixpath
 import re
 import subprocess
+import tomllib
 from pathlib import Path
 from typing import Callable
 from urllib.parse import unquote
@@ -223,6 +224,22 @@ def test_a_front_page_that_hides_its_first_screen_is_found():
     without_swap = readme.replace("(docs/model-level-swap.md)", "(docs/api.md)")
     assert first_screen_problems(without_swap) == [
         "the which-node table does not link docs/model-level-swap.md"]
+
+
+def test_the_install_commands_are_the_real_ones():
+    """The install a user copies works as written: the repository URL and the registry id of
+    pyproject.toml (what `comfy node publish` and ComfyUI-Manager use), the same everywhere."""
+    project = tomllib.loads(read("pyproject.toml"))["project"]
+    url, name = project["urls"]["Repository"], project["name"]
+    for page in ("README.md", "docs/install.md"):
+        text = read(page)
+        assert f"git clone {url} custom_nodes/{name}" in text, page
+        assert f"pip install -r custom_nodes/{name}/requirements.txt" in text, page
+        assert f"comfy node install {name}" in text and "ComfyUI-Manager" in text, page
+        assert "<this repository>" not in text, page
+    for page in pages():
+        for found in re.findall(r"https?://[^\s)>`'\"]*" + re.escape(name) + r"[^\s)>`'\"]*", read(page)):
+            assert found == url or found.startswith(url + "/"), f"{page}: {found} is not {url}"
 
 
 # Words of how the pack is being built, which mean nothing to its users: what they read (the
