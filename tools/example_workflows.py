@@ -135,7 +135,7 @@ def tiered() -> dict[str, dict]:
 
 _MODELS_NOTE = (f"Models: {DIT_FILE} (in models/diffusion_models) and {CLIP_FILE} (in "
                 "models/text_encoders), random-weight demo files: make demo writes them, and so "
-                "does `python tools/demo_models.py YOUR_COMFYUI_FOLDER` from a clone of the pack. "
+                "does python tools/demo_models.py YOUR_COMFYUI_FOLDER from a clone of the pack. "
                 "Or pick your own models in the loaders.")
 
 
