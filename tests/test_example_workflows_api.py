@@ -21,12 +21,17 @@ SAVE_LATENT = "7"   # the examples' SaveLatent node
 
 @pytest.fixture(scope="module")
 def demo_models(comfy) -> str:
-    """tools/demo_models.py run into the shared server's models folder, as a user runs it."""
+    """tools/demo_models.py run into the shared server's models folder, as a user runs it. The
+    shared server is left as other tests expect it: the Tiered loaders example pins its models
+    (keep in RAM, priority 10), which is undone."""
     done = subprocess.run([sys.executable, str(REPO / "tools" / "demo_models.py"),
                            "--models-dir", str(comfy.base / "models")],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout
+    yield done.stdout
+    for model in comfy.get("/api/offload/tiers")["models"]:
+        if model["name"] in {name for _, name in example_workflows.MODELS}:
+            comfy.post(f"/api/offload/policy/{model['id']}", {"keep_in_ram": False, "priority": 0})
 
 
 def api_form(stem: str) -> dict:
