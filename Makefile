@@ -112,7 +112,9 @@ cxx:
 demo: env
 	$(PY) tools/demo.py $(DEMO_ARGS)
 
-# The README's screenshot, on purpose only: the tests write theirs under tests/artifacts/.
+# The README's picture and its record (web/screenshot.json: the node inputs it shows, which
+# tests/unit/test_screenshot_sidecar.py checks), on purpose only: the tests write theirs under
+# tests/artifacts/.
 screenshot: env /usr/bin/chromium
 	OMP_NUM_THREADS=2 $(PY) tools/screenshot.py web/screenshot.png
 
