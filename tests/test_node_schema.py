@@ -125,3 +125,16 @@ def test_a_ram_reserve_larger_than_the_machine_is_refused_when_queued(comfy):
     wf["tm"]["inputs"]["ram_reserve_gb"] = float("nan")
     assert "not NaN" in comfy.refused(wf, "tm")
     assert comfy.get("/offload/tiers")["budgets"] == before
+
+
+def test_the_readme_picture_shows_the_inputs_the_nodes_serve(object_info):
+    """web/screenshot.json records the pack's nodes as the README's picture shows them
+    (tools/screenshot.py; tests/unit/test_screenshot_sidecar.py checks it against the recorded
+    interfaces): the server under test serves those inputs, no more, no fewer."""
+    record = json.loads((Path(__file__).resolve().parent.parent / "web" / "screenshot.json")
+                        .read_text(encoding="utf-8"))
+    assert record["nodes"], record
+    for node, shown in record["nodes"].items():
+        served = {name for section in ("required", "optional")
+                  for name in object_info[node]["input"].get(section, {})}
+        assert set(shown["inputs"]) == served, f"{node}: the README's picture is stale, run make screenshot"
