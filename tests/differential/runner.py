@@ -97,6 +97,15 @@ def _tier_action(server: ComfyServer, action: str, name: str) -> dict[str, Any]:
             if isinstance(body, dict) else None, "detail": None if status == 200 else body}
 
 
+def _graphs(server: ComfyServer) -> int | None:
+    """Graphs dynamo has compiled in the server so far (the test nodes' count), None if unknown."""
+    try:
+        status, counts = server.request("GET", "/tiered_test/dynamo_counts")
+    except (RuntimeError, ConnectionError, OSError):
+        return None
+    return counts.get("graphs") if status == 200 and isinstance(counts, dict) else None
+
+
 def _log_flags(lines: list[str]) -> list[str]:
     return [line[:300] for line in lines if LOG_FLAG.search(line) and not LOG_NOISE.search(line)][:30]
 
@@ -119,8 +128,12 @@ def run_step(pair: ServerPair, step: dict[str, Any], timeout: float = 900) -> di
         elif step.get("interrupt") == "sampling":
             when_p = when_q = progress.first_progress
         record["index"] = step.get("index")
+        before = _both(lambda: _graphs(pair.p), lambda: _graphs(pair.q))
         record["p"], record["q"] = _both(lambda: run_prompt(pair.p, step["p"], when_p, timeout),
                                          lambda: run_prompt(pair.q, step["q"], when_q, timeout))
+        after = _both(lambda: _graphs(pair.p), lambda: _graphs(pair.q))
+        if None not in before + after:
+            record["graphs"] = {"p": after[0] - before[0], "q": after[1] - before[1]}
         record["verdict"] = judge(step, record["p"], record["q"])
     else:
         raise ValueError(f"unknown step op {op!r}")
