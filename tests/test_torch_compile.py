@@ -31,6 +31,9 @@ from ws_interrupt import queue_and_interrupt
 STREAMED = {"resident_blocks": 0, "prefetch": 1}
 WAN6 = "compile_wan6.safetensors"
 WAN6_LORA = "compile_wan6_lora.safetensors"
+# A Wan whose blocks have a shape of their own (a wider FFN): no other test compiles its graphs.
+WIDE = "compile_wan_wide.safetensors"
+WIDE_LORA = "compile_wan_wide_lora.safetensors"
 PER_BLOCK = "core_wrapper_block_keys"
 # Graph breaks the node may add: dynamo meets its hooks (offload_core/device/hooks.py).
 ENGINE_BREAKS = ("offload_enter", "offload_exit")
@@ -44,19 +47,27 @@ def server(tmp_path_factory, comfy_base):
         tiny_models.write_tiny_wan21(models / "diffusion_models" / WAN6, layers=6, seed=61)
     if not (models / "loras" / WAN6_LORA).exists():
         tiny_models.write_tiny_wan_lora(models / "loras" / WAN6_LORA, model_layers=6, seed=63)
+    if not (models / "diffusion_models" / WIDE).exists():
+        tiny_models.write_tiny_wan21(models / "diffusion_models" / WIDE, ffn_dim=384, seed=65)
+    if not (models / "loras" / WIDE_LORA).exists():
+        tiny_models.write_tiny_wan_lora(models / "loras" / WIDE_LORA, ffn_dim=384, seed=67)
     base = tmp_path_factory.mktemp("compile_base")
     (base / "models").symlink_to(models, target_is_directory=True)
-    comfy = ComfyServer(base, extra_args=("--use-pytorch-cross-attention",)).start()
+    # Dynamo logs each recompile with the guards that failed (recompile_reasons reads them).
+    comfy = ComfyServer(base, extra_args=("--use-pytorch-cross-attention",),
+                        env={"TORCH_LOGS": "recompiles"}).start()
     yield comfy
     comfy.stop()
 
 
-def wan(lora: float | None = 1.0, layerwise: dict | None = None, six: bool = False) -> dict:
+def wan(lora: float | None = 1.0, layerwise: dict | None = None, six: bool = False,
+        wide: bool = False) -> dict:
     wf = sample_workflow("wan21", lora_strength=lora, layerwise=layerwise)
-    if six:
-        wf["load"]["inputs"]["unet_name"] = WAN6
-        if lora is not None:
-            wf["lora"]["inputs"]["lora_name"] = WAN6_LORA
+    for asked, model, adapter in ((six, WAN6, WAN6_LORA), (wide, WIDE, WIDE_LORA)):
+        if asked:
+            wf["load"]["inputs"]["unet_name"] = model
+            if lora is not None:
+                wf["lora"]["inputs"]["lora_name"] = adapter
     return wf
 
 
@@ -100,6 +111,17 @@ def assert_graphs_reused(report: dict, since: dict | None = None) -> None:
         assert passes[0] == since, (since, passes)
 
 
+def recompile_reasons(comfy, since: int = 0) -> list[str]:
+    """The guard failures dynamo logged for each recompile after the first ``since`` characters
+    of the server's log."""
+    lines = comfy.log_text()[since:].splitlines()
+    reasons = []
+    for at, line in enumerate(lines):
+        if "triggered by the following guard failure(s)" in line and at + 1 < len(lines):
+            reasons.append(lines[at + 1].split("[__recompiles]", 1)[-1].strip())
+    return reasons
+
+
 def engine_breaks_only(before: dict, after: dict) -> None:
     """The graph breaks that appeared between two reports are all the engine's hooks."""
     added = set(after["break_reasons"]) - set(before["break_reasons"])
@@ -113,10 +135,15 @@ def test_per_block_compile_streams_bit_identical_and_reuses_its_graphs(server):
     assert len({full, half, plain}) == 3, "the LoRA strength and compile must change the result"
     assert ref["block_graphs"]["WanAttentionBlock"] >= 1
 
+    mark = len(server.log_text())
     sha, report = run(server, block_compile(wan(1.0, STREAMED)))
     assert sha == full
     assert_graphs_reused(report)
     assert report["block_graphs"]["WanAttentionBlock"] >= 1  # the streamed blocks ran compiled
+    # What it compiled beyond core's graphs, it compiled for the node's wrappers in core's
+    # wrapper table (docs/torch-compile.md#recompiles), nothing for the streamed weights.
+    reasons = recompile_reasons(server, mark)
+    assert all("['wrappers']" in reason for reason in reasons), reasons
     state = server.get("/offload/layerwise")["models"][-1]
     assert state["streamed_indices"] == [0, 1] and state["telemetry"]["copies"] > 0
     # A strength change, one resident block: the same graphs, core's bits.
@@ -158,20 +185,25 @@ def test_blocks_compiled_by_object_patches_stream_bit_identical(server):
     for settings in (STREAMED, {"resident_blocks": 2, "prefetch": 1}):
         message = server.run_expect_error(block_compile(wan(1.0, settings), "blocks_by_object_patch"))
         message = message["exception_message"]
-        assert "ComfyUI applies no weight patch (LoRA) under a module an object patch compiled" \
-            in message, message
-        assert "one key per block" in message, message
+        assert message.startswith("TieredTestCompileBlocks (node compile): ComfyUI applies no "
+                                  "weight patch (LoRA) under a module an object patch compiled"), message
+        assert "TorchCompileModelAdvanced with compile_transformer_blocks_only on" in message, message
 
 
 def test_whole_model_compiles_are_refused_over_streamed_blocks_and_kept_whole_when_resident(server):
     full, ref = run(server, core_compile(wan(1.0)))
-    streamed = wan(1.0, STREAMED)
-    for wf in (core_compile(streamed, before_offload=True), core_compile(streamed),
-               block_compile(wan(None, STREAMED), "model_by_object_patch")):
+    one_resident = wan(1.0, {"resident_blocks": 1, "prefetch": 1})  # queued: its block count decides
+    for wf, compiler in ((core_compile(one_resident, before_offload=True), "TorchCompileModel (node compile)"),
+                         (core_compile(one_resident), "TorchCompileModel (node compile)"),
+                         (block_compile(wan(None, {"resident_blocks": 1, "prefetch": 1}),
+                                        "model_by_object_patch"), "TieredTestCompileBlocks (node compile)")):
         message = server.run_expect_error(wf)["exception_message"]
-        assert "it compiles diffusion_model, which holds streamed blocks" in message, message
-        assert "2 of its 2 blocks are streamed" in message and "resident_blocks = 2" in message
-        assert "Compile the blocks one by one" in message, message
+        assert message.startswith(f"Apply Layerwise Offload (node offload): {compiler} compiles "
+                                  "WanModel whole, as one graph, and this node streams 1 of "
+                                  "WanModel's 2 blocks: streaming splits that graph"), message
+        assert "resident_blocks = 2 (every block stays on the GPU" in message, message
+        assert f"in place of {compiler}, KJNodes' TorchCompileModelAdvanced" in message, message
+        assert ("compile_per_block on here" in message) == (wf["compile"]["class_type"] == "TorchCompileModel")
     # Every block resident: nothing moves, and core's compile keeps its graph (nothing compiles).
     resident = core_compile(wan(1.0, {"resident_blocks": 2, "prefetch": 1}), True)
     sha, report = run(server, resident)
@@ -232,11 +264,72 @@ def test_compile_setups_streamed_blocks_cannot_keep_are_refused_before_anything_
     plain = latent_sha(server.run(wan(None)))
     attached = server.log_text().count("attached ")
     message = server.run_expect_error(wf)["exception_message"]
-    assert "Apply Layerwise Offload: WanModel is compiled with torch.compile" in message, message
-    assert "2 of its 2 blocks are streamed" in message and "resident_blocks = 2" in message, message
+    # Raised on the sampler: the message names first the node to change.
+    first = ("Apply Layerwise Offload (node offload)" if "granularity" in setup
+             else "TieredTestCompileBlocks (node compile)")
+    assert message.startswith(f"{first}: "), message
+    assert "streams 2 of WanModel's 2 blocks" in message and "resident_blocks = 2" in message, message
     for word in words:
         assert word in message, message
     # Refused before anything moved: the engine attached nothing, and the next prompt is core's.
     assert server.log_text().count("attached ") == attached
     assert not any(m["active"] for m in server.get("/offload/layerwise")["models"])
     assert latent_sha(server.run(wan(None))) == plain
+
+
+def test_streamed_blocks_compile_no_graph_of_their_own(server):
+    """Streamed blocks look to dynamo's guards as core's do: a block weight core merges a LoRA
+    into is, after core's load, a parameter without requires_grad, and the engine's merged
+    weights are too. A Wan of its own block shape (no other test compiled its graphs) is compiled
+    per block the way KJNodes' TorchCompileModelAdvanced does it (its own wrapper under core's
+    key, guards on transformer_options filtered out): the same prompt without the node after the
+    one with it compiles no graph, and gives its bits."""
+    def compiled(lora: float, layerwise: dict | None = None) -> dict:
+        return block_compile(wan(lora, layerwise, wide=True), "registry_block_keys")
+
+    sha, with_node = run(server, compiled(1.0, STREAMED))
+    assert with_node["block_graphs"]["WanAttentionBlock"] >= 1  # the streamed blocks ran compiled
+    assert_graphs_reused(with_node)
+    reference, without = run(server, compiled(1.0))
+    assert reference == sha
+    assert without["total"]["graphs"] == with_node["total"]["graphs"], (with_node, without)
+    sha, again = run(server, compiled(0.5, STREAMED))
+    assert sha != reference
+    assert again["total"]["graphs"] == with_node["total"]["graphs"], (with_node, again)
+    assert run(server, compiled(0.5))[0] == sha
+
+
+def test_compile_per_block_takes_a_whole_model_compile_over(server):
+    """compile_per_block: ComfyUI's TorchCompileModel, before or after the node, then compiles
+    each block on its own with its settings, streamed or every block resident alike, and gives
+    the bits of the per-block compile without the node."""
+    per_block, _ = run(server, block_compile(wan(1.0)))
+    for settings in (STREAMED, {"resident_blocks": 2, "prefetch": 1}):
+        for before in (False, True):
+            wf = core_compile(wan(1.0, dict(settings, compile_per_block=True)), before_offload=before)
+            sha, report = run(server, wf)
+            assert sha == per_block, (settings, before)
+            assert_graphs_reused(report)
+
+
+def test_a_compile_the_settings_cannot_keep_is_refused_when_queued(server):
+    """Where the posted prompt shows both, a compile that the node's settings cannot keep is
+    refused when the prompt is queued, on the node to change, with the choices; nothing runs."""
+    wf = core_compile(wan(None, STREAMED))
+    wf["compile"]["_meta"] = {"title": "Compile the model"}
+    details = server.refused(wf, "offload")
+    assert details.startswith("model - Apply Layerwise Offload (node offload): Compile the model "
+                              "(node compile) compiles the model whole, as one graph, and this "
+                              "node streams every block (resident_blocks 0)"), details
+    for choice in ("compile_per_block on here", "resident_blocks = the model's block count",
+                   "in place of Compile the model (node compile), KJNodes' TorchCompileModelAdvanced"):
+        assert choice in details, details
+    assert details.count(" - ") == 1, details
+    phases = core_compile(wan(None, dict(STREAMED, compile_per_block=True, granularity="phase")))
+    details = server.refused(phases, "offload")
+    assert details.startswith("model - Apply Layerwise Offload (node offload): TorchCompileModel "
+                              "(node compile) compiles the blocks of the model one by one"), details
+    assert "granularity 'phase' splits" in details and "Use granularity 'block'" in details, details
+    # What the node's settings keep is queued and runs (graphs of the whole-model test above).
+    resident = core_compile(wan(1.0, {"resident_blocks": 2, "prefetch": 1}), True)
+    assert latent_sha(server.run(resident, timeout=900))

@@ -65,30 +65,37 @@ def message(refusal: Refusal, streaming: Streaming, offload: str, compile_node: 
             per_block_tried: bool = False) -> str:
     """The refusal as the user reads it, the node to change first (``offload``: this node's label;
     ``compile_node``: the compile node's, None where the prompt does not show it)."""
-    compiler = compile_node or f"torch.compile ({refusal.setup.source})"
-    keep = f"or keep every block resident ({streaming.all_resident()} on {offload})"
+    setup = refusal.setup
+    compiler = compile_node or f"torch.compile ({setup.source})"
     if refusal.whole is not None:
         what = (f"{streaming.model_class} whole" if refusal.whole == compiled_models.WHOLE_MODEL
                 else f"{refusal.whole} of {streaming.model_class}")
-        per_block_choice = ("compile_per_block on here (each block is then compiled on its own "
-                            "with the same settings, streamed or not, and the result is a "
-                            "per-block compile's)")
-        resident_choice = (f"{streaming.all_resident()} (every block stays on the GPU, and the "
-                           "whole graph is kept)")
-        choices = [*([] if per_block_tried else [per_block_choice]), resident_choice,
-                   f"in place of {compiler}, {compiled_models.PER_BLOCK_NODE}"]
+        choices = [f"{streaming.all_resident()} (every block stays on the GPU, and the whole "
+                   "graph is kept)", f"in place of {compiler}, {compiled_models.PER_BLOCK_NODE}"]
+        if not per_block_tried and convertible(setup):
+            choices.insert(0, "compile_per_block on here (each block is then compiled on its own "
+                              "with the same settings, streamed or not, and the result is a "
+                              "per-block compile's)")
         cannot = (" compile_per_block cannot take this compile over: it is not made through "
                   "ComfyUI's compile wrapper." if per_block_tried else "")
         return (f"{offload}: {compiler} compiles {what}, as one graph, and this node "
                 f"{streaming.clause()}: {refusal.why}.{cannot} Choose one: {'; '.join(choices)}.")
     if refusal.change == CHANGE_COMPILE and compile_node is not None:
         return (f"{compile_node}: {refusal.why}, and {offload} {streaming.clause()}. "
-                f"{refusal.instead} there, {keep}.")
+                f"{refusal.instead} there, or keep every block resident "
+                f"({streaming.all_resident()} on {offload}).")
+    keep = f"or keep every block resident ({streaming.all_resident()})"
     if refusal.change == CHANGE_OFFLOAD:  # phases
         return (f"{offload}: {compiler} compiles the blocks of {streaming.model_class} one by one, "
                 f"and this node {streaming.clause()}: {refusal.why}. {refusal.instead}, {keep}.")
     return (f"{offload}: {streaming.model_class} is compiled by {compiler}, and this node "
             f"{streaming.clause()}: {refusal.why}. {refusal.instead}, {keep}.")
+
+
+def convertible(setup: CompileSetup) -> bool:
+    """Whether compile_per_block can take this compile over: the whole model, compiled through
+    ComfyUI's compile wrapper."""
+    return setup.keys == (compiled_models.WHOLE_MODEL,) and not setup.by_object_patch
 
 
 def lora_message(refusal: Refusal, offload: str, compile_node: str | None,
@@ -112,9 +119,8 @@ def per_block(patcher, model_options: dict | None, setups: list[CompileSetup],
     factory = _wrapper_factory()
     out = []
     for setup in setups:
-        if (setup.keys == (compiled_models.WHOLE_MODEL,) and not setup.by_object_patch
-                and compiled_models.COMPILE_KEY in apply_model and isinstance(kwargs, dict)
-                and factory is not None):
+        if (convertible(setup) and compiled_models.COMPILE_KEY in apply_model
+                and isinstance(kwargs, dict) and factory is not None):
             modules = {path: torch.compile(patcher.get_model_object(path), **kwargs)
                        for path in block_paths}
             apply_model[compiled_models.COMPILE_KEY] = [factory(modules)]

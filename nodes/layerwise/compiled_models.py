@@ -2,14 +2,13 @@
 may stream (docs/torch-compile.md).
 
 The engine's hooks run outside any compiled graph (offload_core/device/hooks.py). A compile of
-each block on its own (per-block compile nodes: core's compile wrapper with one key per block, as
-KJNodes' TorchCompileModelAdvanced uses it too, or a compiled module put in for each block by an
-object patch) then keeps every block's graph whole,
-with the weights as graph inputs read from whichever slot the hook bound: the same bits as the
-same compiled workflow without the node, no recompile after the first pass
+each block on its own (per-block compile nodes: a wrapper under core's compile key with one
+compiled module per block, core's own or KJNodes' TorchCompileModelAdvanced's, or a compiled
+module put in for each block by an object patch) then keeps every block's graph whole, with the
+weights as graph inputs read from whichever slot the hook bound: the same bits as the same
+compiled workflow without the node, no recompile after the first pass
 (tests/test_torch_compile.py). Everything else that would compile streamed blocks is refused
-before anything moves, with what to choose instead (compile_policy.py decides when, and words
-the messages):
+(compile_policy.py decides when, and words the messages), with what to choose instead:
 - a compile of a module that holds streamed blocks (core's TorchCompileModel compiles the whole
   diffusion model): streaming splits its graph at every streamed block, and inductor's results
   then differ in the last bits from the one graph it compiles without the node;

@@ -49,12 +49,26 @@ def compare_outputs(p: dict[str, Any], q: dict[str, Any], workflow: dict[str, An
     return diffs
 
 
+def queue_errors(workflow: dict[str, Any], detail: Any) -> list[dict[str, Any]]:
+    """A prompt refused when queued (400), as the errors a node raises when it runs."""
+    node_errors = detail.get("node_errors", {}) if isinstance(detail, dict) else {}
+    return [{"node_id": node, "node_type": workflow.get(node, {}).get("class_type"),
+             "exception_type": "validation", "exception_message": error.get("details", "")}
+            for node, entry in node_errors.items() for error in entry.get("errors", [])]
+
+
 def judge(step: dict[str, Any], p: dict[str, Any], q: dict[str, Any]) -> dict[str, Any]:
     """The verdict on one prompt step, given both outcomes (see runner.run_prompt)."""
     ps, qs = p["status"], q["status"]
     if "died" in (ps, qs) or "timeout" in (ps, qs):
         kind = "server_died" if "died" in (ps, qs) else "timeout"
         return _mismatch(kind, step, {"p": p.get("detail"), "q": q.get("detail")}, f"P {ps}, Q {qs}")
+    if ps == "rejected" and qs in ("success", "interrupted"):
+        # Refused when queued: the node's validation names the same documented refusals.
+        for error in queue_errors(step["p"], p.get("detail")):
+            found = refusals.classify(error, step.get("allowed_refusals", []))
+            if found is not None and found[0] == "refused":
+                return {"result": "refused", "kind": found[1], "when": "queued"}
     if "rejected" in (ps, qs):
         return _mismatch("rejected", step, {"p": p.get("detail"), "q": q.get("detail")},
                          f"P {ps}, Q {qs}")
