@@ -25,7 +25,6 @@ from typing import Any
 
 from ..core import prompt_lifecycle
 
-OFFLOAD_CLASS = "ApplyLayerwiseOffload"
 OFFLOAD_TITLE = "Apply Layerwise Offload"
 _COMPILE_CLASS = re.compile(r"(?i)torch_?compile|compile_?(model|blocks)")
 # Nodes whose inputs say how they compile: {class: whether it compiles the whole model by
