@@ -43,6 +43,7 @@ def run_prompt(server: ComfyServer, workflow: dict, when: progress.Predicate | N
             if status != 200:
                 return {"status": "rejected", "detail": resp}
             prompt_id = resp["prompt_id"]
+            record["node_errors"] = resp.get("node_errors") or {}
         entry = server.wait(prompt_id, timeout)
     except TimeoutError as e:  # a prompt that never ends is a finding, not a harness crash
         return {"status": "timeout", "detail": str(e)}
@@ -51,6 +52,8 @@ def run_prompt(server: ComfyServer, workflow: dict, when: progress.Predicate | N
             return {"status": "died", "detail": str(e)[:2000]}
         raise
     outcome: dict[str, Any] = {"seconds": round(time.monotonic() - started, 2)}
+    if record.get("node_errors"):  # queued with some outputs refused: ComfyUI runs the rest
+        outcome["node_errors"] = record["node_errors"]
     if record.get("requested"):
         outcome["interrupt_at"] = record.get("at")
     messages = entry["status"].get("messages", [])
