@@ -60,6 +60,28 @@ def _classic_patcher(model, settings: LayerwiseSettings):
     return dynamic_vram.classic_delegate(model, settings.streamer_kwargs())
 
 
+_SAMPLING_WRAPPERS = (comfy.patcher_extension.WrappersMP.OUTER_SAMPLE,
+                      comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING)
+
+
+def _hide_sampling_wrappers(model_options: dict | None) -> None:
+    """Take this node's two wrappers out of a sampling run's model options once core has read
+    them (it copies the options and the patcher's wrappers for each run, and reads those two
+    wrapper types only where the run starts), so the model sees core's `transformer_options`.
+    torch.compile guards on what a compiled graph reads of them: without this, a graph compiled
+    in a run with the node fails its guard on the wrapper table in the same prompt without it,
+    and compiles again (docs/torch-compile.md#recompiles)."""
+    wrappers = ((model_options or {}).get("transformer_options") or {}).get("wrappers")
+    if not isinstance(wrappers, dict):
+        return
+    for wrapper_type in _SAMPLING_WRAPPERS:
+        by_key = wrappers.get(wrapper_type)
+        if isinstance(by_key, dict):
+            by_key.pop(LAYERWISE_KEY, None)
+            if not by_key:  # as core's run has it without the node (its table stays, empty)
+                del wrappers[wrapper_type]
+
+
 class ApplyLayerwiseOffload(io.ComfyNode):
     """Stream the diffusion model's blocks from pinned RAM while earlier blocks compute."""
 
@@ -202,12 +224,12 @@ class ApplyLayerwiseOffload(io.ComfyNode):
             if not live.run_pending:  # not inside this node's sampling run
                 return executor(model_patcher, noise_shape, conds, *args, **kwargs)
             live.begin(model_patcher, noise_shape, conds, kwargs.get("model_options"), choice)
+            _hide_sampling_wrappers(kwargs.get("model_options"))
             result = executor(model_patcher, noise_shape, conds, *args, **kwargs)
             live.account(model_patcher)
             return result
 
-        for wrapper_type in (comfy.patcher_extension.WrappersMP.OUTER_SAMPLE,
-                             comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING):
+        for wrapper_type in _SAMPLING_WRAPPERS:
             patcher.remove_wrappers_with_key(wrapper_type, LAYERWISE_KEY)
         patcher.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.OUTER_SAMPLE,
                                      LAYERWISE_KEY, outer_sample)
