@@ -20,6 +20,7 @@ their blocks share graphs), and refusals that never reach a compile.
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 
@@ -113,11 +114,15 @@ def assert_graphs_reused(report: dict, since: dict | None = None) -> None:
 def recompile_reasons(comfy, since: int = 0) -> list[str]:
     """The guard failures dynamo logged for each recompile after the first ``since`` characters
     of the server's log."""
-    lines = comfy.log_text()[since:].splitlines()
-    reasons = []
-    for at, line in enumerate(lines):
-        if "triggered by the following guard failure(s)" in line and at + 1 < len(lines):
-            reasons.append(lines[at + 1].split("[__recompiles]", 1)[-1].strip())
+    reasons, taking = [], False
+    for line in comfy.log_text()[since:].splitlines():
+        text = line.split("[__recompiles]", 1)[-1].strip()
+        if "triggered by the following guard failure(s)" in line:
+            taking = True
+        elif taking and "[__recompiles]" in line and re.match(r"- \d+/\d+: ", text):
+            reasons.append(text)
+        else:
+            taking = False
     return reasons
 
 
@@ -276,25 +281,30 @@ def test_compile_setups_streamed_blocks_cannot_keep_are_refused_before_anything_
 
 
 def test_streamed_blocks_compile_no_graph_of_their_own(server):
-    """Streamed blocks look to dynamo's guards as core's do: a block weight core merges a LoRA
-    into is, after core's load, a parameter without requires_grad, and the engine's merged
-    weights are too. A Wan of its own block shape (no other test compiled its graphs) is compiled
-    per block the way KJNodes' TorchCompileModelAdvanced does it (its own wrapper under core's
-    key, guards on transformer_options filtered out): the same prompt without the node after the
-    one with it compiles no graph, and gives its bits."""
-    def compiled(lora: float, layerwise: dict | None = None) -> dict:
-        return block_compile(wan(lora, layerwise, wide=True), "registry_block_keys")
-
-    sha, with_node = run(server, compiled(1.0, STREAMED))
+    """Streamed blocks look to dynamo's guards as core's do, and so does what the model is
+    called with. On a Wan of its own block shape (no other test compiled its graphs), compiled
+    per block through core's wrapper with no guard filtered out: the prompt with the node (LoRA,
+    blocks streamed) first, then the same prompt without it, which must give the same bits and
+    compile no graph. It would, were a LoRA'd block weight left with requires_grad where core's
+    load leaves it without (comfy_weights.py); and the node's wrappers are not in the table the
+    model is called with (node.py). Then the per-block compile the way KJNodes'
+    TorchCompileModelAdvanced registers it streams with the same bits."""
+    sha, with_node = run(server, block_compile(wan(1.0, STREAMED, wide=True)))
     assert with_node["block_graphs"]["WanAttentionBlock"] >= 1  # the streamed blocks ran compiled
     assert_graphs_reused(with_node)
-    reference, without = run(server, compiled(1.0))
+    mark = len(server.log_text())
+    reference, without = run(server, block_compile(wan(1.0, wide=True)))
     assert reference == sha
-    assert without["total"]["graphs"] == with_node["total"]["graphs"], (with_node, without)
-    sha, again = run(server, compiled(0.5, STREAMED))
-    assert sha != reference
-    assert again["total"]["graphs"] == with_node["total"]["graphs"], (with_node, again)
-    assert run(server, compiled(0.5))[0] == sha
+    assert without["total"]["graphs"] == with_node["total"]["graphs"], recompile_reasons(server, mark)
+    half, again = run(server, block_compile(wan(0.5, STREAMED, wide=True)))
+    assert half != reference
+    assert again["total"]["graphs"] == with_node["total"]["graphs"], recompile_reasons(server, mark)
+    registry = block_compile(wan(1.0, STREAMED, wide=True), "registry_block_keys")
+    assert run(server, registry)[0] == reference
+    # The model is called with core's wrapper table, without the node's entries: a compiled
+    # graph that reads it (SD3's blocks do, with ComfyUI's CPU attention) guards on nothing the
+    # node added.
+    assert with_node["wrapper_tables"] == without["wrapper_tables"], (with_node, without)
 
 
 def test_compile_per_block_takes_a_whole_model_compile_over(server):

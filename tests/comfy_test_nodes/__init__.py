@@ -22,7 +22,8 @@
 - GET /tiered_test/dynamo_counts: dynamo's counts (graphs compiled, graph breaks met) of the whole
   server so far, read by the differential test before and after each prompt.
 - TieredTestCompileCounts: a pass-through that records dynamo's counts (graphs compiled,
-  graph breaks met) after every model call of the sampling run that follows; its output
+  graph breaks met) after every model call of the sampling run that follows, and the wrapper
+  table (`transformer_options["wrappers"]`: types and keys) the model is called with; its output
   twin TieredTestCompileReport puts them into /history with the totals and the graphs dynamo
   holds for each block class's forward.
 
@@ -250,6 +251,7 @@ class TieredTestCompileBlocks:
 
 
 PASS_COUNTS: list = []  # dynamo's counts after each model call of the current sampling run
+WRAPPER_TABLES: list = []  # the wrapper table the model was called with, at each call
 
 
 def dynamo_counts() -> dict:
@@ -276,8 +278,12 @@ class TieredTestCompileCounts:
     def count(self, model):
         import comfy.patcher_extension
         PASS_COUNTS.clear()
+        WRAPPER_TABLES.clear()
 
         def after_each_call(executor, *args, **kwargs):
+            options = args[5] if len(args) > 5 else kwargs.get("transformer_options", {})
+            WRAPPER_TABLES.append({kind: sorted(table) for kind, table in
+                                   (options.get("wrappers") or {}).items()})
             try:
                 return executor(*args, **kwargs)
             finally:
@@ -297,9 +303,11 @@ class TieredTestCompileReport(_StatsNode):
     def stats(self, model, samples):
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list
         from torch._dynamo.utils import counters
-        blocks = model.get_model_object("diffusion_model").blocks
+        diffusion_model = model.get_model_object("diffusion_model")
+        blocks = [b for name in BLOCK_LISTS for b in (getattr(diffusion_model, name, None) or [])]
         classes = {type(getattr(b, "_orig_mod", b)) for b in blocks}
         report = {"passes": list(PASS_COUNTS), "total": dynamo_counts(),
+                  "wrapper_tables": [t for i, t in enumerate(WRAPPER_TABLES) if t not in WRAPPER_TABLES[:i]],
                   "break_reasons": sorted({reason.splitlines()[0] + " | " + reason.splitlines()[1]
                                            for reason in counters["unimplemented"]}),
                   "block_graphs": {cls.__name__: len(_debug_get_cache_entry_list(cls.forward.__code__))
