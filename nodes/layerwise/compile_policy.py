@@ -24,6 +24,7 @@ import torch
 import comfy.model_management
 import comfy.patcher_extension
 
+from ..core.models import dynamic_vram_on
 from . import compile_prompt, compiled_models
 from .compiled_models import CHANGE_COMPILE, CHANGE_OFFLOAD, CompileSetup, Refusal
 
@@ -181,12 +182,15 @@ def settle(patcher, model_options: dict | None, choice: NodeChoice, *, model_cla
 def queue_refusal(graph: dict | None, node_id: str | None) -> str | None:
     """The refusal of a compile the node's settings cannot keep, as the posted prompt shows them
     both; None where it shows no such compile, or not enough to tell (a link, another compile
-    node, a resident_blocks above 0, whose meaning needs the model's block count)."""
+    node, a resident_blocks above 0, whose meaning needs the model's block count, or `auto` where
+    ComfyUI may stream the model itself with Dynamic VRAM, whose compiles are ComfyUI's)."""
     compiles = [c for c in compile_prompt.compile_nodes(graph, node_id)
                 if c.kwargs is not None and c.whole is not None]
     if not compiles:
         return None
     inputs = graph[node_id].get("inputs", {})
+    if inputs.get("mode", "auto") != "engine" and dynamic_vram_on():
+        return None  # a Dynamic VRAM model in `auto` is streamed by ComfyUI: decided at run
     resident, granularity = inputs.get("resident_blocks", -1), inputs.get("granularity", "block")
     per_block_on = inputs.get("compile_per_block", False)
     if not isinstance(resident, int) or not isinstance(granularity, str) or \
