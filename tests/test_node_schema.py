@@ -95,11 +95,12 @@ def test_a_tiered_loader_refuses_a_file_its_folder_lacks_when_queued(comfy):
 
 def test_a_spill_folder_the_node_would_refuse_is_refused_when_queued(comfy, tmp_path):
     """Apply Layerwise Offload's validate_inputs: a spill_dir outside the allowed folders, or one
-    that does not exist, is refused at queue time with the node's own message, once, on that
-    input; nothing runs, and the server keeps serving."""
+    that does not exist, is refused at queue time with the node's own message, once (on the
+    `model` input, the one its check names: it also refuses compiles, docs/torch-compile.md);
+    nothing runs, and the server keeps serving."""
     outside = sample_workflow("wan21", layerwise={"host_cache_gb": 0.01, "spill_dir": str(tmp_path)})
     details = comfy.refused(outside, "offload")
-    assert details.startswith("spill_dir - Apply Layerwise Offload: spill_dir"), details
+    assert details.startswith("model - Apply Layerwise Offload: spill_dir"), details
     assert "is outside the folders a spill file may go to" in details and details.count(" - ") == 1
     missing = sample_workflow("wan21", layerwise={"spill_dir": str(comfy.base / "temp" / "no such folder")})
     assert "is not an existing folder" in comfy.refused(missing, "offload")
