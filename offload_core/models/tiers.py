@@ -40,7 +40,7 @@ from .tier_budgets import (DEFAULT_RAM_RESERVE_BYTES, DEFAULT_VRAM_RESERVE_BYTES
                            check_bytes, cuda_free_bytes)
 from .tier_entries import Entry, Policy, Tier, TierBackend, as_tier, check_policy
 from .tier_errors import ModelInUseError, ModelPinnedError, SourceChangedError
-from .tier_moves import TierMoves
+from .tier_moves import MOVED_BY_CORE, WHERE, TierMoves
 from .tier_registry import TierRegistry
 from .tier_room import TierRoom
 
@@ -253,8 +253,8 @@ class TierManager:
                 return False
             old = entry.tier
             self._moves.record(entry, tier, "observed")
-            logger.info("%s '%s' (%s) observed in %s, recorded in %s", entry.kind, entry.name,
-                        key, tier.value, old.value)
+            logger.info("%s '%s' (%s) %s by ComfyUI itself (the manager had it %s)", entry.kind,
+                        entry.name, key, MOVED_BY_CORE[tier], WHERE[old])
             return True
 
     # ----------------------------------------------------------------------------------------
