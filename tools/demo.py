@@ -76,6 +76,10 @@ def main() -> int:
         failed = [line for line in server.log_text().splitlines() if "IMPORT FAILED" in line]
         for line in failed:
             print(f"warning: ComfyUI could not import a module: {line.strip()}")
+        # The panel's picture of the run is recorded only while a panel asks for it; the user opens
+        # the panel after this run, and ComfyUI would not run the unchanged workflow again: record
+        # this one, so its picture is there when the panel opens.
+        server.post("/offload/timeline", {"enabled": True})
         t0 = time.time()
         outputs = server.run(example_workflows.demo())
         latent = outputs["7"]["latents"][0]
