@@ -177,7 +177,7 @@ export const ENGLISH = {
     ahead: "fetched ahead",
     aheadNote: "Shaded, left of 0: {units} units were read and copied during the previous pass (the prefetch runs ahead), so the axis starts before this pass does.",
     startExplain: "(0 ms): compute asks for this pass's first streamed unit. Every time on the axis counts from here.",
-    aheadExplain: "(shaded, left of 0): while the previous pass computed its last units, the prefetch was already reading and copying the first units of this one. They are drawn in this pass because this pass computes them; their reads and copies simply started earlier.",
+    aheadExplain: "(shaded, left of 0): while the previous pass computed its last units, the prefetch was already reading and copying the first units of this one. They are drawn in this pass because this pass computes them; their reads and copies simply started earlier. A pass starts with prefetch + 1 units fetched: the one compute asks for first, and the prefetch after it.",
     rowsExplain: "One row per streamed unit, top to bottom in the order they computed. Point at a bar for its times.",
     noPicture: "No picture yet. Keep the Offload panel or this view open while a workflow with Apply Layerwise Offload runs. ComfyUI reuses a finished result while nothing changes, so change the seed (or any input) before you run it again.",
     msValue: "{value} ms",

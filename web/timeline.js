@@ -137,8 +137,10 @@ function spanHtml(s, fig, band) {
   const [top, bottom] = band[s.kind];
   const left = fig.pct(s.start_ms);
   const title = tr("timeline.span", { kind: tr(`timeline.kind.${s.kind}`), start: ms(s.start_ms), end: ms(s.end_ms) });
+  // A mark drawn wider than its time (panel.css: --to-tl-min) ends at the plot's right edge at
+  // the latest, so the last units' marks stay in view.
   return `<span class="to-tl-span to-tl-${s.kind}" data-kind="${s.kind}" title="${esc(title)}"
-    style="left:${left.toFixed(2)}%;width:${(fig.pct(s.end_ms) - left).toFixed(2)}%;top:${top}px;height:${bottom - top}px"></span>`;
+    style="left:min(${left.toFixed(2)}%, 100% - var(--to-tl-min));width:${(fig.pct(s.end_ms) - left).toFixed(2)}%;top:${top}px;height:${bottom - top}px"></span>`;
 }
 
 function rowsHtml(fig, rowH, full) {
@@ -392,7 +394,7 @@ export function fullTimelineHtml(card) {
         ${figuresHtml(tl, fig)}
         ${legendHtml(fig)}
         <p class="to-tl-explain" data-role="tl-start-note"><b>${esc(tr("timeline.passStart"))}</b> ${esc(tr("timeline.startExplain"))}</p>
-        ${fig.t0 < 0 ? `<p class="to-tl-explain" data-role="tl-ahead-note"><b>${esc(tr("timeline.ahead"))}</b> ${esc(tr("timeline.aheadExplain"))} ${esc(aheadNote(fig))}</p>` : ""}
+        ${fig.t0 < 0 ? `<p class="to-tl-explain" data-role="tl-ahead-note"><b>${esc(tr("timeline.ahead"))}</b> ${esc(tr("timeline.aheadExplain"))}</p>` : ""}
         ${fig.rows.some((r) => r.resident) ? `<p class="to-tl-explain" data-role="tl-resident-note"><b>${esc(tr("timeline.kind.resident"))}</b> ${esc(tr("timeline.residentExplain"))}</p>` : ""}
         <p class="to-tl-explain to-muted">${esc(tr("timeline.rowsExplain"))}</p>
       </aside>
