@@ -647,7 +647,8 @@ def whole_shot(page, locator, name: str) -> None:
     """A screenshot of everything `locator` holds, scrolled or not: the window made as tall as
     its content for the shot (its width, and so every width inside, stays)."""
     view = page.viewport_size
-    tall = locator.evaluate("(el) => { el.scrollTop = 0; return el.getBoundingClientRect().top + el.scrollHeight; }")
+    tall = locator.evaluate("""(el) => { for (let up = el; up; up = up.parentElement) up.scrollTop = 0;
+        return el.getBoundingClientRect().top + el.scrollHeight; }""")
     page.set_viewport_size({"width": view["width"], "height": min(4000, max(view["height"], int(tall) + 40))})
     settle(page)
     box = locator.bounding_box()
@@ -665,7 +666,12 @@ def test_nothing_on_the_panel_overflows_at_three_widths(comfy, ui):
     the picture's labels stand apart, whole, one per block; its tick numbers stand apart. The
     screenshots (tests/artifacts/panel_width_*.png, panel_full_view_*.png) are what a user sees."""
     page = ui.page
-    dit = next(c for c in loaded_cards(comfy) if c["layerwise"] and c["layerwise"]["blocks"] == 12)
+    streamed = [c for c in loaded_cards(comfy) if c["layerwise"] and c["layerwise"]["blocks"] == 12]
+    if not streamed or not streamed[0]["layerwise"]["timeline"]:  # run alone: the demo's card first
+        workflow = example_workflows.demo()
+        workflow["6"]["inputs"].update(seed=107, steps=2)
+        comfy.run(workflow)
+    dit = demo_dit(comfy)
     panel = page.locator("#tiered-offload-panel")
     sync_api.expect(ui.core_card(dit["id"]).locator('[data-role="timeline"]')).to_have_count(1, timeout=20_000)
     try:

@@ -88,6 +88,9 @@ def main() -> int:
               f"sha256 {latent_sha256(path)}")
         print_layerwise(server)
         print_loaded(server)
+        for picture in server.get("/offload/timeline")["timelines"]:
+            print(f"picture of the run recorded for {picture['model_class']}: {len(picture['units'])} "
+                  f"streamed units, a pass of {picture['pass_ms']:.1f} ms; the Offload panel shows it")
         print(f"\nComfyUI is served at {server.url}/ . To open the demo workflow there: "
               f"Workflow menu → Browse Templates, then '{PACK_LINK_NAME}' under EXTENSIONS on the "
               f"left, then 'tiered_offload_demo'. The Offload tab in the left sidebar (the server "

@@ -33,7 +33,9 @@ const TICK_GAP = 8;  // px at least between two tick numbers
 // compact: the rows share `height` px, each between minRow and maxRow px; full: fixed rows.
 // ticks: about how many at most (fewer where their numbers would touch); edge: how near an end
 // (in % of the plot) a tick's number ends there.
-const COMPACT = { height: 180, minRow: 3, maxRow: 12, ticks: 5, edge: 10 };
+// label: the compact view's label column at the least (px), where the fetch-ahead's name may
+// reach into it (panel.css --to-tl-label).
+const COMPACT = { height: 180, minRow: 3, maxRow: 12, ticks: 5, edge: 10, label: 48 };
 const FULL = { row: 16, ticks: 10, edge: 4 };
 
 export const ms = (v) => (Math.abs(v) >= 100 ? v.toFixed(0) : Math.abs(v) >= 10 ? v.toFixed(1) : v.toFixed(2));
@@ -305,7 +307,8 @@ export function compactTimelineHtml(lw, hasRun, open) {
 }
 
 // After a picture is drawn into `root` and laid out, what depends on its drawn width: the label
-// column takes its longest label's width (the full view's names are long, the sidebar's short);
+// column takes its longest label's width (the full view's names are long; the sidebar's keeps
+// its width at the least, for the fetch-ahead's name above it);
 // a mark whose name does not fit where it stands (a narrow fetch-ahead, typical of a long pass)
 // is left out, as the notes say the same in words; tick numbers that would touch are thinned to
 // every 2nd, 5th or 10th (0 stays).
@@ -325,7 +328,8 @@ function fitLabelColumn(chart) {
   const range = document.createRange();
   const widest = Math.max(...labels.map((label) => { range.selectNodeContents(label); return range.getBoundingClientRect().width; }));
   const room = chart.getBoundingClientRect().width * 0.4;  // the plot keeps most of the width
-  chart.style.setProperty("--to-tl-label", `${Math.ceil(Math.min(widest + 2, room))}px`);
+  const least = chart.classList.contains("to-tl-chart-full") ? 0 : COMPACT.label;
+  chart.style.setProperty("--to-tl-label", `${Math.ceil(Math.max(least, Math.min(widest + 2, room)))}px`);
 }
 
 function fitTicks(chart) {
