@@ -394,6 +394,9 @@ def test_layerwise_block_strip(comfy, ui):
         sync_api.expect(stats).to_contain_text("compute waited", timeout=20_000)
     if "host_wait_s" in telemetry:
         sync_api.expect(stats).to_contain_text("engine on host", timeout=20_000)
+    # One streamed unit, recorded while the panel was open: counted in the singular.
+    assert len(lw["streamed_indices"]) == 1 and lw["timeline"], lw
+    sync_api.expect(row.locator('[data-role="timeline"]')).to_contain_text("1 streamed unit · pass")
     assert ui.tier_gets() == gets
 
 

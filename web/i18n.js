@@ -146,6 +146,7 @@ export const ENGLISH = {
     cost: "Cost: {cost}",
     pill: "streamed",
     boundCpu: "at most {size} of block copies at once",
+    blocksOne: "1 block",
   },
   timeline: {
     head: "Last run, one pass of the model",
@@ -215,6 +216,9 @@ export const ENGLISH = {
     aheadFigurePrefetch: "{units} units (the first + prefetch {prefetch}), up to {ms} ms before",
     shareOfPass: "{value} ({share}% of the pass)",
     rate: "{size}/s",
+    summaryOne: "1 streamed unit · pass {ms} ms",
+    aheadNoteOne: "Shaded, left of 0: 1 unit was read and copied during the previous pass (the prefetch runs ahead), so the axis starts before this pass does.",
+    aheadFigureOne: "1 unit, up to {ms} ms before",
   },
   dynamic: {
     head: "Streamed by ComfyUI (Dynamic VRAM) in the order of Apply Layerwise Offload",

@@ -292,7 +292,7 @@ function layerwiseHtml(lw, showStrip, open, cpu) {
   if (lw.dynamic_vram?.path === "core streams") return dynamicOrderHtml(lw, showStrip);
   // Resident and streamed counts are in units: blocks, or phases of blocks.
   const parts = [
-    tr("layerwise.blocks", { n: num(lw.blocks) }) +
+    tr(num(lw.blocks) === 1 ? "layerwise.blocksOne" : "layerwise.blocks", { n: num(lw.blocks) }) +
       (lw.granularity === "phase" ? ` ${tr("layerwise.asPhases", { n: num(lw.units?.length) })}` : ""),
     tr("layerwise.counts", { resident: lw.resident_indices?.length ?? 0, streamed: lw.streamed_indices?.length ?? 0 }),
     typeof lw.bound_bytes === "number" && tr(cpu ? "layerwise.boundCpu" : "layerwise.bound", { size: fmtBytes(lw.bound_bytes) }),

@@ -265,9 +265,8 @@ const legendHtml = (fig) => legend([
 // for next and `prefetch` more, so a pass starts with prefetch + 1 units fetched.
 function aheadNote(fig) {
   const units = fig.ahead.size;
-  return fig.prefetch !== null && units === fig.prefetch + 1
-    ? tr("timeline.aheadNotePrefetch", { units, prefetch: fig.prefetch })
-    : tr("timeline.aheadNote", { units });
+  if (fig.prefetch !== null && units === fig.prefetch + 1) return tr("timeline.aheadNotePrefetch", { units, prefetch: fig.prefetch });
+  return tr(units === 1 ? "timeline.aheadNoteOne" : "timeline.aheadNote", { units });
 }
 
 // The time compute waited in the pass (for copies and for the disk, counted as the card's
@@ -295,7 +294,7 @@ export function compactTimelineHtml(lw, hasRun, open) {
   ].filter(Boolean).join(" · ");
   return `<div class="to-tl" data-role="timeline">
     <div class="to-lw-head"><b>${esc(tr("timeline.head"))}</b>
-      <span class="to-muted">${esc(tr("timeline.summary", { units: tl.units.length, ms: ms(num(tl.pass_ms)) }))}</span></div>
+      <span class="to-muted">${esc(tr(tl.units.length === 1 ? "timeline.summaryOne" : "timeline.summary", { units: tl.units.length, ms: ms(num(tl.pass_ms)) }))}</span></div>
     ${verdictHtml(tl)}
     ${chartHtml(fig, false)}
     ${fig.t0 < 0 ? `<div class="to-muted to-tl-note" data-role="tl-ahead-note">${esc(aheadNote(fig))}</div>` : ""}
@@ -364,8 +363,8 @@ function figuresHtml(tl, fig) {
     ["copyBusy", msText(busy)],
     copied > 0 && busy > 0 && ["linkRate", tr("timeline.rate", { size: fmtRate(copied / (busy / 1000)) })],
     fig.disk && ["diskBusy", msText(num(totals.disk_busy_ms))],
-    fig.t0 < 0 && ["ahead", tr(fig.prefetch !== null && fig.ahead.size === fig.prefetch + 1
-      ? "timeline.aheadFigurePrefetch" : "timeline.aheadFigure", { units: fig.ahead.size, prefetch: fig.prefetch, ms: ms(-fig.t0) })],
+    fig.t0 < 0 && ["ahead", tr(fig.prefetch !== null && fig.ahead.size === fig.prefetch + 1 ? "timeline.aheadFigurePrefetch"
+      : fig.ahead.size === 1 ? "timeline.aheadFigureOne" : "timeline.aheadFigure", { units: fig.ahead.size, prefetch: fig.prefetch, ms: ms(-fig.t0) })],
   ].filter(Boolean);
   return `<div class="to-tl-figs" data-role="tl-figures">${rows.map(([key, value]) =>
     `<div class="to-tl-fig${key === "ahead" ? " to-tl-fig-wide" : ""}" data-figure="${key}" title="${esc(tr(`timeline.figures.${key}Title`))}">
