@@ -138,7 +138,7 @@ function devicesHtml(payload) {
     const freeText = tr("devices.free", { size: b(free) });
     const reservedText = tr("devices.reserved", { size: b(reserved) });
     out.push(`<div class="to-dev" data-dev="vram">
-      <div class="to-dev-head"><b>${esc(tr("devices.vram"))}</b><span class="to-muted to-ellipsis to-dev-name" title="${esc(vram.device ?? "")}">${esc(vram.device ?? "")}</span>
+      <div class="to-dev-head"><b>${esc(tr("devices.vram"))}</b><span class="to-muted to-ellipsis" title="${esc(vram.device ?? "")}">${esc(vram.device ?? "")}</span>
         <span class="to-right">${esc(tr("devices.usedOfTotal", { used: b(used), total: b(total) }))}</span></div>
       ${bar([
         { cls: "to-c-used", bytes: used, title: usedText },
