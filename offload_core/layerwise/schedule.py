@@ -173,7 +173,8 @@ class DeviceSchedule:
                 self._refuse_trace(i)
             waits = window.running != i and not (cuda and torch.cuda.is_current_stream_capturing())
             start = time.perf_counter()
-            pair = stalls.begin(current()) if waits and stalls is not None else None
+            stream = current() if waits and stalls is not None else None  # compute's, for the hook
+            pair = stalls.begin(stream) if stream is not None else None
             tel.in_wait = waits and synchronous
             try:
                 hook(i)
@@ -184,7 +185,7 @@ class DeviceSchedule:
                 if waits:
                     tel.wait_host_s += host
                     if pair is not None:
-                        stalls.end(pair, current(), host)
+                        stalls.end(pair, stream, host)
                     elif synchronous:
                         tel.sync_wait_s += host
 
