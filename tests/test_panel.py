@@ -352,7 +352,7 @@ def test_the_streamed_card_says_what_it_counts_and_agrees_with_its_picture(comfy
     assert len(ahead) == prefetch + 1, tl["spans"]
     note = picture.locator('[data-role="tl-ahead-note"]').inner_text()
     assert f"{len(ahead)} units" in note and f"prefetch {prefetch}" in note, note
-    ui.shot("panel_streamed_card.png")
+    whole_shot(ui.page, ui.page.locator("#tiered-offload-panel"), "panel_streamed_card.png")
 
 
 def test_model_appears_after_run(comfy, ui):
@@ -605,7 +605,7 @@ def test_model_level_swap_cards_read_true_and_can_be_unloaded(comfy, ui):
     assert not encoder["core"] and encoder["id"].startswith("swap-"), encoder
     card = ui.core_card(encoder["id"])
     sync_api.expect(card.locator('button[data-action="unload"]')).to_be_enabled(timeout=20_000)
-    ui.shot("panel_swap_masters.png")
+    whole_shot(ui.page, ui.page.locator("#tiered-offload-panel"), "panel_swap_masters.png")
     long_run = example_workflows.swap()   # the encodes are cached: the encoder stays out of core
     long_run["6"]["inputs"].update(steps=10_000, seed=106)
     prompt_id = comfy.queue_running(long_run)
