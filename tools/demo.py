@@ -101,6 +101,10 @@ def main() -> int:
         failed = [line for line in server.log_text().splitlines() if "IMPORT FAILED" in line]
         for line in failed:
             print(f"warning: ComfyUI could not import a module: {line.strip()}")
+        # The panel's picture of the run is recorded only while a panel asks for it; the user opens
+        # the panel after this run, and ComfyUI would not run the unchanged workflow again: record
+        # this one, so its picture is there when the panel opens.
+        server.post("/offload/timeline", {"enabled": True})
         t0 = time.time()
         outputs = server.run(example_workflows.demo())
         latent = outputs["7"]["latents"][0]
@@ -109,6 +113,9 @@ def main() -> int:
               f"sha256 {latent_sha256(path)}")
         print_layerwise(server)
         print_loaded(server)
+        for picture in server.get("/offload/timeline")["timelines"]:
+            print(f"picture of the run recorded for {picture['model_class']}: {len(picture['units'])} "
+                  f"streamed units, a pass of {picture['pass_ms']:.1f} ms; the Offload panel shows it")
         print(f"\nComfyUI is served at {server.url}/ . To open the demo workflow there: "
               f"Workflow menu → Browse Templates, then '{PACK_LINK_NAME}' under EXTENSIONS on the "
               f"left, then '{example_workflows.DEMO}'. The Offload tab in the left sidebar (the "

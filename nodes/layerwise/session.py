@@ -317,7 +317,7 @@ def run_figures(snapshot: dict[str, Any], seconds: float, attach_seconds: float,
     `seconds` is sampling time only (from the end of the attach to the end of the run), so
     `gibps` (streamed GiB over that time) and `overlap_efficiency` are not flattered by packing
     and pinning, which `attach_seconds` shows on its own. Overlap is the share of the run in
-    which neither the GPU waited for a copy (`compute_wait_s`) nor the sampling thread sat in the
+    which neither compute waited for a copy (`compute_wait_s`) nor the sampling thread sat in the
     engine (`host_wait_s`: a host that waits queues no compute, which the GPU's own waits do
     not show). On CPU copies are synchronous and part of the compute, so overlap is left out
     there rather than shown as a meaningless figure.

@@ -52,7 +52,7 @@ def _patched_keys(patcher) -> list[str]:
 class SwapMember:
     """One model's base-weight master and the guard on its root module's `.to()`."""
 
-    def __init__(self, patcher, name: str) -> None:
+    def __init__(self, patcher, name: str, kind: str) -> None:
         module = patcher.model
         # Core restores every base weight from its backup when it unloads the model: only then
         # does the module hold what the master must hold.
@@ -62,6 +62,7 @@ class SwapMember:
                 f"Model-Level Swap: {name} still holds merged weights after ComfyUI unloaded it "
                 f"({len(_patched_keys(patcher))} keys); refusing to take it as a master")
         self.name = name
+        self.kind = kind  # "diffusion model" or "text encoder": the words the panel's cards use
         self.swap = ModuleSwap(module)
         # Core copies from the master on the model's load device (ComfyUI's partial load does it
         # asynchronously, per layer): the master waits for that device before it goes.
@@ -105,14 +106,14 @@ class SwapMember:
     def report(self) -> dict[str, Any]:
         module = self._module_ref()
         on_device = module is not None and bool(loaded_entries(module))
-        return {"name": self.name, "loaded_by_core": on_device, "turns": self.turns,
+        return {"name": self.name, "kind": self.kind, "loaded_by_core": on_device, "turns": self.turns,
                 "parks": self.parks, "tensors_taken_back": self.tensors_taken_back,
                 "bytes": {"master": self.swap.nbytes, **self.swap.bytes_by_tier()}}
 
 
-def _member(patcher) -> SwapMember:
+def _member(patcher, kind: str) -> SwapMember:
     module = patcher.model
-    return SWAP_MEMBERS.get_or_create(module, lambda: SwapMember(patcher, type(module).__name__))
+    return SWAP_MEMBERS.get_or_create(module, lambda: SwapMember(patcher, type(module).__name__, kind))
 
 
 def layerwise_active(module: torch.nn.Module) -> bool:
@@ -189,7 +190,7 @@ class ModelLevelSwap(io.ComfyNode):
             if why is not None:
                 log.info("Model-Level Swap: the %s gets no pinned master: it %s", name, why)
             elif wanted:
-                _member(patcher)
+                _member(patcher, name)
         turns = _Turns(model.model, clip.patcher.model)
 
         def prepare_sampling(executor, patcher, *args, **kwargs):
