@@ -58,7 +58,7 @@ def _patched_keys(patcher) -> list[str]:
 class SwapMember:
     """One model's base-weight master and the guard on its root module's `.to()`."""
 
-    def __init__(self, patcher, name: str, share_host_memory: bool = True) -> None:
+    def __init__(self, patcher, name: str, kind: str, share_host_memory: bool = True) -> None:
         module = patcher.model
         # Core restores every base weight from its backup when it unloads the model: only then
         # does the module hold what the master must hold.
@@ -68,6 +68,7 @@ class SwapMember:
                 f"Model-Level Swap: {name} still holds merged weights after ComfyUI unloaded it "
                 f"({len(_patched_keys(patcher))} keys); refusing to take it as a master")
         self.name = name
+        self.kind = kind  # "diffusion model" or "text encoder": the words the panel's cards use
         self.share, self.share_why = host_sharing.share_for(module, share_host_memory)
         host_sharing.check_unchanged(self.share, "Model-Level Swap")
         self.swap = ModuleSwap(module, share=self.share, skip=_kept_pack_test(module))
@@ -114,7 +115,7 @@ class SwapMember:
         module = self._module_ref()
         on_device = module is not None and bool(loaded_entries(module))
         store = self.swap.host_store() if self.share is not None else {"shared": False, "why": self.share_why}
-        return {"name": self.name, "loaded_by_core": on_device, "turns": self.turns,
+        return {"name": self.name, "kind": self.kind, "loaded_by_core": on_device, "turns": self.turns,
                 "parks": self.parks, "tensors_taken_back": self.tensors_taken_back,
                 "in_layerwise_pack": self.swap.skipped, "host_store": store,
                 "bytes": {"master": self.swap.nbytes, **self.swap.bytes_by_tier()}}
@@ -128,10 +129,10 @@ def _kept_pack_test(module: torch.nn.Module):
     return session.streamer.shows_kept_pack if session is not None else None
 
 
-def _member(patcher, share_host_memory: bool) -> SwapMember:
+def _member(patcher, kind: str, share_host_memory: bool) -> SwapMember:
     module = patcher.model
     return SWAP_MEMBERS.get_or_create(
-        module, lambda: SwapMember(patcher, type(module).__name__, share_host_memory))
+        module, lambda: SwapMember(patcher, type(module).__name__, kind, share_host_memory))
 
 
 def layerwise_active(module: torch.nn.Module) -> bool:
@@ -216,7 +217,7 @@ class ModelLevelSwap(io.ComfyNode):
             if why is not None:
                 log.info("Model-Level Swap: the %s gets no pinned master: it %s", name, why)
             elif wanted:
-                _member(patcher, share_host_memory)
+                _member(patcher, name, share_host_memory)
         turns = _Turns(model.model, clip.patcher.model)
 
         def prepare_sampling(executor, patcher, *args, **kwargs):

@@ -404,8 +404,9 @@ class HostStorage:
         if not self._pin or self._pin_refused:
             return None
         registrar = host_registrar()
-        if registrar is None:
-            self._refuse_pin("CUDA is not available", logging.INFO)  # nothing to speed up: not a problem
+        if registrar is None:  # no GPU: there is no copy to a GPU to speed up, nothing to say
+            self._pin_refused = True
+            log.debug("host storage: no CUDA device, so nothing is pinned")
             return None
         cap = pin_cap(self._cap)
         if pinned_bytes() + span > cap:

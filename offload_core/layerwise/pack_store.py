@@ -23,6 +23,7 @@ from ..host.packing import PackedBlock
 from ..host.pinned import HostStorage, return_freed_ram
 from ..host.shared_packing import HostPack, HostShare, pack_host
 from ..host.staging import PIECE_BYTES
+from ..host.subclass import flatten, is_wrapper
 from ..ordering import for_device
 from .plan import StreamPlan
 
@@ -38,6 +39,8 @@ class PackStore:
     def __init__(self, device: torch.device, *, pin: bool, ram_budget_bytes: int | None,
                  chunk_bytes: int, disk: DiskOptions | None, telemetry: Telemetry,
                  share: HostShare | None = None) -> None:
+        if share is not None and not isinstance(share, HostShare):
+            raise ValueError(f"share must be None or HostShare, got {share!r}")
         self.device = device
         self._pin = pin
         self._share = share
@@ -150,9 +153,16 @@ class PackStore:
                 self.host.release_item(i)
         self.release()
 
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` (a wrapper: each of its inner tensors) lies in the kept host pack."""
+        if self.host is None:
+            return False
+        inner = flatten(t).inner if is_wrapper(t) else (t,)
+        return bool(inner) and all(self.host.holds(x) for x in inner)
+
     def host_store(self) -> dict | None:
-        """Whether the host pack is in a shared store (where, with how many processes) or why not;
-        None without a host pack or a wish to share."""
+        """Whether the host pack is in a shared store (its folder, file, bytes and how many processes
+        map it) or why not (``shared``: False, ``why``); None without a host pack or a wish to share."""
         if self._packed is None or (self._share is None and self._packed.store is None):
             return None
         return self._packed.status()

@@ -34,7 +34,6 @@ from ..disk.tier import DiskOptions
 from ..host.packing import PackedBlock
 from ..host.pinned import DEFAULT_CHUNK_BYTES
 from ..host.shared_packing import HostShare
-from ..host.subclass import flatten, is_wrapper
 from ..host.tensor_refs import tables_under
 from ..host.transform import Transform
 from ..ordering import for_device
@@ -90,8 +89,6 @@ class LayerwiseStreamer:
         self.telemetry = Telemetry()
         if self._ordering.asynchronous and timing:
             self.telemetry.stalls = StallTimer(self._ordering)
-        if share is not None and not isinstance(share, HostShare):
-            raise ValueError(f"share must be None or HostShare, got {share!r}")
         self._store = PackStore(self.device, pin=pin, ram_budget_bytes=ram_budget_bytes,
                                 chunk_bytes=host_chunk_bytes, disk=disk, telemetry=self.telemetry,
                                 share=share)
@@ -169,18 +166,12 @@ class LayerwiseStreamer:
         return figures.host_bytes(self._plan, self._store)
 
     def shows_kept_pack(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` (a wrapper: each of its inner tensors) shows this streamer's kept host
-        pack while detached: another host master of the same module need not copy it."""
-        host = self._store.host
-        if host is None or self._attached:
-            return False
-        inner = flatten(t).inner if is_wrapper(t) else (t,)
-        return bool(inner) and all(host.holds(x) for x in inner)
+        """Whether ``t`` shows this streamer's kept host pack while detached: another host master of
+        the same module need not copy it."""
+        return not self._attached and self._store.holds(t)
 
     def host_store(self) -> dict | None:
-        """Whether the host pack is in a shared store (its folder, file, bytes and how many
-        processes map it) or why not (``shared``: False, ``why``); None before a pack or without
-        a wish to share."""
+        """Whether the host pack is in a shared store, or why not (``PackStore.host_store``)."""
         return self._store.host_store()
 
     def disk_figures(self) -> dict | None:
