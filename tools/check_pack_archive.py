@@ -98,9 +98,22 @@ def _binds(package: list[str], attribute: str, files: dict[str, bytes]) -> bool:
             return True
         if isinstance(node, (ast.Assign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            if any(isinstance(t, ast.Name) and t.id == attribute for t in targets):
+            if attribute in _bound_names(targets):
                 return True
     return False
+
+
+def _bound_names(targets: list[ast.expr]) -> set[str]:
+    """The names an assignment binds, unpacking included (`A, B = ...`, `A, *B = ...`)."""
+    names = set()
+    for target in targets:
+        if isinstance(target, ast.Name):
+            names.add(target.id)
+        elif isinstance(target, ast.Starred):
+            names |= _bound_names([target.value])
+        elif isinstance(target, (ast.Tuple, ast.List)):
+            names |= _bound_names(target.elts)
+    return names
 
 
 def web_directory(files: dict[str, bytes]) -> str:

@@ -86,13 +86,21 @@ def _base(unet: str = "UNETLoader", clip: str = "CLIPLoader") -> dict[str, dict]
     }
 
 
+def _layerwise_inputs(**chosen) -> dict:
+    """Apply Layerwise Offload over the loader's model: every input written out (the template
+    shows each widget's value), the node's defaults but for what an example chooses."""
+    inputs = {"model": ["1", 0], "resident_blocks": -1, "vram_budget_gb": 0.0, "prefetch": 2,
+              "pin": True, "mode": "auto", "host_cache_gb": 0.0, "disk_workers": 2,
+              "granularity": "block", "spill_dir": "", "compile_per_block": False}
+    inputs.update(chosen)
+    return inputs
+
+
 def demo() -> dict[str, dict]:
     """`make demo`: core's loaders, the DiT streamed by Apply Layerwise Offload (2 blocks resident)."""
     wf = _base()
-    wf["8"] = {"class_type": "ApplyLayerwiseOffload", "inputs": {
-        "model": ["1", 0], "resident_blocks": 2, "vram_budget_gb": 12.0, "prefetch": 2, "pin": True,
-        "mode": "auto", "host_cache_gb": 0.0, "disk_workers": 2,
-        "granularity": "block", "spill_dir": ""}}
+    wf["8"] = {"class_type": "ApplyLayerwiseOffload",
+               "inputs": _layerwise_inputs(resident_blocks=2, vram_budget_gb=12.0)}
     wf["6"]["inputs"]["model"] = ["8", 0]
     wf["7"]["inputs"]["filename_prefix"] = "latents/tiered_offload_demo"
     return wf
@@ -102,11 +110,8 @@ def layerwise() -> dict[str, dict]:
     """Apply Layerwise Offload keeping a count of blocks on the device: it streams the rest on any
     machine (a budget in GiB would keep the whole small demo model on a large card, or on a CPU)."""
     wf = _base()
-    wf["8"] = {"class_type": "ApplyLayerwiseOffload", "inputs": {
-        "model": ["1", 0], "resident_blocks": LAYERWISE_RESIDENT, "vram_budget_gb": 0.0,
-        "prefetch": 2, "pin": True,
-        "mode": "auto", "host_cache_gb": 0.0, "disk_workers": 2,
-        "granularity": "block", "spill_dir": ""}}
+    wf["8"] = {"class_type": "ApplyLayerwiseOffload",
+               "inputs": _layerwise_inputs(resident_blocks=LAYERWISE_RESIDENT, vram_budget_gb=0.0)}
     wf["6"]["inputs"]["model"] = ["8", 0]
     return wf
 

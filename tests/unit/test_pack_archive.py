@@ -92,3 +92,13 @@ def test_a_dropped_manual_page_is_found(archive, tracked):
     del archive["ARCHITECTURE.md"]
     assert check.problems(archive, tracked) == ["missing: ARCHITECTURE.md",
                                                 "tracked but not in the archive: docs/api.md"]
+
+
+def test_names_bound_by_unpacking_count_as_defined(archive, tracked):
+    """`A, B = ...` defines A and B: an import of them resolves; one of a name it lacks does not."""
+    archive["nodes/core/budgets.py"] += b"\nFIRST, (SECOND, *REST) = 1, (2, 3)\n"
+    archive["nodes/core/state.py"] += b"\nfrom .budgets import FIRST, SECOND, REST\n"
+    assert check.problems(archive, tracked) == []
+    archive["nodes/core/state.py"] += b"from .budgets import THIRD\n"
+    assert check.problems(archive, tracked) == [
+        "nodes/core/state.py imports THIRD from .budgets: not in the archive"]
