@@ -91,7 +91,7 @@ def _layerwise_inputs(**chosen) -> dict:
     shows each widget's value), the node's defaults but for what an example chooses."""
     inputs = {"model": ["1", 0], "resident_blocks": -1, "vram_budget_gb": 0.0, "prefetch": 2,
               "pin": True, "mode": "auto", "host_cache_gb": 0.0, "disk_workers": 2,
-              "granularity": "block", "spill_dir": "", "compile_per_block": False}
+              "granularity": "block", "spill_dir": "", "compile_per_block": False, "share_host_memory": True}
     inputs.update(chosen)
     return inputs
 
@@ -119,7 +119,8 @@ def layerwise() -> dict[str, dict]:
 def swap() -> dict[str, dict]:
     """Model-Level Swap: the DiT and the text encoder take turns on the GPU."""
     wf = _base()
-    wf["8"] = {"class_type": "ModelLevelSwap", "inputs": {"model": ["1", 0], "clip": ["2", 0]}}
+    wf["8"] = {"class_type": "ModelLevelSwap",
+               "inputs": {"model": ["1", 0], "clip": ["2", 0], "share_host_memory": True}}
     wf["6"]["inputs"]["model"] = ["8", 0]
     for node in ("3", "4"):
         wf[node]["inputs"]["clip"] = ["8", 1]

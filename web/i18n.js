@@ -242,6 +242,15 @@ export const ENGLISH = {
     parksOne: "1 park",
     parksMany: "{n} parks",
   },
+  hostStore: {
+    sharedMemory: "Host copy: {size} in shared memory",
+    sharedDisk: "Host copy: {size} in a shared file on disk",
+    sharedAlone: "no other process maps it now",
+    sharedWithOne: "shared with 1 other process",
+    sharedWith: "shared with {n} other processes",
+    sharedUnknown: "shared with the machine's other processes",
+    private: "Host copy: this process's own ({why})",
+  },
   kind: {
     diffusion_model: "diffusion model",
     checkpoint: "checkpoint",

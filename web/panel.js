@@ -302,10 +302,23 @@ function layerwiseHtml(lw, showStrip, open, cpu) {
     <div class="to-lw-head"><b>${esc(tr("layerwise.head"))}</b>
       <span class="to-muted" data-role="lw-summary">${esc(parts.join(" · "))}</span></div>
     ${lw.dynamic_vram?.cost ? `<div class="to-muted" data-role="lw-cost">${esc(tr("layerwise.cost", { cost: lw.dynamic_vram.cost }))}</div>` : ""}
+    ${hostStoreHtml(lw.host_store)}
     ${showStrip ? stripHtml(lw, cpu) : ""}
     ${telemetryHtml(lw.telemetry, cpu)}
     ${compactTimelineHtml(lw, !!lw.telemetry && num(lw.streamed_indices?.length) > 0, open)}
   </div>`;
+}
+
+// Where a model's host copy lives: a store every process loading the same file maps (with how
+// many others), or this process's own memory and why.
+function hostStoreHtml(st) {
+  if (!st) return "";
+  if (!st.shared) return `<div class="to-muted" data-role="host-store">${esc(tr("hostStore.private", { why: st.why ?? "" }))}</div>`;
+  const others = typeof st.users === "number" ? Math.max(0, st.users - 1) : null;
+  const withText = others === null ? tr("hostStore.sharedUnknown") : others === 0 ? tr("hostStore.sharedAlone")
+    : others === 1 ? tr("hostStore.sharedWithOne") : tr("hostStore.sharedWith", { n: others });
+  const where = tr(st.kind === "disk" ? "hostStore.sharedDisk" : "hostStore.sharedMemory", { size: fmtBytes(num(st.bytes)) });
+  return `<div class="to-muted" data-role="host-store" data-users="${esc(st.users ?? "")}" title="${esc(`${st.folder}/${st.file}`)}">${esc(`${where} · ${withText}`)}</div>`;
 }
 
 // Model-Level Swap's figures (its "swapped" pill stands with the card's other pills).
@@ -316,7 +329,8 @@ function swapHtml(sw) {
   const count = (n, one, many) => tr(n === 1 ? one : many, { n });
   const turns = count(num(sw.turns), "swap.turnsOne", "swap.turnsMany");
   const parks = count(num(sw.parks), "swap.parksOne", "swap.parksMany");
-  return `<div class="to-meta" data-role="swap"><span>${esc(tr("swap.figures", { turns, parks }) + master)}</span></div>`;
+  return `<div class="to-meta" data-role="swap"><span>${esc(tr("swap.figures", { turns, parks }) + master)}</span></div>
+    ${hostStoreHtml(sw.host_store)}`;
 }
 
 const swapPill = (sw) => (sw ? `<span class="to-pill" data-role="swap-pill">${esc(tr("swap.pill"))}</span>` : "");

@@ -153,6 +153,12 @@ class ApplyLayerwiseOffload(io.ComfyNode):
                             "model compile's in the last bits. Off: a whole-model compile runs "
                             "only with every block resident (resident_blocks set to the block "
                             "count), and is refused when blocks may stream."),
+                io.Boolean.Input(
+                    "share_host_memory", default=True, optional=True,
+                    tooltip="Share the blocks' host copy with every other ComfyUI process on this "
+                            "machine that streams the same model file (workers of a multi-GPU "
+                            "setup): one copy in shared memory instead of one per process. Off: "
+                            "this process keeps its own copy."),
             ],
             outputs=[io.Model.Output()],
             hidden=[io.Hidden.unique_id],
@@ -183,9 +189,9 @@ class ApplyLayerwiseOffload(io.ComfyNode):
     def execute(cls, model, resident_blocks: int, vram_budget_gb: float, prefetch: int, pin: bool,
                 mode: str = "auto", host_cache_gb: float = 0.0, disk_workers: int = 2,
                 granularity: str = "block", spill_dir: str = "",
-                compile_per_block: bool = False) -> io.NodeOutput:
+                compile_per_block: bool = False, share_host_memory: bool = True) -> io.NodeOutput:
         settings = LayerwiseSettings(resident_blocks, vram_budget_gb, prefetch, pin, host_cache_gb,
-                                     disk_workers, granularity, spill_dir)
+                                     disk_workers, granularity, spill_dir, share_host_memory)
         choice = compile_policy.NodeChoice(cls.hidden.unique_id if cls.hidden is not None else None,
                                            bool(compile_per_block))
         if dynamic_vram.check_mode(mode) == "auto" and is_dynamic(model):

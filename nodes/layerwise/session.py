@@ -39,7 +39,7 @@ from ...offload_core.disk.host_cache import CacheTooSmallError
 from ...offload_core.disk.tier import DiskOptions
 from ...offload_core.layerwise.streamer import LayerwiseStreamer
 from ...offload_core.units import size_text
-from ..core import host_moves
+from ..core import host_moves, host_sharing
 from ..core.state import LAYERWISE, LAYERWISE_KEY
 from . import (block_budget, comfy_weights, compile_policy, compiled_models, dynamic_vram,
                spill_folder)
@@ -69,10 +69,16 @@ class LayerwiseSession:
         self.device = patcher.load_device
         self.settings = settings
         resident = settings.resident_blocks if settings.resident_blocks >= 0 else None
+        # One host copy per machine: the pack maps the store of this file's blocks that another
+        # ComfyUI process made, or makes it for them (core/host_sharing.py).
+        # Disk streaming reads its own spill file, not a store: nothing to share, nothing to refuse.
+        spill_dir = spill_folder.spill_folder(settings.spill_dir) if settings.spill_dir.strip() else None
+        self.share, self.share_why = (None, "the blocks stream from disk") if settings.host_cache_gb > 0 \
+            else host_sharing.share_for(patcher.model, settings.share_host_memory, spill_dir=spill_dir)
         self.streamer = LayerwiseStreamer(list(self.blocks), self.device, resident=resident,
                                           prefetch=settings.prefetch, pin=settings.pin,
                                           granularity=settings.granularity,
-                                          disk=self._disk_options(settings))
+                                          disk=self._disk_options(settings), share=self.share)
         least, _ = self.streamer.bound_range()
         requested = settings.requested_budget
         if resident is None and requested is not None and requested < least:
@@ -119,6 +125,7 @@ class LayerwiseSession:
         ``choice``: what the node that set up this run chose about compiles."""
         self.run_pending = False
         self._close_block_patches()
+        host_sharing.check_unchanged(self.share, "Apply Layerwise Offload")
         touched = any(key in patcher.patches for prefix, block in zip(self.prefixes, self.blocks)
                       for key in comfy_weights.block_keys(prefix, block))
         merge_bytes = 0
@@ -296,6 +303,7 @@ class LayerwiseSession:
             "units": self.streamer.describe_units(),
             "unit_states": self.streamer.unit_states(),
             "host": self.streamer.host_bytes(),
+            "host_store": self.host_store(),
             "disk": self.streamer.disk_figures(),
             "active": self.active,
             "runs": self.runs,
@@ -304,6 +312,13 @@ class LayerwiseSession:
             "telemetry": self.streamer.figures() if self.active else self.last_run,
             "timeline": self.last_timeline,
         }
+
+    def host_store(self) -> dict[str, Any] | None:
+        """Whether the blocks' host copy is shared with other processes (where, with how many) or
+        why not; None before the first pack of a shared one, or while the blocks stream from disk."""
+        if self.share is None:
+            return {"shared": False, "why": self.share_why}
+        return self.streamer.host_store()
 
     def disk_bytes(self) -> int:
         """Bytes of the model's blocks that are only on disk now (disk streaming), else 0."""

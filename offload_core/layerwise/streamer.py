@@ -33,6 +33,7 @@ from ..device.timeline import Timeline
 from ..disk.tier import DiskOptions
 from ..host.packing import PackedBlock
 from ..host.pinned import DEFAULT_CHUNK_BYTES
+from ..host.shared_packing import HostShare
 from ..host.tensor_refs import tables_under
 from ..host.transform import Transform
 from ..ordering import for_device
@@ -70,7 +71,10 @@ class LayerwiseStreamer:
         timing: bool = True,
         granularity: str = "block",
         disk: DiskOptions | None = None,
+        share: HostShare | None = None,
     ) -> None:
+        """``share``: keep the host pack in the machine's one shared store of these bytes, which
+        every process streaming the same model maps (``host/shared_packing.py``)."""
         blocks = check_blocks(blocks)
         self.device = resolve_device(device)
         units = stream_units(blocks, granularity)
@@ -86,7 +90,8 @@ class LayerwiseStreamer:
         if self._ordering.asynchronous and timing:
             self.telemetry.stalls = StallTimer(self._ordering)
         self._store = PackStore(self.device, pin=pin, ram_budget_bytes=ram_budget_bytes,
-                                chunk_bytes=host_chunk_bytes, disk=disk, telemetry=self.telemetry)
+                                chunk_bytes=host_chunk_bytes, disk=disk, telemetry=self.telemetry,
+                                share=share)
         self._schedule: DeviceSchedule | None = None
         self._timeline_wanted = False
         self._attached = False
@@ -159,6 +164,15 @@ class LayerwiseStreamer:
         """Host master size, the tensors in it without alignment padding, how much of it is
         page-locked; with disk streaming, what the host cache holds and what lives on disk."""
         return figures.host_bytes(self._plan, self._store)
+
+    def shows_kept_pack(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` shows this streamer's kept host pack while detached: another host master of
+        the same module need not copy it."""
+        return not self._attached and self._store.holds(t)
+
+    def host_store(self) -> dict | None:
+        """Whether the host pack is in a shared store, or why not (``PackStore.host_store``)."""
+        return self._store.host_store()
 
     def disk_figures(self) -> dict | None:
         """The disk tier's settings and sizes, None without one."""

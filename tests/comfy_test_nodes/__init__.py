@@ -5,6 +5,9 @@
   answered from ComfyUI's output cache.
 - TieredTestLatentStats: an output node that puts a latent's shape, finiteness and sha256 into
   /history, so tests compare results bit for bit.
+- TieredTestLatentBits and TieredTestImageStats: a latent's bits as an image of 0s and 1s (which
+  an 8-bit PNG carries exactly, as ComfyUI-Distributed sends a worker's images to its master),
+  and an output node with each image's sha256.
 - TieredTestBlockReplace: a `dit` block-replace patch on every block, like TeaCache-style nodes
   install; it scales each block's output slightly so its effect shows in the result.
 - TieredTestUnsupportedModel: swaps the diffusion model (through an object patch on a clone)
@@ -95,6 +98,41 @@ class TieredTestLatentStats(_StatsNode):
 
     def stats(self, samples):
         return {"ui": {"latent_stats": [tensor_report(samples["samples"])]}}
+
+
+class TieredTestLatentBits:
+    """A latent's raw bits as an IMAGE of 0.0 and 1.0 (one bit per channel value, padded to a
+    square): an image that survives any 8-bit round trip exactly (ComfyUI-Distributed sends a
+    worker's images to the master as PNG), so results compare bit for bit across processes."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"samples": ("LATENT",)}}
+
+    RETURN_TYPES = ("IMAGE",)
+    FUNCTION = "bits"
+    CATEGORY = "tiered_offload/testing"
+
+    def bits(self, samples):
+        raw = samples["samples"].detach().cpu().contiguous().view(torch.uint8).reshape(-1)
+        bits = ((raw.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(-1).float()
+        side = 1
+        while side * side * 3 < bits.numel():
+            side += 1
+        image = torch.zeros(side * side * 3)
+        image[:bits.numel()] = bits
+        return (image.reshape(1, side, side, 3),)
+
+
+class TieredTestImageStats(_StatsNode):
+    """Output node: the sha256 of each image of a batch (in batch order)."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"images": ("IMAGE",)}}
+
+    def stats(self, images):
+        return {"ui": {"image_stats": [tensor_report(images[i]) for i in range(images.shape[0])]}}
 
 
 class TieredTestConditioningStats(_StatsNode):
@@ -354,6 +392,8 @@ if os.environ.get("TIERED_TEST_FIRST_LINE"):
 
 NODE_CLASS_MAPPINGS = {
     "TieredTestConditioningStats": TieredTestConditioningStats,
+    "TieredTestLatentBits": TieredTestLatentBits,
+    "TieredTestImageStats": TieredTestImageStats,
     "TieredTestBlockReplace": TieredTestBlockReplace,
     "TieredTestUnsupportedModel": TieredTestUnsupportedModel,
     "TieredTestConditioning": TieredTestConditioning,
