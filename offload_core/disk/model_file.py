@@ -1,0 +1,239 @@
+"""The model's own file as the disk home of streamed units: read in place, never mapped, watched.
+
+Why read it in place: when a unit's loaded tensors are the file's bytes (no cast, no quantized
+conversion, no transform), every byte the engine would write to a spill file is already on disk.
+Reading it there costs no disk space, no write and no wait for one before the first step.
+
+Why ``pread`` and never a memory map: the file belongs to the user, who may re-download it, copy
+another model over it or delete it at any moment. A mapped page past a truncation is SIGBUS,
+which kills ComfyUI and its queue; a page of a file overwritten in place silently changes under
+the running model. A read past the end is a short read, which is an error naming the file.
+
+Why the identity (``file_version``: device, inode, size, modification and change time in ns):
+a pread of a file overwritten in place returns the new bytes without complaint. The identity is
+taken when the file is opened and checked again after every pass and at the end of every run; a
+file replaced, truncated or overwritten in place fails the run with ``ModelFileChanged`` before
+its result is used. The change time moves with every write and with every attempt to put the
+modification time back, so no one can change the bytes and keep the identity.
+
+How a unit is read: its tensors' byte ranges in the file (from the file's header, by the caller)
+are merged into a few runs where they lie close together, each run widened to the file system's
+block so it can be read with ``O_DIRECT`` (past the page cache, which a model the size of the RAM
+would otherwise flush) straight into page-aligned host memory. The bytes then sit in file order;
+``Piece`` says where each tensor's bytes are in the read buffer and where they go in the unit's
+packed layout, so the device copy puts each where the engine's views expect it.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat as stat_mod
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..units import size_text
+from .raw_io import PAGE, DiskReadError, align_down, align_up, memview, open_direct, read_into
+
+log = logging.getLogger(__name__)
+
+RUN_GAP = 64 << 10  # tensors this close in the file are read as one run (the gap read and dropped)
+
+
+def file_version(st: os.stat_result) -> tuple[int, ...]:
+    """What moves on whenever a file's bytes may have changed: device and inode (another file
+    under the name), size, and modification and change times in ns (a write moves the change time,
+    and so does putting the modification time back)."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+class ModelFileChanged(DiskReadError):
+    """The model's file is no longer the file the streamed weights were read from."""
+
+    def __init__(self, path: str, how: str) -> None:
+        self.path = path
+        super().__init__(
+            f"the model file {path} {how} while its blocks were streamed from it, so the weights "
+            f"read from it can no longer be trusted. Load the model again (free the models and "
+            f"node cache, or change the loader's input) to use the file as it is now")
+
+
+def _how_changed(was: tuple[int, ...], now: os.stat_result | None) -> str:
+    if now is None:
+        return "was deleted"
+    version = file_version(now)
+    if version[:2] != was[:2]:
+        return "was replaced by another file"
+    if version[2] < was[2]:
+        return f"was truncated (from {size_text(was[2])} to {size_text(version[2])})"
+    return "was changed in place"
+
+
+@dataclass(frozen=True)
+class FileSlice:
+    """One tensor's bytes in a model file of a known version."""
+
+    path: str
+    version: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ModelFileMap:
+    """A model file and where the streamed tensors are in it: (block index, path inside the
+    block) -> (byte offset in the file, byte count), from the file's header."""
+
+    path: str
+    tensors: Mapping[tuple[int, str], tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One tensor's bytes: at ``src`` in the read buffer, at ``dst`` in the unit's packed layout."""
+
+    src: int
+    dst: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Run:
+    """One read: ``length`` bytes of the file from ``start`` (both block-aligned) into the read
+    buffer at ``at``; the tensors in it end ``needed`` bytes in (a shorter read is a truncation)."""
+
+    start: int
+    length: int
+    at: int
+    needed: int
+
+
+@dataclass(frozen=True)
+class UnitRead:
+    """How one unit comes out of the model's file: its runs, its pieces, the buffer it needs."""
+
+    runs: tuple[Run, ...]
+    pieces: tuple[Piece, ...]
+    buffer_bytes: int
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes of the file the unit's reads take (the unit's tensors, gaps and block padding)."""
+        return sum(r.length for r in self.runs)
+
+
+def plan_read(extents: Sequence[tuple[int, int, int]], gap: int = RUN_GAP) -> UnitRead:
+    """The reads of a unit whose tensors are ``extents``: (file offset, bytes, offset in the
+    packed layout) each."""
+    order = sorted(extents)
+    groups: list[list[tuple[int, int, int]]] = []
+    for ext in order:
+        if groups and ext[0] <= groups[-1][-1][0] + groups[-1][-1][1] + gap:
+            groups[-1].append(ext)
+        else:
+            groups.append([ext])
+    runs, pieces, at = [], [], 0
+    for group in groups:
+        first = group[0][0]
+        last = max(off + n for off, n, _ in group)
+        start = align_down(first, PAGE)
+        length = align_up(last, PAGE) - start
+        runs.append(Run(start, length, at, last - start))
+        pieces += [Piece(at + off - start, dst, n) for off, n, dst in group]
+        at += length
+    return UnitRead(tuple(runs), tuple(pieces), at)
+
+
+class ModelFile:
+    """One model file opened for reading: a buffered descriptor, a direct one where the file
+    system allows it, and the version both were opened at (``version``)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            st = os.fstat(fd)
+            if not stat_mod.S_ISREG(st.st_mode):
+                raise DiskReadError(f"{path} is not a regular file; its blocks cannot be read from it")
+        except BaseException:
+            os.close(fd)
+            raise
+        self.version = file_version(st)
+        self._fd: int | None = fd
+        self._direct: int | None = open_direct(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self._lock = threading.Lock()
+
+    @property
+    def direct(self) -> bool:
+        """Whether reads pass the page cache by (O_DIRECT)."""
+        return self._direct is not None
+
+    def check(self, version: tuple[int, ...] | None = None) -> None:
+        """Raise ModelFileChanged unless the name still leads to the file opened, unchanged (and,
+        given ``version``, the file is still that version)."""
+        want = self.version if version is None else version
+        try:
+            now = os.stat(self.path)
+        except FileNotFoundError:
+            now = None
+        if now is None or file_version(now) != want:
+            raise ModelFileChanged(self.path, _how_changed(want, now))
+        fd = self._fd
+        if fd is not None and file_version(os.fstat(fd)) != want:
+            raise ModelFileChanged(self.path, _how_changed(want, os.fstat(fd)))
+
+    def read(self, plan: UnitRead, dst: torch.Tensor, runs: Sequence[Run] | None = None) -> int:
+        """Read ``runs`` (default: all of the plan's) into ``dst`` (page-aligned host memory of
+        at least the plan's buffer bytes) at their places; returns the bytes read. A file that
+        ends before a run's tensors raises ModelFileChanged."""
+        total = 0
+        for run in plan.runs if runs is None else runs:
+            view = memview(dst[run.at : run.at + run.length])
+            got = self._read_run(view, run.start, dst.data_ptr() + run.at)
+            if got < run.needed:
+                raise ModelFileChanged(self.path, f"ends at byte {run.start + got}, before the tensors "
+                                                  f"at bytes {run.start} to {run.start + run.needed}: it "
+                                                  f"was truncated or replaced")
+            total += got
+        return total
+
+    def _read_run(self, view: memoryview, offset: int, address: int) -> int:
+        fd = self._direct if address % PAGE == 0 else None
+        if fd is not None:
+            try:
+                return read_into(fd, [view], offset, direct=True)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise DiskReadError(f"reading {size_text(len(view))} from {self.path} failed: {e}") from e
+                self._no_direct()
+        fd = self._fd
+        if fd is None:
+            raise DiskReadError(f"{self.path} cannot be read: the engine has closed it")
+        try:
+            return read_into(fd, [view], offset)
+        except OSError as e:
+            raise DiskReadError(f"reading {size_text(len(view))} from {self.path} failed: {e}") from e
+
+    def _no_direct(self) -> None:
+        with self._lock:
+            if self._direct is not None:
+                log.info("disk stream: %s refuses direct reads; reading it through the page cache", self.path)
+                os.close(self._direct)
+                self._direct = None
+
+    def drop_cached_pages(self) -> None:
+        """Ask the OS to forget the file's cached pages (a benchmark's cold state)."""
+        fd = self._fd
+        if fd is not None and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+    def close(self) -> None:
+        """Close both descriptors, once."""
+        with self._lock:
+            fds, self._fd, self._direct = (self._fd, self._direct), None, None
+        for fd in fds:
+            if fd is not None:
+                os.close(fd)
