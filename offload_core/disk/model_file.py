@@ -26,6 +26,7 @@ packed layout, so the device copy puts each where the engine's views expect it.
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import stat as stat_mod
@@ -48,6 +49,37 @@ def file_version(st: os.stat_result) -> tuple[int, ...]:
     under the name), size, and modification and change times in ns (a write moves the change time,
     and so does putting the modification time back)."""
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+MAX_HEADER = 100 << 20  # a larger safetensors header is a damaged file, not a model
+
+
+def safetensors_tensors(path: str) -> dict[str, tuple[int, int, str]]:
+    """Every tensor of a safetensors file by key, from its header alone (no tensor byte is
+    read): (byte offset in the file, byte count, the file's dtype name). ValueError for a file
+    that is not one."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, 8, 0)
+        if len(head) < 8:
+            raise ValueError(f"{path} is not a safetensors file: shorter than its header")
+        n = int.from_bytes(head, "little")
+        if n > MAX_HEADER or 8 + n > size:
+            raise ValueError(f"{path} is not a safetensors file: a header of {n} bytes")
+        header = json.loads(os.pread(fd, n, 8).decode("utf-8"))
+    finally:
+        os.close(fd)
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} is not a safetensors file: its header is not an object")
+    out = {}
+    for key, info in header.items():
+        if key == "__metadata__" or not isinstance(info, dict):
+            continue
+        start, end = info.get("data_offsets", (0, -1))
+        if isinstance(start, int) and isinstance(end, int) and 0 <= start <= end and 8 + n + end <= size:
+            out[key] = (8 + n + start, end - start, str(info.get("dtype")))
+    return out
 
 
 class ModelFileChanged(DiskReadError):
@@ -151,9 +183,16 @@ class ModelFile:
     """One model file opened for reading: a buffered descriptor, a direct one where the file
     system allows it, and the version both were opened at (``version``)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, version: tuple[int, ...] | None = None) -> None:
+        """Open ``path``; given the ``version`` the caller read from before, a file that is gone
+        or another version raises ModelFileChanged."""
         self.path = path
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            if version is None:
+                raise
+            raise ModelFileChanged(path, "was deleted") from None
         try:
             st = os.fstat(fd)
             if not stat_mod.S_ISREG(st.st_mode):
@@ -165,6 +204,9 @@ class ModelFile:
         self._fd: int | None = fd
         self._direct: int | None = open_direct(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         self._lock = threading.Lock()
+        if version is not None and version != self.version:
+            self.close()
+            raise ModelFileChanged(path, _how_changed(version, st))
 
     @property
     def direct(self) -> bool:

@@ -17,7 +17,8 @@ every run (``check``); a unit read from a file that changed fails the run, namin
 
 Between runs nothing of a ``file`` unit is in RAM. Whoever runs the model without the engine
 first asks for its tensors back (``read_back``): they are read from the file into fresh memory,
-the file's identity checked before and after, and the unit goes back to ``checking``.
+the file's identity checked before and after; the next attach lets go of them again
+(``drop_loaded``).
 """
 from __future__ import annotations
 
@@ -49,11 +50,17 @@ class _Unit:
     read: UnitRead | None = None
     file: ModelFile | None = None
     slices: dict[int, FileSlice] = field(default_factory=dict)  # entry -> its bytes in the file
-
+    loaded: bool = False  # FILE: read back into RAM for a run without the engine
 
 def _objects(pack: PackedBlock) -> dict[int, torch.Tensor]:
     """Entry index -> the tensor object whose data the entry is (plain tensors only)."""
     return {b.entry: b.obj for b in pack.binding.bindings if b.entry is not None}
+
+
+def _empty(e) -> torch.Tensor:
+    """The placeholder a released entry's object shows."""
+    with torch.inference_mode(e.inference):
+        return torch.empty(0, dtype=e.dtype, device=e.device)
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
@@ -121,9 +128,17 @@ class DiskSources:
             self._why[why] = self._why.get(why, 0) + 1
             self._read_back_entries(pack, objs)
             return _Unit(SPILL)
-        file = self._open(paths.pop())
-        slices = {k: FileSlice(s.path, s.version or file.version, s.offset, s.nbytes) for k, s in slices.items()}
         empty = [released(objs.get(k)) is not None for k in range(len(pack.entries))]
+        path = paths.pop()
+        try:
+            file = self._open(path, next((s.version for k, s in slices.items() if empty[k]), None))
+        except ModelFileChanged:
+            raise
+        except OSError as e:  # the loaded tensors are all there: they go to the spill file
+            log.warning("disk stream: %s cannot be read (%s); its units go to the spill file", path, e)
+            self._why["a model file that cannot be read"] = self._why.get("a model file that cannot be read", 0) + 1
+            return _Unit(SPILL)
+        slices = {k: FileSlice(s.path, s.version or file.version, s.offset, s.nbytes) for k, s in slices.items()}
         if all(empty):
             stale = next((s for s in slices.values() if s.version != file.version), None)
             if stale is not None:
@@ -137,10 +152,13 @@ class DiskSources:
         read = plan_read([(s.offset, s.nbytes, pack.entries[k].offset) for k, s in slices.items()])
         return _Unit(kind, read, file, slices)
 
-    def _open(self, path: str) -> ModelFile:
+    def _open(self, path: str, version: tuple[int, ...] | None) -> ModelFile:
+        """The open file at ``path``; ``version``: the one released tensors were read from."""
         file = self._files.get(path)
         if file is None:
-            file = self._files[path] = ModelFile(path)
+            file = self._files[path] = ModelFile(path, version)
+        elif version is not None:
+            file.check(version)
         return file
 
     def place(self, progress: Callable[[int, int], None] | None, total: int) -> int:
@@ -287,7 +305,7 @@ class DiskSources:
         count = 0
         for i, u in self._units.items():
             with self._lock:
-                if u.kind != FILE:
+                if u.kind != FILE or u.loaded:
                     continue
                 pack = self._packs[i]
                 storage = HostStorage([u.read.buffer_bytes], pin=False, ram_budget_bytes=0)
@@ -304,9 +322,19 @@ class DiskSources:
                 finally:
                     storage.release()
                 pack.restore(keep_host=False)
-                u.kind = CHECKING
+                u.loaded = True
                 count += 1
         return count
+
+    def drop_loaded(self) -> None:
+        """At an attach: the copies ``read_back`` made are let go (the objects keep showing them
+        until the run releases or binds them; the next hand-back gives them placeholders)."""
+        with self._lock:
+            for i, u in self._units.items():
+                if u.kind == FILE and u.loaded:
+                    for e in self._packs[i].entries:
+                        e.original = _empty(e)
+                    u.loaded = False
 
     @staticmethod
     def _read_back_entries(pack: PackedBlock, objs: dict[int, torch.Tensor]) -> None:
@@ -338,7 +366,12 @@ class DiskSources:
             file.drop_cached_pages()
 
     def close(self) -> None:
-        """Close the spill file and every model file, once."""
+        """Close the spill file and every model file, once. Call it once no read runs (the
+        cache closed): a unit released by a read that ended after the last hand-back gives its
+        objects the empty placeholders now, so no loaded copy outlives the engine."""
+        for i, u in self._units.items():
+            if u.kind == FILE:
+                self._packs[i].restore(keep_host=False, skip_reassigned=True)
         try:
             self.spill.close()
         finally:
@@ -353,9 +386,8 @@ def read_released(found: Released) -> torch.Tensor:
     source = found.source
     if not isinstance(source, FileSlice):
         raise RuntimeError("a released tensor without a file to read it from")
-    file = ModelFile(source.path)
+    file = ModelFile(source.path, source.version)
     try:
-        file.check(source.version)
         plan = plan_read([(source.offset, source.nbytes, 0)])
         storage = HostStorage([plan.buffer_bytes], pin=False, ram_budget_bytes=0)
         try:

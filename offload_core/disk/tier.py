@@ -102,6 +102,7 @@ class DiskTier:
         entries hold what a read of each unit needs (its packed bytes, or its spans of the
         model's file)."""
         sources = self.sources
+        sources.drop_loaded()
         kinds = sources.kinds()
         unit_bytes = {i: sources.buffer_bytes(i) if i in kinds else n for i, n in unit_bytes.items()}
         entry, count, depth = self._sizing(order, unit_bytes, nslots, largest_pack)
