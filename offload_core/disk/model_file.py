@@ -41,7 +41,7 @@ from .raw_io import PAGE, DiskReadError, align_down, align_up, memview, open_dir
 
 log = logging.getLogger(__name__)
 
-RUN_GAP = 64 << 10  # tensors this close in the file are read as one run (the gap read and dropped)
+RUN_GAP = PAGE  # tensors this close in the file are read as one run (the gap read and dropped)
 
 
 def file_version(st: os.stat_result) -> tuple[int, ...]:
@@ -117,10 +117,11 @@ class FileSlice:
 @dataclass(frozen=True)
 class ModelFileMap:
     """A model file and where the streamed tensors are in it: (block index, path inside the
-    block) -> (byte offset in the file, byte count), from the file's header."""
+    block) -> (byte offset in the file, byte count, the dtype the file holds it in; None where
+    the bytes are the tensor's whatever it is, such as a mapped file's), from the file's header."""
 
     path: str
-    tensors: Mapping[tuple[int, str], tuple[int, int]]
+    tensors: Mapping[tuple[int, str], tuple[int, int, torch.dtype | None]]
 
 
 @dataclass(frozen=True)

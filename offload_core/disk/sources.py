@@ -117,7 +117,8 @@ class DiskSources:
                 why = "no model file is known"
             elif found is None:
                 why = "tensors the model file does not hold"
-            elif found[1] != e.nbytes or not _contiguous(e.shape, e.stride) or e.device.type != "cpu":
+            elif (found[1] != e.nbytes or found[2] not in (None, e.dtype) or e.device.type != "cpu"
+                  or not _contiguous(e.shape, e.stride)):
                 why = "tensors loaded in another dtype or layout than the file's"
             else:
                 slices[k] = FileSlice(self._map.path, (), found[0], found[1])

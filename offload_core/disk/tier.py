@@ -103,9 +103,13 @@ class DiskTier:
         model's file)."""
         sources = self.sources
         sources.drop_loaded()
+        entry, count, depth = self._sizing(order, unit_bytes, nslots, largest_pack)
+        # The cap counts units in their packed size; a unit read in place may take a page or two
+        # more of its entry (its spans of the file widened to the file system's blocks).
         kinds = sources.kinds()
         unit_bytes = {i: sources.buffer_bytes(i) if i in kinds else n for i, n in unit_bytes.items()}
-        entry, count, depth = self._sizing(order, unit_bytes, nslots, largest_pack)
+        if order:
+            entry = max(entry, align_up(max(unit_bytes[u] for u in order), PAGE))
         cache = self.cache
         if cache is not None and (cache.entry_bytes != entry or cache.count != count):
             cache.close()
@@ -160,6 +164,10 @@ class DiskTier:
         (the same, until its first read matches the loaded tensors) or "spill"."""
         return self.sources.kinds() if self.sources is not None else {}
 
+    def _source_list(self) -> list[str | None]:
+        kinds = self.unit_sources()
+        return [kinds.get(i) for i in range(max(kinds, default=-1) + 1)]
+
     def figures(self) -> dict[str, Any]:
         sources, cache = self.sources, self.cache
         kinds = sources.figures() if sources is not None else {}
@@ -177,6 +185,8 @@ class DiskTier:
             "file_bytes": kinds.get("file_bytes", 0),
             "checking_units": kinds.get("checking_units", 0),
             "direct_reads": kinds.get("direct"),
+            # Per pack (the units in order, then the shared tensors): where its bytes come from.
+            "unit_sources": self._source_list(),
             "cache_bytes": cache.nbytes if cache is not None else 0,
             "cache_entries": cache.count if cache is not None else 0,
             "cache_entry_bytes": cache.entry_bytes if cache is not None else 0,

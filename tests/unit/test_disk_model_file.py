@@ -64,7 +64,7 @@ def _file_map(model: PlainModel, path) -> ModelFileMap:
     for i, block in enumerate(model.blocks):
         for name in block.state_dict():
             offset, nbytes, _ = found[f"blocks.{i}.{name}"]
-            tensors[(i, name)] = (offset, nbytes)
+            tensors[(i, name)] = (offset, nbytes, None)
     return ModelFileMap(str(path), tensors)
 
 
@@ -100,7 +100,7 @@ def model_file(tmp_path):
 
 
 def test_plan_read_merges_close_tensors_into_aligned_runs():
-    plan = plan_read([(10_000, 100, 0), (10_100, 50, 256), (900_000, 10, 512)], gap=4096)
+    plan = plan_read([(10_000, 100, 0), (10_100, 50, 256), (900_000, 10, 512)])
     assert [(r.start, r.length) for r in plan.runs] == [(8192, 4096), (897024, 4096)]
     assert plan.pieces[0].src == 10_000 - 8192 and plan.pieces[1].src == 10_100 - 8192
     assert plan.pieces[2].src == 4096 + 900_000 - 897024 and plan.buffer_bytes == 8192

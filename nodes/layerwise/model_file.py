@@ -1,0 +1,186 @@
+"""Which file a disk-streamed model was loaded from, and where its blocks' tensors are in it: what
+lets the engine read blocks in place instead of writing a spill file (offload_core/disk/sources.py).
+
+Two ways, in this order:
+- Tensors that are views of a mapped file name it themselves: ComfyUI-GGUF maps its file and
+  hands out the raw quantized bytes, so each tensor's address gives the file and the offset
+  (Linux: /proc/self/maps). Nothing of GGUF's format needs reading.
+- Core's loaders copy a safetensors file's tensors into the model, so the workflow names the file:
+  the loader the node's model comes from (core's UNET and checkpoint loaders, the pack's Tiered
+  ones), through any nodes that pass a model on (a LoRA, a sampling patch). The file's header
+  says where each tensor is; keys are matched with whatever prefix the file uses (a checkpoint's
+  `model.diffusion_model.`, a bare diffusion model's none), and a tensor the model holds in
+  another dtype than the file (a cast at load) is left out, so its unit goes to the spill file.
+
+Nothing found here is trusted blindly: the engine compares every unit's bytes in the file with the
+loaded tensors at its first read, and writes a unit that differs to the spill file instead.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+from collections import Counter
+from collections.abc import Mapping, Sequence
+
+import torch
+
+import folder_paths
+
+from ...offload_core.disk.model_file import ModelFileMap, safetensors_tensors
+from ...offload_core.host.released import note_of
+from ...offload_core.host.tensor_refs import tensor_refs
+
+log = logging.getLogger(__name__)
+
+# Loader node -> (model folder, the input that names the file). Others pass the model on through
+# their "model" input; any other node ends the search (its model's file is not known).
+LOADERS: dict[str, tuple[str, str]] = {
+    "UNETLoader": ("diffusion_models", "unet_name"),
+    "CheckpointLoaderSimple": ("checkpoints", "ckpt_name"),
+    "CheckpointLoader": ("checkpoints", "ckpt_name"),
+    "TieredUNETLoader": ("diffusion_models", "unet_name"),
+    "TieredCheckpointLoader": ("checkpoints", "ckpt_name"),
+}
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def _block_tensors(blocks: Sequence[torch.nn.Module]) -> list[tuple[int, str, torch.Tensor]]:
+    """(block index, path inside the block, tensor) of every plain tensor the blocks hold; a
+    tensor released by an earlier engine needs no finding (its note says where it is)."""
+    out = []
+    for b, block in enumerate(blocks):
+        for ref, t in tensor_refs(block, b):
+            if note_of(t) is None and t.device.type == "cpu" and t.numel():
+                out.append((b, ref.path, t))
+    return out
+
+
+def _mapped_files() -> list[tuple[int, int, int, str]]:
+    """(start, end, file offset, path) of every file mapping of this process, by start (Linux)."""
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        parts = line.split(maxsplit=5)
+        if len(parts) < 6 or not parts[5].startswith("/") or parts[5].endswith(" (deleted)"):
+            continue
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        out.append((lo, hi, int(parts[2], 16), parts[5]))
+    out.sort()
+    return out
+
+
+def _from_maps(tensors: list[tuple[int, str, torch.Tensor]]) -> ModelFileMap | None:
+    """The file most of the tensors are views of, and where each of those is in it."""
+    maps = _mapped_files()
+    if not maps:
+        return None
+    starts = [m[0] for m in maps]
+    found: dict[tuple[int, str], tuple[int, int, None]] = {}
+    paths: dict[tuple[int, str], str] = {}
+    for b, path, t in tensors:
+        ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+        k = bisect.bisect_right(starts, ptr) - 1
+        if k < 0 or not maps[k][0] <= ptr < maps[k][1] or ptr + nbytes > maps[k][1]:
+            continue
+        lo, _, offset, file = maps[k]
+        found[(b, path)] = (offset + ptr - lo, nbytes, None)
+        paths[(b, path)] = file
+    if not paths:
+        return None
+    file, _ = Counter(paths.values()).most_common(1)[0]
+    if not os.path.isfile(file):
+        return None
+    return ModelFileMap(file, {k: v for k, v in found.items() if paths[k] == file})
+
+
+def workflow_file(prompt: Mapping | None, node_id: str | None) -> str | None:
+    """The file of the loader the node's "model" input comes from, through nodes that pass a
+    model on; None where the chain reaches any other node or the file is not in its folder."""
+    if not isinstance(prompt, Mapping) or node_id is None:
+        return None
+    node, seen = prompt.get(str(node_id)), set()
+    while isinstance(node, Mapping):
+        link = node.get("inputs", {}).get("model")
+        if not isinstance(link, list) or not link or str(link[0]) in seen:
+            return None
+        seen.add(str(link[0]))
+        node = prompt.get(str(link[0]))
+        if not isinstance(node, Mapping):
+            return None
+        loader = LOADERS.get(node.get("class_type"))
+        if loader is not None:
+            name = node.get("inputs", {}).get(loader[1])
+            if not isinstance(name, str):
+                return None
+            return folder_paths.get_full_path(loader[0], name)
+    return None
+
+
+def _from_header(path: str, tensors: list[tuple[int, str, torch.Tensor]],
+                 prefixes: Sequence[str]) -> tuple[ModelFileMap | None, int]:
+    """Where the tensors are in a safetensors file, with the dtype it holds each in (the engine
+    spills one loaded in another dtype); with how many the file holds in another dtype."""
+    try:
+        header = safetensors_tensors(path)
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        log.info("Apply Layerwise Offload: %s cannot be read in place (%s)", path, e)
+        return None, 0
+    names = [(b, p, f"{prefixes[b].split('.', 1)[-1]}.{p}", t) for b, p, t in tensors]
+    if not names:
+        return None, 0
+    probe = names[0][2]
+    candidates = {key[: -len(probe)] for key in header if key.endswith(probe)
+                  and (len(key) == len(probe) or key[-len(probe) - 1] == ".")}
+    best, best_count = None, 0
+    for prefix in candidates:
+        count = sum(f"{prefix}{name}" in header for _, _, name, _ in names)
+        if count > best_count:
+            best, best_count = prefix, count
+    if best is None:
+        return None, 0
+    found, cast = {}, 0
+    for b, p, name, t in names:
+        entry = header.get(f"{best}{name}")
+        if entry is None:
+            continue
+        offset, nbytes, dtype = entry
+        held = _SAFETENSORS_DTYPES.get(dtype)
+        cast += held != t.dtype
+        found[(b, p)] = (offset, nbytes, held if held is not None else torch.uint8)
+    return (ModelFileMap(path, found) if found else None), cast
+
+
+def find(blocks: Sequence[torch.nn.Module], prefixes: Sequence[str], workflow_path: str | None,
+         model_class: str) -> ModelFileMap | None:
+    """The model's file and where its blocks' tensors are in it, or None (logged: why)."""
+    tensors = _block_tensors(blocks)
+    if not tensors:
+        return None
+    found = _from_maps(tensors)
+    if found is not None:
+        log.info("Apply Layerwise Offload: %s's blocks are views of %s: %d of %d tensors can be read "
+                 "from it in place", model_class, found.path, len(found.tensors), len(tensors))
+        return found
+    if workflow_path is None:
+        log.info("Apply Layerwise Offload: the file %s was loaded from is not known (its loader is not "
+                 "one the pack knows); streamed blocks go to a spill file", model_class)
+        return None
+    found, cast = _from_header(workflow_path, tensors, prefixes)
+    if found is None:
+        log.info("Apply Layerwise Offload: none of %s's block tensors are in %s as loaded; streamed "
+                 "blocks go to a spill file", model_class, workflow_path)
+        return None
+    log.info("Apply Layerwise Offload: %d of %s's %d block tensors can be read in place from %s%s",
+             len(found.tensors) - cast, model_class, len(tensors), workflow_path,
+             f" ({cast} are loaded in another dtype than the file's)" if cast else "")
+    return found
