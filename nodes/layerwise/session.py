@@ -164,6 +164,8 @@ class LayerwiseSession:
             raise ValueError(
                 f"Apply Layerwise Offload: host_cache_gb={self.settings.host_cache_gb:g} GiB is too "
                 f"small for {self.model_class}: {e}. {remedies}.") from None
+        except ModelFileChanged as e:
+            raise RuntimeError(f"Apply Layerwise Offload: {e}") from None
         # Until account(), core's load() sees every block as empty: it neither counts nor moves
         # them, and it merges no LoRA into resident blocks that already carry the engine's merge.
         self.streamer.conceal_resident()
