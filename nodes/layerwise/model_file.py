@@ -2,9 +2,9 @@
 lets the engine read blocks in place instead of writing a spill file (offload_core/disk/sources.py).
 
 Two ways, in this order:
-- Tensors that are views of a mapped file name it themselves: ComfyUI-GGUF maps its file and
-  hands out the raw quantized bytes, so each tensor's address gives the file and the offset
-  (Linux: /proc/self/maps). Nothing of GGUF's format needs reading.
+- Tensors that are views of a mapped file name it themselves (Linux: /proc/self/maps):
+  ComfyUI-GGUF maps its file and hands out the raw quantized bytes. The file's header (GGUF)
+  then says where every tensor is, also those the loader copied out (the norms' float weights).
 - Core's loaders copy a safetensors file's tensors into the model, so the workflow names the file:
   the loader the node's model comes from (core's UNET and checkpoint loaders, the pack's Tiered
   ones), through any nodes that pass a model on (a LoRA, a sampling patch). The file's header
@@ -27,7 +27,7 @@ import torch
 
 import folder_paths
 
-from ...offload_core.disk.model_file import ModelFileMap, safetensors_tensors
+from ...offload_core.disk.model_file import ModelFileMap, gguf_tensors, safetensors_tensors
 from ...offload_core.host.released import note_of
 from ...offload_core.host.tensor_refs import tensor_refs
 
@@ -43,7 +43,9 @@ LOADERS: dict[str, tuple[str, str]] = {
     "TieredCheckpointLoader": ("checkpoints", "ckpt_name"),
 }
 
-_SAFETENSORS_DTYPES = {
+# The dtype a loaded tensor has when it holds the file's bytes as they are, by the file's type
+# name (safetensors and GGUF); GGUF's quantized types are loaded as raw bytes.
+_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
@@ -79,28 +81,27 @@ def _mapped_files() -> list[tuple[int, int, int, str]]:
     return out
 
 
-def _from_maps(tensors: list[tuple[int, str, torch.Tensor]]) -> ModelFileMap | None:
-    """The file most of the tensors are views of, and where each of those is in it."""
+def _mapped_file(tensors: list[tuple[int, str, torch.Tensor]]) -> str | None:
+    """The file most of the tensors are views of (a loader that maps its file), if any."""
     maps = _mapped_files()
-    if not maps:
-        return None
     starts = [m[0] for m in maps]
-    found: dict[tuple[int, str], tuple[int, int, None]] = {}
-    paths: dict[tuple[int, str], str] = {}
-    for b, path, t in tensors:
-        ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
-        k = bisect.bisect_right(starts, ptr) - 1
-        if k < 0 or not maps[k][0] <= ptr < maps[k][1] or ptr + nbytes > maps[k][1]:
-            continue
-        lo, _, offset, file = maps[k]
-        found[(b, path)] = (offset + ptr - lo, nbytes, None)
-        paths[(b, path)] = file
+    paths = []
+    for _, _, t in tensors:
+        k = bisect.bisect_right(starts, t.data_ptr()) - 1
+        if k >= 0 and maps[k][0] <= t.data_ptr() < maps[k][1]:
+            paths.append(maps[k][3])
     if not paths:
         return None
-    file, _ = Counter(paths.values()).most_common(1)[0]
-    if not os.path.isfile(file):
-        return None
-    return ModelFileMap(file, {k: v for k, v in found.items() if paths[k] == file})
+    file = Counter(paths).most_common(1)[0][0]
+    return file if os.path.isfile(file) else None
+
+
+def _is_gguf(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
 
 
 def workflow_file(prompt: Mapping | None, node_id: str | None) -> str | None:
@@ -128,10 +129,10 @@ def workflow_file(prompt: Mapping | None, node_id: str | None) -> str | None:
 
 def _from_header(path: str, tensors: list[tuple[int, str, torch.Tensor]],
                  prefixes: Sequence[str]) -> tuple[ModelFileMap | None, int]:
-    """Where the tensors are in a safetensors file, with the dtype it holds each in (the engine
-    spills one loaded in another dtype); with how many the file holds in another dtype."""
+    """Where the tensors are in a safetensors or GGUF file, with the dtype it holds each in (the
+    engine spills one loaded in another dtype); with how many the file holds in another dtype."""
     try:
-        header = safetensors_tensors(path)
+        header = gguf_tensors(path) if _is_gguf(path) else safetensors_tensors(path)
     except (OSError, ValueError, UnicodeDecodeError) as e:
         log.info("Apply Layerwise Offload: %s cannot be read in place (%s)", path, e)
         return None, 0
@@ -153,10 +154,11 @@ def _from_header(path: str, tensors: list[tuple[int, str, torch.Tensor]],
         entry = header.get(f"{best}{name}")
         if entry is None:
             continue
-        offset, nbytes, dtype = entry
-        held = _SAFETENSORS_DTYPES.get(dtype)
+        offset, nbytes, kind = entry
+        held = _DTYPES.get(kind, torch.uint8)  # a quantized type: raw bytes
+        nbytes = t.numel() * t.element_size() if nbytes is None else nbytes  # checked at the first read
         cast += held != t.dtype
-        found[(b, p)] = (offset, nbytes, held if held is not None else torch.uint8)
+        found[(b, p)] = (offset, nbytes, held)
     return (ModelFileMap(path, found) if found else None), cast
 
 
@@ -166,21 +168,17 @@ def find(blocks: Sequence[torch.nn.Module], prefixes: Sequence[str], workflow_pa
     tensors = _block_tensors(blocks)
     if not tensors:
         return None
-    found = _from_maps(tensors)
-    if found is not None:
-        log.info("Apply Layerwise Offload: %s's blocks are views of %s: %d of %d tensors can be read "
-                 "from it in place", model_class, found.path, len(found.tensors), len(tensors))
-        return found
-    if workflow_path is None:
+    path = _mapped_file(tensors) or workflow_path
+    if path is None:
         log.info("Apply Layerwise Offload: the file %s was loaded from is not known (its loader is not "
                  "one the pack knows); streamed blocks go to a spill file", model_class)
         return None
-    found, cast = _from_header(workflow_path, tensors, prefixes)
+    found, cast = _from_header(path, tensors, prefixes)
     if found is None:
         log.info("Apply Layerwise Offload: none of %s's block tensors are in %s as loaded; streamed "
-                 "blocks go to a spill file", model_class, workflow_path)
+                 "blocks go to a spill file", model_class, path)
         return None
     log.info("Apply Layerwise Offload: %d of %s's %d block tensors can be read in place from %s%s",
-             len(found.tensors) - cast, model_class, len(tensors), workflow_path,
+             len(found.tensors) - cast, model_class, len(tensors), path,
              f" ({cast} are loaded in another dtype than the file's)" if cast else "")
     return found

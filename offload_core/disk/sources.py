@@ -63,6 +63,13 @@ def _empty(e) -> torch.Tensor:
         return torch.empty(0, dtype=e.dtype, device=e.device)
 
 
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor object over ``t``'s memory: a loaded tensor being checked must outlive its
+    object's emptying, and some subclasses' ``detach`` returns the object itself (GGUF's)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return t.as_subclass(torch.Tensor) if type(t) is not torch.Tensor else t
+
+
 def _raw(t: torch.Tensor) -> torch.Tensor:
     with torch._C.DisableTorchFunctionSubclass():
         return t.contiguous().reshape(-1).view(torch.uint8)
@@ -163,6 +170,8 @@ class DiskSources:
             if any(empty):  # a mix: the released ones get their bytes back, then all are checked
                 self._read_back_entries(pack, objs)
                 pack.restore(keep_host=False)
+            for e in pack.entries:  # kept apart from the objects, which the run empties
+                e.original = _alias(e.original)
             kind = CHECKING
         read = plan_read([(s.offset, s.nbytes, pack.entries[k].offset) for k, s in slices.items()])
         return _Unit(kind, read, file, slices)
