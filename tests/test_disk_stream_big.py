@@ -112,7 +112,9 @@ def test_big_wan_from_disk_is_bit_identical_and_bounds_rss(tmp_path, comfy_base,
         peak_rss = peak.stop()
         state = _engine(server)
         disk, tel = state["disk"], state["telemetry"]
-        assert disk["active"] and disk["spill_bytes"] >= state["block_bytes"], disk
+        # Every block has a home on disk: read in place from the model's file (an fp32 file: all of
+        # them), or a spill file.
+        assert disk["active"] and disk["file_bytes"] + disk["spill_bytes"] >= state["block_bytes"], disk
         assert tel["disk_reads"] > 0 and tel["order_misses"] == 0 and tel["sync_fallbacks"] == 0, tel
         assert tel["blocks_packed"] == 0, "the second run placed blocks again"
         rest, cache, device = state["rest_bytes"], disk["cache_bytes"], state["bound_bytes"]

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from offload_core.disk.model_file import ModelFileChanged, ModelFileMap, plan_read, safetensors_tensors
+from offload_core.disk.model_file import ModelFileChanged, ModelFileMap, gguf_tensors, plan_read, safetensors_tensors
 from offload_core.disk.sources import read_back_module
 from offload_core.disk.tier import DiskOptions
 from offload_core.host.released import released
@@ -309,3 +309,25 @@ def test_read_back_without_an_engine_gives_the_files_bytes(model_file, tmp_path)
     with torch.no_grad():
         assert torch.equal(_bits(model(x)), _bits(ref))
     assert read_back_module(model) == 0
+
+
+def test_file_headers_give_each_tensors_bytes(tmp_path, model_file):
+    """safetensors and GGUF headers, read with pread: every tensor's offset and size, checked
+    against the bytes the formats' own readers return."""
+    model, path = model_file
+    header = safetensors_tensors(str(path))
+    data = path.read_bytes()
+    for key, value in model.state_dict().items():
+        offset, nbytes, dtype = header[key]
+        assert data[offset : offset + nbytes] == _bits(value).numpy().tobytes(), key
+    gguf = pytest.importorskip("gguf")
+    import quantized_models  # tests/fixtures: the tiny Wan as GGUF, Q8_0 and float tensors
+
+    gguf_path = tmp_path / "tiny.gguf"
+    quantized_models.write_tiny_wan21_gguf(gguf_path, "Q8_0", seed=0)
+    found = gguf_tensors(str(gguf_path))
+    reader = gguf.GGUFReader(str(gguf_path))
+    assert len(found) == len(reader.tensors) > 0
+    for tensor in reader.tensors:
+        offset, nbytes, kind = found[tensor.name]
+        assert (offset, nbytes, kind) == (tensor.data_offset, tensor.n_bytes, tensor.tensor_type.name), tensor.name
