@@ -7,8 +7,9 @@ Asserted here:
     the device is the CPU, so the engine's device memory (two phase slots, the tensors the blocks
     use themselves) is host RAM too and must fit in the 25%; on a CUDA server it is VRAM.
     The peak is VmHWM of /proc/<pid>/status, reset (clear_refs 5) after the first prompt, which
-    loads the model (core's loader holds all of it in RAM once) and writes the blocks to the
-    engine's spill file; the second prompt is a whole sampling run from disk. Where the reset is
+    loads the model (core's loader holds all of it in RAM once) and reads every block once from
+    the model's own file, checking it against the loaded one, which it then lets go of; the
+    second prompt is a whole sampling run from disk. Where the reset is
     refused, VmRSS is sampled.
 The figures are written to tests/artifacts/disk_stream_big.json.
 """

@@ -80,6 +80,12 @@ export const ENGLISH = {
     },
     cell: "block {index}: {place}",
     strip: "blocks",
+    source: {
+      file: "read in place from the model file",
+      checking: "read in place from the model file (checked at its first read)",
+      spill: "from the spill file",
+      mixed: "from the model file and the spill file",
+    },
   },
   stats: {
     noRun: "No sampling run yet.",
@@ -120,6 +126,9 @@ export const ENGLISH = {
     fromDisk: "from disk through {size} RAM cache",
     cost: "Cost: {cost}",
     pill: "streamed",
+    inPlace: "{n} units ({size}) read in place from {file}",
+    spilled: "{n} units in a spill file ({size} written)",
+    noSpill: "no spill file",
   },
   timeline: {
     head: "Last run, one pass of the model",

@@ -61,7 +61,7 @@ def _classic_patcher(model, settings: LayerwiseSettings):
 
 
 class ApplyLayerwiseOffload(io.ComfyNode):
-    """Stream the diffusion model's blocks from pinned RAM while earlier blocks compute."""
+    """Stream the diffusion model's blocks from pinned RAM (or from disk) while earlier blocks compute."""
 
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -107,8 +107,10 @@ class ApplyLayerwiseOffload(io.ComfyNode):
                     "host_cache_gb", default=0.0, min=0.0, max=MAX_HOST_CACHE_GB, step=0.25,
                     optional=True,
                     tooltip="RAM in GiB for the streamed weights. 0 keeps every block packed in "
-                            "RAM. When the blocks do not fit, they are written once to a spill "
-                            "file and read from it through a cache of this size, ahead of need."),
+                            "RAM. When the blocks do not fit, they are read from disk through a "
+                            "cache of this size, ahead of need: in place from the model's own file "
+                            "where its bytes are what was loaded, else from a spill file written "
+                            "once."),
                 io.Int.Input(
                     "disk_workers", default=2, min=1, max=MAX_DISK_WORKERS, optional=True,
                     tooltip="Threads reading blocks from disk ahead of need (disk streaming)."),
@@ -119,9 +121,11 @@ class ApplyLayerwiseOffload(io.ComfyNode):
                             "slot, at more and smaller copies."),
                 io.String.Input(
                     "spill_dir", default="", optional=True,
-                    tooltip="Folder for the spill file that blocks are streamed from when they "
-                            "do not fit host_cache_gb: as large as the streamed blocks, written "
-                            "once, gone with the engine. Empty: ComfyUI's temp folder."),
+                    tooltip="Folder for the spill file of blocks that are loaded in another "
+                            "dtype or converted, when they do not fit host_cache_gb (blocks of a "
+                            "plain or GGUF file are read from the file itself): as large as those "
+                            "blocks, written once, gone with the engine. Empty: ComfyUI's temp "
+                            "folder."),
             ],
             outputs=[io.Model.Output()],
             # The workflow names the model's file (its loader): disk streaming reads blocks from it.
