@@ -69,6 +69,12 @@ def released(obj: object) -> Released | None:
     return found
 
 
+def true_numel(t: torch.Tensor) -> int:
+    """Elements ``t`` really has: those of its note's shape while it is released."""
+    found = released(t)
+    return torch.Size(found.shape).numel() if found is not None else t.numel()
+
+
 def forget(obj: torch.Tensor) -> None:
     obj.__dict__.pop(_NOTE, None)
 
