@@ -98,9 +98,11 @@ def test_panel_shows_disk_streaming(disk_run):
     assert re.search(rf"waited for disk\s+{tel['disk_wait_s']:.2f} s", stats), stats
     assert truth["bytes"]["disk"] > 0
     assert re.search(r"disk only \d", row.locator(".to-legend").first.inner_text()), "no disk share in the model bar"
-    # The last run's picture shows the disk reads of the units the cache did not hold.
+    # The last run's picture shows the disk reads of the units the cache did not hold: each the
+    # unit's bytes as the file holds them (its span widened to whole pages: a few KiB either way).
     reads = [sp for sp in lw["timeline"]["spans"] if sp["kind"] == "disk"]
-    assert reads and all(sp["bytes"] == lw["units"][sp["unit"]]["bytes"] for sp in reads), lw["timeline"]
+    assert reads and all(abs(sp["bytes"] - lw["units"][sp["unit"]]["bytes"]) <= 4 * PAGE for sp in reads), \
+        lw["timeline"]
     sync_api.expect(row.locator('[data-role="tl-chart"] [data-kind="disk"]')).to_have_count(len(reads))
     assert page.tier_gets() == gets, "the panel must update from the websocket, not a GET"
     page.shot("panel_disk_streaming.png")

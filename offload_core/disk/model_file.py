@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from ..units import size_text
-from .raw_io import PAGE, DiskReadError, align_down, align_up, memview, open_direct, read_into
+from .raw_io import PAGE, DiskReadError, align_down, align_up, memview, open_direct, read_at, read_into
 
 log = logging.getLogger(__name__)
 
@@ -61,13 +61,13 @@ def safetensors_tensors(path: str) -> dict[str, tuple[int, int, str]]:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
         size = os.fstat(fd).st_size
-        head = os.pread(fd, 8, 0)
+        head = read_at(fd, 8, 0)
         if len(head) < 8:
             raise ValueError(f"{path} is not a safetensors file: shorter than its header")
         n = int.from_bytes(head, "little")
         if n > MAX_HEADER or 8 + n > size:
             raise ValueError(f"{path} is not a safetensors file: a header of {n} bytes")
-        header = json.loads(os.pread(fd, n, 8).decode("utf-8"))
+        header = json.loads(read_at(fd, n, 8).decode("utf-8"))
     finally:
         os.close(fd)
     if not isinstance(header, dict):
@@ -104,7 +104,7 @@ class _Cursor:
         if n < 0 or self.pos + n > self.size:
             raise ValueError("ends inside its header")
         if not self._at <= self.pos or self.pos + n > self._at + len(self._buf):
-            self._at, self._buf = self.pos, os.pread(self.fd, max(n, 1 << 20), self.pos)
+            self._at, self._buf = self.pos, read_at(self.fd, max(n, 1 << 20), self.pos)
         out = self._buf[self.pos - self._at : self.pos - self._at + n]
         self.pos += n
         return out

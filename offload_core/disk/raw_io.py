@@ -94,6 +94,15 @@ def _read_one(fd: int, view: memoryview) -> int:
     return len(data)
 
 
+def read_at(fd: int, n: int, offset: int) -> bytes:
+    """Up to ``n`` bytes at ``offset`` (fewer at the end of the file)."""
+    if hasattr(os, "pread"):
+        return os.pread(fd, n, offset)
+    with _seek_lock:
+        os.lseek(fd, offset, os.SEEK_SET)
+        return os.read(fd, n)
+
+
 def write_all(fd: int, view: memoryview, offset: int) -> None:
     done = 0
     while done < len(view):
