@@ -38,6 +38,13 @@ def memview(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * t.numel()).from_address(t.data_ptr())).cast("B")
 
 
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's values as flat uint8 bytes in row-major order (its memory when it is
+    contiguous, else a copy), a storage subclass's too: what a file holds for it."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return t.contiguous().reshape(-1).view(torch.uint8)
+
+
 def _skip(views: list[memoryview], n: int) -> list[memoryview]:
     """The views past their first ``n`` bytes."""
     out = []

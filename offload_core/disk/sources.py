@@ -36,7 +36,7 @@ from ..host.released import Released, note, note_of, released
 from ..host.tensor_refs import tensor_refs
 from ..units import size_text
 from .model_file import FileSlice, ModelFile, ModelFileChanged, ModelFileMap, Piece, Run, UnitRead, plan_read
-from .raw_io import PAGE, align_up
+from .raw_io import PAGE, align_up, raw_bytes
 from .store import DiskStore
 
 log = logging.getLogger(__name__)
@@ -68,11 +68,6 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
     object's emptying, and some subclasses' ``detach`` returns the object itself (GGUF's)."""
     with torch._C.DisableTorchFunctionSubclass():
         return t.as_subclass(torch.Tensor) if type(t) is not torch.Tensor else t
-
-
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    with torch._C.DisableTorchFunctionSubclass():
-        return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 _WIDE = ((8, torch.int64), (4, torch.int32), (2, torch.int16))
@@ -285,7 +280,7 @@ class DiskSources:
                 continue
             e = next(x for x in entries if x.offset <= p.dst < x.offset + x.nbytes)
             start = p.dst - e.offset
-            if not _equal_bytes(buf[p.src : p.src + p.nbytes], _raw(e.original)[start : start + p.nbytes]):
+            if not _equal_bytes(buf[p.src : p.src + p.nbytes], raw_bytes(e.original)[start : start + p.nbytes]):
                 return False
         return True
 

@@ -31,7 +31,7 @@ import torch
 from ..host.layout import PackedTensor
 from ..host.packing import PackedBlock
 from ..units import size_text
-from .raw_io import PAGE, DiskReadError, align_up, memview, open_direct, read_into, write_all
+from .raw_io import PAGE, DiskReadError, align_up, memview, open_direct, raw_bytes, read_into, write_all
 
 log = logging.getLogger(__name__)
 
@@ -83,12 +83,6 @@ class _Source:
         for fd in fds:
             if fd is not None:
                 os.close(fd)
-
-
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's bytes as a flat uint8 tensor (a storage subclass's too)."""
-    with torch._C.DisableTorchFunctionSubclass():
-        return t.reshape(-1).view(torch.uint8)
 
 
 def _typed(buf: torch.Tensor, offset: int, e: PackedTensor) -> torch.Tensor:
@@ -200,8 +194,7 @@ class DiskStore:
             raise RuntimeError("the disk store is closed")
         spill, offset, padded = self._reserve(pack.nbytes)
         for e in pack.entries:
-            src = e.original.detach().contiguous() if e.dense else e.original.contiguous()
-            write_all(spill.fd, memview(_raw(src)), offset + e.offset)
+            write_all(spill.fd, memview(raw_bytes(e.original)), offset + e.offset)
         if padded > pack.nbytes:  # the tail, so the file holds no stale bytes
             write_all(spill.fd, memoryview(bytes(padded - pack.nbytes)), offset + pack.nbytes)
         self._written += padded
