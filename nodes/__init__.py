@@ -16,7 +16,7 @@ from comfy_api.v0_0_2 import ComfyExtension, io
 
 from .core import prompt_lifecycle
 from .core.pins import install as share_pinned_budget_with_core
-from .layerwise import core_loads
+from .layerwise import compile_prompt, core_loads
 from .layerwise.node import ApplyLayerwiseOffload
 from .server import routes
 from .swap.node import ModelLevelSwap
@@ -45,10 +45,12 @@ class TieredOffloadExtension(ComfyExtension):
 def install() -> None:
     """Server-side wiring, once at start-up: the REST routes and panel events, core's loads of
     models whose streamed blocks stay in their file, then a prompt's models held from its start
-    and released when it ends, then the preload (which never fails the pack's import)."""
+    and released when it ends, each posted graph kept for its validation, then the preload (which
+    never fails the pack's import)."""
     routes.register()
     core_loads.install()
     prompt_lifecycle.install()
+    compile_prompt.install()
     prompt_lifecycle.on_prompt_start(loaders.hold_graph)
     prompt_lifecycle.on_prompt_end(managed_models.release_prompt)
     try:

@@ -509,9 +509,9 @@ def test_example_workflows_open_from_the_template_browser(comfy, ui):
     page.evaluate("app.extensionManager.command.execute('Comfy.BrowseTemplates')")
     dialog = page.get_by_role("dialog").filter(has_text="Templates")
     dialog.get_by_text(PACK_LINK_NAME).first.click()
-    for stem in example_workflows.EXAMPLES:
-        sync_api.expect(dialog.get_by_text(stem, exact=True)).to_be_visible(timeout=30_000)
-    dialog.get_by_text("tiered_offload_demo", exact=True).click()
+    for stem in example_workflows.EXAMPLES:   # the title, and the caption where it reads the same
+        sync_api.expect(dialog.get_by_text(stem, exact=True).first).to_be_visible(timeout=30_000)
+    dialog.get_by_text(example_workflows.DEMO, exact=True).first.click()
     page.wait_for_function("() => app.graph.nodes.some(n => n.type === 'ApplyLayerwiseOffload')",
                            timeout=30_000)
     page.wait_for_timeout(500)
@@ -524,7 +524,7 @@ def test_example_workflows_open_from_the_template_browser(comfy, ui):
             {k: v["class_type"] for k, v in api_graph.items()}, stem
         assert {k: v["inputs"] for k, v in prompt.items()} == \
             {k: v["inputs"] for k, v in api_graph.items()}, stem
-    load_template(page, PACK_LINK_NAME, "tiered_offload_demo")
+    load_template(page, PACK_LINK_NAME, example_workflows.DEMO)
     prompt = page.evaluate("async () => (await app.graphToPrompt()).output")
     prompt["6"]["inputs"]["seed"] = 43  # a new seed, so the sampler really runs again
     assert comfy.run(prompt)["7"]["latents"], "the demo from the UI did not save its latent"

@@ -30,11 +30,12 @@ import folder_paths
 from ...offload_core.disk.model_file import ModelFileMap, gguf_tensors, safetensors_tensors
 from ...offload_core.host.released import note_of
 from ...offload_core.host.tensor_refs import tensor_refs
+from . import compile_prompt
 
 log = logging.getLogger(__name__)
 
-# Loader node -> (model folder, the input that names the file). Others pass the model on through
-# their "model" input; any other node ends the search (its model's file is not known).
+# Loader node -> (model folder, the input that names the file); the chain of "model" inputs that
+# leads to the node starts at one of these, or the model's file is not known.
 LOADERS: dict[str, tuple[str, str]] = {
     "UNETLoader": ("diffusion_models", "unet_name"),
     "CheckpointLoaderSimple": ("checkpoints", "ckpt_name"),
@@ -104,27 +105,17 @@ def _is_gguf(path: str) -> bool:
         return False
 
 
-def workflow_file(prompt: Mapping | None, node_id: str | None) -> str | None:
+def workflow_file(graph: Mapping | None, node_id: str | None) -> str | None:
     """The file of the loader the node's "model" input comes from, through nodes that pass a
-    model on; None where the chain reaches any other node or the file is not in its folder."""
-    if not isinstance(prompt, Mapping) or node_id is None:
+    model on (compile_prompt.model_path); None where that chain starts at any other node or the
+    file is not in its folder."""
+    if not isinstance(graph, Mapping) or node_id is None or node_id not in graph:
         return None
-    node, seen = prompt.get(str(node_id)), set()
-    while isinstance(node, Mapping):
-        link = node.get("inputs", {}).get("model")
-        if not isinstance(link, list) or not link or str(link[0]) in seen:
-            return None
-        seen.add(str(link[0]))
-        node = prompt.get(str(link[0]))
-        if not isinstance(node, Mapping):
-            return None
-        loader = LOADERS.get(node.get("class_type"))
-        if loader is not None:
-            name = node.get("inputs", {}).get(loader[1])
-            if not isinstance(name, str):
-                return None
-            return folder_paths.get_full_path(loader[0], name)
-    return None
+    path = compile_prompt.model_path(dict(graph), node_id)
+    first = graph.get(path[0]) if path and path[0] != node_id else None
+    loader = LOADERS.get(first.get("class_type")) if isinstance(first, Mapping) else None
+    name = first.get("inputs", {}).get(loader[1]) if loader is not None else None
+    return folder_paths.get_full_path(loader[0], name) if isinstance(name, str) else None
 
 
 def _from_header(path: str, tensors: list[tuple[int, str, torch.Tensor]],

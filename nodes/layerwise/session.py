@@ -43,7 +43,8 @@ from ...offload_core.layerwise.streamer import LayerwiseStreamer
 from ...offload_core.units import size_text
 from ..core import host_moves
 from ..core.state import LAYERWISE, LAYERWISE_KEY
-from . import block_budget, comfy_weights, compiled_models, core_loads, dynamic_vram, model_file, spill_folder
+from . import (block_budget, comfy_weights, compile_policy, compiled_models, core_loads, dynamic_vram,
+               model_file, spill_folder)
 from .settings import GIB, LayerwiseSettings
 
 log = logging.getLogger(__name__)
@@ -124,9 +125,11 @@ class LayerwiseSession:
                            spill_dir=spill_folder.spill_folder(settings.spill_dir),
                            model_file=found)
 
-    def begin(self, patcher, noise_shape=None, conds=None, model_options=None) -> None:
+    def begin(self, patcher, noise_shape=None, conds=None, model_options=None,
+              choice: compile_policy.NodeChoice = compile_policy.NodeChoice()) -> None:
         """Plan, hand the blocks over from core, pack and attach. Called before core's load; if
-        anything here raises, `end()` (from the sampler's OUTER_SAMPLE) gives core its model back."""
+        anything here raises, `end()` (from the sampler's OUTER_SAMPLE) gives core its model back.
+        ``choice``: what the node that set up this run chose about compiles."""
         self.run_pending = False
         self._close_block_patches()
         touched = any(key in patcher.patches for prefix, block in zip(self.prefixes, self.blocks)
@@ -140,7 +143,14 @@ class LayerwiseSession:
             merge_bytes = self.block_patches.device_bytes + comfy_weights.merge_workspace_bytes(
                 patcher, self.prefixes, self.blocks)
         self._plan(patcher, noise_shape, conds, model_options, merge_bytes)
-        compiled = self._refuse_compiled(patcher)
+        # A compile this run cannot keep is refused here, before anything moves
+        # (compile_policy.py says which and why); resident blocks may be compiled any way.
+        streamed = sorted({self.streamer.units[i].block for i in self.streamer.streamed_indices})
+        compiled = compile_policy.settle(
+            patcher, model_options, choice, model_class=self.model_class, blocks=list(self.blocks),
+            prefixes=list(self.prefixes), streamed=streamed,
+            resident_blocks=self.settings.resident_blocks, granularity=self.settings.granularity,
+            device=self.device)
         self.begun = True
         if hasattr(patcher, "size"):
             # While core loads, the model it sees is the part outside the blocks, which it loads.
@@ -172,31 +182,6 @@ class LayerwiseSession:
         self.active = True
         self.attach_seconds = time.perf_counter() - start
         self.started = time.perf_counter()
-
-    def _refuse_compiled(self, patcher) -> bool:
-        """Refuse, before anything moves, a torch.compile setup the engine cannot run with core's
-        result (compiled_models.py says which and why): one that streamed blocks do not allow, or
-        one under which core drops a LoRA that the engine would merge. Resident blocks stay put
-        for the run and may otherwise be compiled any way. True when the run compiles: the
-        engine then keeps its hooks outside the compiled graphs."""
-        setups = compiled_models.compile_setups(patcher, self.blocks)
-        if not setups:
-            return False
-        refusal = compiled_models.dropped_patches_refusal(setups, list(self.prefixes), patcher.patches)
-        if refusal is not None:
-            raise ValueError(f"Apply Layerwise Offload: {self.model_class} is compiled with "
-                             f"torch.compile ({refusal.setup.source}): {refusal.why}. "
-                             f"{refusal.instead}.")
-        streamed = sorted({self.streamer.units[i].block for i in self.streamer.streamed_indices})
-        refusal = compiled_models.streaming_refusal(setups, [self.prefixes[b] for b in streamed],
-                                                    self.settings.granularity)
-        if refusal is not None:
-            raise ValueError(
-                f"Apply Layerwise Offload: {self.model_class} is compiled with torch.compile "
-                f"({refusal.setup.source}), and {len(streamed)} of its {len(self.blocks)} blocks "
-                f"are streamed: {refusal.why}. {refusal.instead}, or keep every block resident "
-                f"(resident_blocks = {len(self.blocks)}, or a vram_budget_gb that holds them all).")
-        return True
 
     def _plan(self, patcher, noise_shape, conds, model_options, merge_bytes: int) -> None:
         """Resident blocks for this run: the node's count, or the most its budget (or, in auto,

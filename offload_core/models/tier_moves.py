@@ -61,6 +61,19 @@ class TierMoves:
         entry.bytes_by_tier = dict(entry.backend.bytes_by_tier())
         self._registry.events.announce("tier", entry, reason=reason, old=old.value, new=to.value)
 
+    def observed(self, entry: Entry, tier: Tier) -> bool:
+        """Record ``tier`` where something outside the manager put the model (no backend move):
+        the figures re-read, a change of tier announced with reason "observed". Whether it
+        changed."""
+        if tier is entry.tier:
+            entry.bytes_by_tier = dict(entry.backend.bytes_by_tier())
+            return False
+        old = entry.tier
+        self.record(entry, tier, "observed")
+        logger.info("%s '%s' (%s) observed in %s, recorded in %s", entry.kind, entry.name,
+                    entry.id, tier.value, old.value)
+        return True
+
     def drop_fully(self, entry: Entry, reason: str) -> None:
         """Down to disk, one tier at a time."""
         if entry.tier is Tier.VRAM:
