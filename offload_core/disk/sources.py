@@ -84,6 +84,18 @@ def _equal_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
+def _same(pack: PackedBlock, pieces: Sequence[Piece], buf: torch.Tensor) -> bool:
+    """Whether the bytes read into ``buf`` equal the pack's loaded tensors at ``pieces``."""
+    for p in pieces:
+        if not p.nbytes:
+            continue
+        e = next(x for x in pack.entries if x.offset <= p.dst < x.offset + x.nbytes)
+        start = p.dst - e.offset
+        if not _equal_bytes(buf[p.src : p.src + p.nbytes], raw_bytes(e.original)[start : start + p.nbytes]):
+            return False
+    return True
+
+
 def _contiguous(shape: Sequence[int], stride: Sequence[int]) -> bool:
     expect = 1
     for size, st in zip(reversed(shape), reversed(stride)):
@@ -236,7 +248,7 @@ class DiskSources:
         if u.kind == SPILL:
             return self.spill.read(i, dst), None
         n = u.file.read(u.read, dst)
-        if u.kind == CHECKING and not self._settle(i, self._same(i, u.read.pieces, dst)):
+        if u.kind == CHECKING and not self._settle(i, _same(self._packs[i], u.read.pieces, dst)):
             return self.spill.read(i, dst), None
         return n, u.read.pieces
 
@@ -249,7 +261,7 @@ class DiskSources:
             for run, pieces in self._chunks(u, buf.numel()):
                 u.file.read(u.read, buf, [run])
                 if u.kind == CHECKING:
-                    same = same and self._same(i, pieces, buf)
+                    same = same and _same(pack, pieces, buf)
                 yield pieces
             if u.kind != CHECKING or self._settle(i, same):
                 return
@@ -271,18 +283,6 @@ class DiskSources:
                     if a < b:
                         parts.append(Piece(a - lo, p.dst + a - p.src, b - a))
                 yield Run(run.start + cut, length, 0, min(length, max(0, run.needed - cut))), parts
-
-    def _same(self, i: int, pieces: Sequence[Piece], buf: torch.Tensor) -> bool:
-        """Whether the bytes read into ``buf`` equal the loaded tensors at ``pieces``."""
-        entries = self._packs[i].entries
-        for p in pieces:
-            if not p.nbytes:
-                continue
-            e = next(x for x in entries if x.offset <= p.dst < x.offset + x.nbytes)
-            start = p.dst - e.offset
-            if not _equal_bytes(buf[p.src : p.src + p.nbytes], raw_bytes(e.original)[start : start + p.nbytes]):
-                return False
-        return True
 
     def _settle(self, i: int, same: bool) -> bool:
         """After a checking unit's read: release its tensors if every byte read equals the loaded

@@ -313,22 +313,18 @@ class LayerwiseStreamer:
             self._store.free(self._plan)
 
     def check_files(self) -> None:
-        """Raise ModelFileChanged (naming the file) if a model file the disk tier reads in place
-        changed since it was opened: at the end of a run, so a run that read a changed file
-        fails before its result is used (the disk tier checks after every pass as well)."""
-        disk = self._store.disk
-        if disk is not None:
-            disk.check_files()
+        """ModelFileChanged (naming the file) if a model file the disk tier reads in place changed
+        since it was opened: called at a run's end, so that run fails before its result is used."""
+        if self._store.disk is not None:
+            self._store.disk.check_files()
 
     def read_back(self) -> int:
-        """Only while detached: give the tensors the disk tier reads from the model's own file
-        their values back, read from it into fresh RAM, because the model is about to run
-        without the engine (between runs they hold no bytes); returns how many units. Raises
-        ModelFileChanged if the file changed since they were read from it."""
+        """While detached: give the tensors the disk tier reads from the model's own file (between
+        runs they hold no bytes) their values in fresh RAM, for a run without the engine; returns
+        how many units. ModelFileChanged if the file changed since they were read from it."""
         if self._attached:
             raise RuntimeError("read_back() needs a detached streamer")
-        disk = self._store.disk
-        return disk.read_back() if disk is not None else 0
+        return self._store.disk.read_back() if self._store.disk is not None else 0
 
     def close(self) -> None:
         """Detach and free everything; the streamer cannot be attached again."""
