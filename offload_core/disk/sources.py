@@ -31,7 +31,7 @@ import torch
 
 from ..host.layout import empty_at_phase
 from ..host.packing import PackedBlock
-from ..host.pinned import HostStorage
+from ..host.pinned import HostStorage, return_freed_ram
 from ..host.released import Released, note, note_of, released
 from ..host.tensor_refs import tensor_refs
 from ..units import size_text
@@ -293,14 +293,17 @@ class DiskSources:
                 return u.kind == FILE
             if same:
                 self._release(i, u)
-                return True
-            log.warning("disk stream: unit %d's bytes in %s differ from the loaded weights; it is written "
-                        "to the spill file instead", i, u.file.path)
-            why = "bytes that differ from the model file's"
-            self._why[why] = self._why.get(why, 0) + 1
-            self.spill.write_late(i, self._packs[i])
-            self._units[i] = _Unit(SPILL)
-            return False
+            else:
+                log.warning("disk stream: unit %d's bytes in %s differ from the loaded weights; it is "
+                            "written to the spill file instead", i, u.file.path)
+                why = "bytes that differ from the model file's"
+                self._why[why] = self._why.get(why, 0) + 1
+                self.spill.write_late(i, self._packs[i])
+                self._units[i] = _Unit(SPILL)
+            settled = all(x.kind != CHECKING for x in self._units.values())
+        if settled:  # the loaded copies just let go may sit in the C heap: hand them to the OS
+            return_freed_ram()
+        return same
 
     def _release(self, i: int, u: _Unit) -> None:
         """The unit's tensors are the file's bytes: let go of the loaded copies for good."""
