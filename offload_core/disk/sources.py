@@ -349,14 +349,18 @@ class DiskSources:
         return count
 
     def drop_loaded(self) -> None:
-        """At an attach: the copies ``read_back`` made are let go (the objects keep showing them
-        until the run releases or binds them; the next hand-back gives them placeholders)."""
+        """At an attach, before anything binds the blocks: the copies ``read_back`` made are let go
+        (their objects show the placeholders again) and handed back to the OS."""
+        dropped = False
         with self._lock:
             for i, u in self._units.items():
                 if u.kind == FILE and u.loaded:
                     for e in self._packs[i].entries:
                         e.original = _empty(e)
-                    u.loaded = False
+                    self._packs[i].restore(keep_host=False)
+                    u.loaded, dropped = False, True
+        if dropped:
+            return_freed_ram()
 
     @staticmethod
     def _read_back_entries(pack: PackedBlock, objs: dict[int, torch.Tensor]) -> None:
