@@ -246,11 +246,6 @@ class UnitRead:
     pieces: tuple[Piece, ...]
     buffer_bytes: int
 
-    @property
-    def file_bytes(self) -> int:
-        """Bytes of the file the unit's reads take (the unit's tensors, gaps and block padding)."""
-        return sum(r.length for r in self.runs)
-
 
 def plan_read(extents: Sequence[tuple[int, int, int]], gap: int = RUN_GAP) -> UnitRead:
     """The reads of a unit whose tensors are ``extents``: (file offset, bytes, offset in the

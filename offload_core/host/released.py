@@ -75,10 +75,6 @@ def true_numel(t: torch.Tensor) -> int:
     return torch.Size(found.shape).numel() if found is not None else t.numel()
 
 
-def forget(obj: torch.Tensor) -> None:
-    obj.__dict__.pop(_NOTE, None)
-
-
 def stand_in_note(t: torch.Tensor) -> Released | None:
     """The note a meta stand-in was made from (None for any other tensor)."""
     return note_of(t) if t.device.type == "meta" else None
