@@ -16,7 +16,7 @@ from comfy_api.v0_0_2 import ComfyExtension, io
 
 from .core import host_sharing, model_files, prompt_lifecycle
 from .core.pins import install as share_pinned_budget_with_core
-from .layerwise import compile_prompt
+from .layerwise import compile_prompt, core_loads
 from .layerwise.node import ApplyLayerwiseOffload
 from .server import routes
 from .swap.node import ModelLevelSwap
@@ -44,14 +44,16 @@ class TieredOffloadExtension(ComfyExtension):
 
 def install() -> None:
     """Server-side wiring, once at start-up: the record of which file each model is read from (what
-    names its shared host store) and the removal of stores that ended processes left, the REST
-    routes and panel events, then a prompt's models held from its start and released when it
-    ends, each posted graph kept for its validation, then the preload (which never fails the
-    pack's import)."""
+    names its shared host store, and where its streamed blocks may be read in place) and the
+    removal of stores that ended processes left, the REST routes and panel events, core's loads of
+    models whose streamed blocks stay in their file, then a prompt's models held from its start
+    and released when it ends, each posted graph kept for its validation, then the preload (which
+    never fails the pack's import)."""
     model_files.install()
     host_sharing.sweep()
     host_sharing.let_go_on_sigterm()
     routes.register()
+    core_loads.install()
     prompt_lifecycle.install()
     compile_prompt.install()
     prompt_lifecycle.on_prompt_start(loaders.hold_graph)

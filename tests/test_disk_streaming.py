@@ -3,8 +3,9 @@
 Each test compares the latent sha256 of a workflow with Apply Layerwise Offload against the same
 workflow without it (core's full load), LoRA included, and reads what the engine did from
 `GET /offload/layerwise`. A host cache is made to hold fewer units than the model has, so the
-blocks really come from disk: from the engine's own spill file, whether the loaded tensors are the
-model file's bytes (an fp32 file) or not (a bf16 file that the CPU loads as fp32).
+blocks really come from disk: read in place from the model's own file where the loaded tensors are
+its bytes (an fp32 file: nothing is written), from a spill file of the engine's own where they are
+not (a bf16 file that the CPU loads as fp32).
 """
 from __future__ import annotations
 
@@ -68,7 +69,8 @@ def wan6_workflow(unet, lora=None, layerwise=None, **kw):
 def assert_streamed_from_disk(state):
     disk, tel = state["disk"], state["telemetry"]
     assert disk["active"], disk
-    assert disk["spill_bytes"] >= sum(u["bytes"] for u in state["units"]), disk
+    # Every unit has a home on disk: the model's own file, or the spill file.
+    assert disk["file_bytes"] + disk["spill_bytes"] >= sum(u["bytes"] for u in state["units"]), disk
     assert 0 < disk["cache_bytes"] < state["block_bytes"], "the cache held every block"
     assert tel["disk_reads"] > 0 and tel["disk_bytes_read"] > 0 and tel["disk_read_errors"] == 0, tel
     assert tel["cache_requests"] == tel["copies"] and 0 <= tel["cache_hits"] <= tel["cache_requests"], tel
@@ -105,10 +107,10 @@ def test_tiny_models_as_phases_and_from_disk_are_bit_identical(comfy, kind, mode
 
 
 @pytest.mark.parametrize("layerwise,entries", [(PHASE, 6), (BLOCK, 4)])
-def test_lora_from_disk_is_bit_identical_and_never_reads_the_models_file(comfy, wan6, layerwise, entries):
-    """The loaded tensors are the aligned file's bytes, and still the engine streams from a spill
-    file of its own: the model's file is never mapped or read, so nothing done to it can reach the
-    engine or the weights it hands back (tests/test_disk_file_changes.py)."""
+def test_lora_from_disk_is_bit_identical_and_reads_the_models_file_in_place(comfy, wan6, layerwise, entries):
+    """The loaded tensors are the fp32 file's bytes: every unit is read from the model's own file
+    (checked against the loaded tensors at its first read), nothing is written, and between runs
+    the blocks hold no bytes; a prompt without the node gets them back from the file first."""
     plain = latent_sha(comfy.run(wan6_workflow(FP32_WAN)))
     full = latent_sha(comfy.run(wan6_workflow(FP32_WAN, lora=1.0)))
     half = latent_sha(comfy.run(wan6_workflow(FP32_WAN, lora=0.5)))
@@ -119,14 +121,21 @@ def test_lora_from_disk_is_bit_identical_and_never_reads_the_models_file(comfy, 
     assert latent_sha(comfy.run(wan6_workflow(FP32_WAN, lora=1.0, layerwise=disk))) == full
     state = engine(comfy, "WanModel", blocks=6)
     assert_streamed_from_disk(state)
-    assert state["disk"]["spill_bytes"] >= state["host"]["packed"]
+    assert state["disk"]["model_files"] == [str(wan6 / FP32_WAN)], state["disk"]
+    assert state["disk"]["spill_bytes"] == 0 and state["disk"]["spill_written_bytes"] == 0, state["disk"]
+    assert state["disk"]["file_units"] == len([k for k in state["disk"]["unit_sources"] if k]), state["disk"]
+    assert set(state["disk"]["unit_sources"]) <= {"file", "checking", None}, state["disk"]
     assert state["telemetry"]["transforms"] > 0, "the LoRA was not merged into the device copies"
     assert state["telemetry"]["cache_hits"] > 0, "a cache of several units never hit"
     # Base bytes on disk, LoRA merged on the device: a strength change places nothing again.
     assert latent_sha(comfy.run(wan6_workflow(FP32_WAN, lora=0.5, layerwise=disk))) == half
-    assert engine(comfy, "WanModel", blocks=6)["telemetry"]["blocks_packed"] == 0
+    again = engine(comfy, "WanModel", blocks=6)
+    assert again["telemetry"]["blocks_packed"] == 0
+    assert set(again["disk"]["unit_sources"]) <= {"file", None}, again["disk"]
+    # Without the node, core runs the model on the blocks read back from the file.
     assert latent_sha(comfy.run(wan6_workflow(FP32_WAN, lora=1.0))) == full
     assert latent_sha(comfy.run(wan6_workflow(FP32_WAN))) == plain
+    assert latent_sha(comfy.run(wan6_workflow(FP32_WAN, lora=0.5, layerwise=disk))) == half
 
 
 def test_cast_weights_are_spilled_and_stay_bit_identical(comfy, wan6):
@@ -140,6 +149,9 @@ def test_cast_weights_are_spilled_and_stay_bit_identical(comfy, wan6):
     state = engine(comfy, "WanModel", blocks=6)
     assert_streamed_from_disk(state)
     assert state["disk"]["spill_bytes"] >= state["host"]["packed"]
+    assert state["disk"]["file_units"] == 0 and state["disk"]["spill_written_bytes"] > 0, state["disk"]
+    assert state["disk"]["spill_reasons"] == {
+        "tensors loaded in another dtype or layout than the file's": state["disk"]["spill_units"]}, state["disk"]
     assert latent_sha(comfy.run(wan6_workflow(BF16_WAN, layerwise=disk))) == plain
     assert latent_sha(comfy.run(wan6_workflow(BF16_WAN))) == plain
 

@@ -14,6 +14,8 @@ stores for the blocks: a quantized model packs at its quantized size.
 """
 from __future__ import annotations
 
+import os
+
 import copy
 import re
 import subprocess
@@ -289,6 +291,14 @@ def test_quantized_blocks_streamed_from_disk_as_phases(qserver, unet, loader, ca
     state = wan_state(qserver)
     assert state["disk"]["active"] and state["granularity"] == "phase", state["disk"]
     assert state["telemetry"]["disk_reads"] > 0, state["telemetry"]
+    sources = [s for s in state["disk"]["unit_sources"] if s]
+    assert len(sources) == state["disk"]["file_units"] + state["disk"]["spill_units"], state["disk"]
+    if loader == "UnetLoaderGGUF":  # the loaded tensors are the GGUF file's raw bytes: read in place
+        assert state["disk"]["spill_units"] == 0 and state["disk"]["spill_written_bytes"] == 0, state["disk"]
+        assert [os.path.basename(p) for p in state["disk"]["model_files"]] == [unet], state["disk"]
+        assert set(sources) == {"file"}, state["disk"]
+    print(f"{unet}: {state['disk']['file_units']} units read in place, {state['disk']['spill_units']} "
+          f"spilled ({state['disk']['spill_reasons']})")
     assert latent_sha(qserver.run(workflow(unet, lora=True, loader=loader))) == ref_lora
 
 

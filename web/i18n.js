@@ -100,6 +100,12 @@ export const ENGLISH = {
       disk: "on disk",
       streamed: "streamed",
     },
+    source: {
+      file: "read in place from the model file",
+      checking: "read in place from the model file (checked at its first read)",
+      spill: "from the spill file",
+      mixed: "from the model file and the spill file",
+    },
   },
   stats: {
     noRun: "No sampling run yet.",
@@ -147,6 +153,9 @@ export const ENGLISH = {
     pill: "streamed",
     boundCpu: "at most {size} of block copies at once",
     blocksOne: "1 block",
+    inPlace: "{n} units ({size}) read in place from {file}",
+    spilled: "{n} units in a spill file ({size} written)",
+    noSpill: "no spill file",
   },
   timeline: {
     head: "Last run, one pass of the model",

@@ -182,20 +182,51 @@ function devicesHtml(payload) {
   return out.join("") || `<div class="to-muted">${esc(tr("panel.noDevices"))}</div>`;
 }
 
+// With disk streaming, where each block's bytes come from: the model's own file (read in place,
+// or still to be checked at its first read), the spill file, or both (a block's phases apart).
+function blockSources(lw) {
+  const sources = lw.disk?.unit_sources;
+  const out = [];
+  if (!Array.isArray(sources) || !Array.isArray(lw.units)) return out;
+  lw.units.forEach((u, i) => {
+    const s = sources[i];
+    if (!s) return;
+    const b = num(u.block);
+    out[b] = out[b] === undefined || out[b] === s ? s : "mixed";
+  });
+  return out;
+}
+
+function diskSourcesHtml(disk) {
+  if (!disk?.active) return "";
+  const files = Array.isArray(disk.model_files) ? disk.model_files : [];
+  const parts = [];
+  if (num(disk.file_units) > 0) {
+    const file = String(files[0] ?? "").split(/[\\/]/).pop();
+    parts.push(tr("layerwise.inPlace", { n: num(disk.file_units), size: fmtBytes(num(disk.file_bytes)), file }));
+  }
+  parts.push(num(disk.spill_units) > 0
+    ? tr("layerwise.spilled", { n: num(disk.spill_units), size: fmtBytes(num(disk.spill_written_bytes)) })
+    : tr("layerwise.noSpill"));
+  return `<div class="to-muted" data-role="lw-disk" title="${esc(files.join(", "))}">${esc(parts.join(" · "))}</div>`;
+}
+
 // Where a block's weights are: on the device, in a device slot, in the host cache, on disk only,
 // or packed in host RAM. A model core streams with Dynamic VRAM: where comfy-aimdo holds each
 // block (read from its VBAR after the last run), or the node's plan where that cannot be read.
 // `cpu`: the device is the CPU, whose buffers are RAM too: the words say resident or streamed,
 // not on the device or in VRAM.
-function stripHtml(lw, cpu, place = cpu ? "blocks.placeCpu" : "blocks.place", states = BLOCK_STATES) {
+function stripHtml(lw, cpu, place = cpu ? "blocks.placeCpu" : "blocks.place", states = BLOCK_STATES,
+                   sources = []) {
   const shownStates = Array.isArray(lw.block_states) && lw.block_states.length
     ? lw.block_states
     : Array.from({ length: num(lw.blocks) }, (_, i) =>
         (lw.resident_indices ?? []).includes(i) ? "resident" : "streamed");
   const known = new Set(states);
   const where = (s) => (known.has(s) ? tr(`${place}.${s}`) : String(s).replace("_", " "));
+  const from = (i) => (sources[i] ? ` · ${tr(`blocks.source.${sources[i]}`)}` : "");
   const cells = shownStates.map((s, i) =>
-    `<span class="to-blk to-blk-${esc(s)}" title="${esc(tr("blocks.cell", { index: i, place: where(s) }))}"></span>`);
+    `<span class="to-blk to-blk-${esc(s)}" title="${esc(tr("blocks.cell", { index: i, place: where(s) }) + from(i))}"></span>`);
   const shown = new Set(shownStates);
   const legendKey = { "blocks.place": "blocks.legend", "blocks.placeCpu": "blocks.legendCpu" }[place] ?? place;
   return `<div class="to-strip" aria-label="${esc(tr("blocks.strip"))}">${cells.join("")}</div>
@@ -303,7 +334,8 @@ function layerwiseHtml(lw, showStrip, open, cpu) {
       <span class="to-muted" data-role="lw-summary">${esc(parts.join(" · "))}</span></div>
     ${lw.dynamic_vram?.cost ? `<div class="to-muted" data-role="lw-cost">${esc(tr("layerwise.cost", { cost: lw.dynamic_vram.cost }))}</div>` : ""}
     ${hostStoreHtml(lw.host_store)}
-    ${showStrip ? stripHtml(lw, cpu) : ""}
+    ${diskSourcesHtml(lw.disk)}
+    ${showStrip ? stripHtml(lw, cpu, undefined, undefined, blockSources(lw)) : ""}
     ${telemetryHtml(lw.telemetry, cpu)}
     ${compactTimelineHtml(lw, !!lw.telemetry && num(lw.streamed_indices?.length) > 0, open)}
   </div>`;

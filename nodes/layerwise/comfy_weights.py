@@ -30,6 +30,7 @@ import comfy.model_patcher
 import comfy.utils
 import comfy.weight_adapter
 
+from ...offload_core.host.released import true_numel
 from ...offload_core.host.side_tensors import SideTensors
 from .block_budget import cached_bytes, cublas_workspace_bytes
 
@@ -138,7 +139,7 @@ def merge_temporary_bytes(patcher, block_prefixes: Sequence[str],
     for prefix, block in zip(block_prefixes, blocks):
         for name, weight in block.named_parameters():
             if f"{prefix}.{name}" in patcher.patches and not (is_ggml(weight) and ggml_quantized(weight)):
-                largest = max(largest, weight.numel())
+                largest = max(largest, true_numel(weight))
     size = torch.empty((), dtype=lora_merge_dtype(patcher.load_device)).element_size()
     return largest * max(size, 4)
 
@@ -211,7 +212,7 @@ class BlockPatches:
                 if key not in patcher.patches or (is_ggml(weight) and ggml_quantized(weight)):
                     continue  # GGUF merges its quantized weights at dequantization
 
-                def take(t: torch.Tensor, full: int = weight.numel()) -> Any:
+                def take(t: torch.Tensor, full: int = true_numel(weight)) -> Any:
                     nonlocal left
                     if t.device.type != "cpu" or type(t) not in (torch.Tensor, torch.nn.Parameter):
                         return t

@@ -22,7 +22,7 @@ from ...offload_core.blocks.phases import GRANULARITIES
 from ..core.models import is_dynamic
 from ..core.state import LAYERWISE, LAYERWISE_KEY, SWAP_KEY, SWAP_MEMBERS
 from . import (compile_policy, compile_prompt, compiled_models, dynamic_cooperation, dynamic_vram,
-               spill_folder)
+               model_file, spill_folder)
 from .session import LayerwiseSession
 from .settings import (MAX_DISK_WORKERS, MAX_HOST_CACHE_GB, MAX_PREFETCH, MAX_RESIDENT_BLOCKS,
                        MAX_VRAM_BUDGET_GB, LayerwiseSettings)
@@ -30,9 +30,10 @@ from .settings import (MAX_DISK_WORKERS, MAX_HOST_CACHE_GB, MAX_PREFETCH, MAX_RE
 log = logging.getLogger(__name__)
 
 
-def session_for(patcher, settings: LayerwiseSettings) -> LayerwiseSession:
+def session_for(patcher, settings: LayerwiseSettings, workflow_path: str | None = None) -> LayerwiseSession:
     """The engine session of this patcher's diffusion model (one per nn.Module, shared by all its
-    clones), built anew when the settings or the device changed."""
+    clones), built anew when the settings or the device changed. ``workflow_path``: the model's
+    file as the workflow's loader names it (model_file.py)."""
     diffusion_model = compiled_models.diffusion_module(patcher)
 
     def same(session: LayerwiseSession) -> bool:
@@ -42,7 +43,7 @@ def session_for(patcher, settings: LayerwiseSettings) -> LayerwiseSession:
                  session.model_class)
         return False
     return LAYERWISE.sessions.get_or_create(
-        diffusion_model, lambda: LayerwiseSession(patcher, settings), same)
+        diffusion_model, lambda: LayerwiseSession(patcher, settings, workflow_path), same)
 
 
 def _classic_patcher(model, settings: LayerwiseSettings):
@@ -83,7 +84,7 @@ def _hide_sampling_wrappers(model_options: dict | None) -> None:
 
 
 class ApplyLayerwiseOffload(io.ComfyNode):
-    """Stream the diffusion model's blocks from pinned RAM while earlier blocks compute."""
+    """Stream the diffusion model's blocks from pinned RAM (or from disk) while earlier blocks compute."""
 
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -129,8 +130,10 @@ class ApplyLayerwiseOffload(io.ComfyNode):
                     "host_cache_gb", default=0.0, min=0.0, max=MAX_HOST_CACHE_GB, step=0.25,
                     optional=True,
                     tooltip="RAM in GiB for the streamed weights. 0 keeps every block packed in "
-                            "RAM. When the blocks do not fit, they are written once to a spill "
-                            "file and read from it through a cache of this size, ahead of need."),
+                            "RAM. When the blocks do not fit, they are read from disk through a "
+                            "cache of this size, ahead of need: in place from the model's own file "
+                            "where its bytes are what was loaded, else from a spill file written "
+                            "once."),
                 io.Int.Input(
                     "disk_workers", default=2, min=1, max=MAX_DISK_WORKERS, optional=True,
                     tooltip="Threads reading blocks from disk ahead of need (disk streaming)."),
@@ -141,9 +144,11 @@ class ApplyLayerwiseOffload(io.ComfyNode):
                             "slot, at more and smaller copies."),
                 io.String.Input(
                     "spill_dir", default="", optional=True,
-                    tooltip="Folder for the spill file that blocks are streamed from when they "
-                            "do not fit host_cache_gb: as large as the streamed blocks, written "
-                            "once, gone with the engine. Empty: ComfyUI's temp folder."),
+                    tooltip="Folder for the spill file of blocks that are loaded in another "
+                            "dtype or converted, when they do not fit host_cache_gb (blocks of a "
+                            "plain or GGUF file are read from the file itself): as large as those "
+                            "blocks, written once, gone with the engine. Empty: ComfyUI's temp "
+                            "folder."),
                 io.Boolean.Input(
                     "compile_per_block", default=False, optional=True,
                     tooltip="When the model comes compiled whole (ComfyUI's TorchCompileModel), "
@@ -205,7 +210,9 @@ class ApplyLayerwiseOffload(io.ComfyNode):
         patcher = _classic_patcher(model, settings)
         # Every check (blocks, packability, settings) runs here, before anything is moved, so
         # a refused model costs nothing and the error names the node.
-        session = session_for(patcher, settings)
+        workflow_path = model_file.workflow_file(compile_prompt.running_graph(), choice.node_id) \
+            if settings.host_cache_gb > 0 else None
+        session = session_for(patcher, settings, workflow_path)
         # A whole-model master left by an earlier workflow would double the RAM: retire it.
         if SWAP_MEMBERS.discard(patcher.model) is not None:
             log.info("Apply Layerwise Offload: released the Model-Level Swap master of this model")

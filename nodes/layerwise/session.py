@@ -36,13 +36,15 @@ import comfy.utils
 from ...offload_core.blocks.discovery import find_blocks
 from ...offload_core.device.telemetry import overlap_efficiency
 from ...offload_core.disk.host_cache import CacheTooSmallError
+from ...offload_core.disk.model_file import ModelFileChanged
 from ...offload_core.disk.tier import DiskOptions
+from ...offload_core.host.released import released
 from ...offload_core.layerwise.streamer import LayerwiseStreamer
 from ...offload_core.units import size_text
 from ..core import host_moves, host_sharing
 from ..core.state import LAYERWISE, LAYERWISE_KEY
-from . import (block_budget, comfy_weights, compile_policy, compiled_models, dynamic_vram,
-               spill_folder)
+from . import (block_budget, comfy_weights, compile_policy, compiled_models, core_loads, dynamic_vram,
+               model_file, spill_folder)
 from .settings import GIB, LayerwiseSettings
 
 log = logging.getLogger(__name__)
@@ -51,7 +53,9 @@ log = logging.getLogger(__name__)
 class LayerwiseSession:
     """The engine bound to one diffusion model (one nn.Module shared by all its clones)."""
 
-    def __init__(self, patcher, settings: LayerwiseSettings) -> None:
+    def __init__(self, patcher, settings: LayerwiseSettings, workflow_path: str | None = None) -> None:
+        """``workflow_path``: the file the workflow's loader names for this model, if known (disk
+        streaming reads the blocks from it in place where their loaded bytes are its own)."""
         diffusion_model = compiled_models.diffusion_module(patcher)
         found = find_blocks(diffusion_model)
         self.model_class = type(diffusion_model).__name__
@@ -63,22 +67,28 @@ class LayerwiseSession:
                 f"Apply Layerwise Offload: resident_blocks={settings.resident_blocks}, but "
                 f"{self.model_class} has {len(self.blocks)} blocks; use at most "
                 f"{len(self.blocks)}, or -1 to derive it from vram_budget_gb")
-        # What the blocks weigh in core's own count of the model, and what the rest weighs.
-        self.block_bytes = sum(comfy.model_management.module_size(b) for b in self.blocks)
-        self.rest_bytes = max(0, comfy.model_management.module_size(patcher.model) - self.block_bytes)
+        # What the blocks weigh in core's own count of the model, and what the rest weighs;
+        # tensors an earlier engine left in the model's file count with what they hold there.
+        held_in_file = sum(note.nbytes for b in self.blocks for t in [*b.parameters(), *b.buffers()]
+                           if (note := released(t)) is not None)
+        self.block_bytes = sum(comfy.model_management.module_size(b) for b in self.blocks) + held_in_file
+        self.rest_bytes = max(0, comfy.model_management.module_size(patcher.model) + held_in_file
+                              - self.block_bytes)
         self.device = patcher.load_device
         self.settings = settings
         resident = settings.resident_blocks if settings.resident_blocks >= 0 else None
         # One host copy per machine: the pack maps the store of this file's blocks that another
         # ComfyUI process made, or makes it for them (core/host_sharing.py).
-        # Disk streaming reads its own spill file, not a store: nothing to share, nothing to refuse.
+        # Disk streaming reads the model's own file (or a spill file), not a store: nothing to
+        # share, nothing to refuse.
         spill_dir = spill_folder.spill_folder(settings.spill_dir) if settings.spill_dir.strip() else None
         self.share, self.share_why = (None, "the blocks stream from disk") if settings.host_cache_gb > 0 \
             else host_sharing.share_for(patcher.model, settings.share_host_memory, spill_dir=spill_dir)
         self.streamer = LayerwiseStreamer(list(self.blocks), self.device, resident=resident,
                                           prefetch=settings.prefetch, pin=settings.pin,
                                           granularity=settings.granularity,
-                                          disk=self._disk_options(settings), share=self.share)
+                                          disk=self._disk_options(settings, workflow_path),
+                                          share=self.share)
         least, _ = self.streamer.bound_range()
         requested = settings.requested_budget
         if resident is None and requested is not None and requested < least:
@@ -109,14 +119,19 @@ class LayerwiseSession:
         for module in self._watched():
             host_moves.watch(module, LAYERWISE_KEY, self._reclaim_before_host_move)
 
-    @staticmethod
-    def _disk_options(settings: LayerwiseSettings) -> DiskOptions | None:
-        """The disk tier when host_cache_gb caps the RAM for blocks."""
+    def _disk_options(self, settings: LayerwiseSettings, workflow_path: str | None) -> DiskOptions | None:
+        """The disk tier when host_cache_gb caps the RAM for blocks, reading the model's own file
+        where it can (model_file.py finds it; core_loads.py reads the blocks back before core
+        runs the model itself)."""
         if settings.host_cache_gb <= 0:
             return None
+        found = None
+        if core_loads.installed():
+            found = model_file.find(self.blocks, self.prefixes, workflow_path, self.model_class)
         return DiskOptions(cap_bytes=int(settings.host_cache_gb * GIB),
                            workers=settings.disk_workers,
-                           spill_dir=spill_folder.spill_folder(settings.spill_dir))
+                           spill_dir=spill_folder.spill_folder(settings.spill_dir),
+                           model_file=found)
 
     def begin(self, patcher, noise_shape=None, conds=None, model_options=None,
               choice: compile_policy.NodeChoice = compile_policy.NodeChoice()) -> None:
@@ -168,6 +183,8 @@ class LayerwiseSession:
             raise ValueError(
                 f"Apply Layerwise Offload: host_cache_gb={self.settings.host_cache_gb:g} GiB is too "
                 f"small for {self.model_class}: {e}. {remedies}.") from None
+        except ModelFileChanged as e:
+            raise RuntimeError(f"Apply Layerwise Offload: {e}") from None
         # Until account(), core's load() sees every block as empty: it neither counts nor moves
         # them, and it merges no LoRA into resident blocks that already carry the engine's merge.
         self.streamer.conceal_resident()
@@ -240,6 +257,29 @@ class LayerwiseSession:
                 comfy_weights.return_to_core(patcher, self.prefixes, self.blocks)
                 self.core_view = {"model_size": int(patcher.model_size()),
                                   "loaded": int(model.model_loaded_weight_memory)}
+        self._check_files()
+
+    def _check_files(self) -> None:
+        """Fail the run, naming the file, if the model file the blocks were read from changed
+        while they were (after the blocks went back to core, before the result is used)."""
+        try:
+            self.streamer.check_files()
+        except ModelFileChanged as e:
+            raise RuntimeError(f"Apply Layerwise Offload: {e}") from None
+
+    def read_back(self) -> None:
+        """Core is about to run the model itself: the blocks read from the model's own file get
+        their bytes back in RAM first (between runs they hold none). A file that changed since
+        fails that prompt, naming the file, before core reads a byte."""
+        if self.begun:
+            return
+        try:
+            count = self.streamer.read_back()
+        except ModelFileChanged as e:
+            raise RuntimeError(f"Apply Layerwise Offload: {e}") from None
+        if count:
+            log.info("Apply Layerwise Offload: %d units of %s read back from the model file for a run "
+                     "without the node", count, self.model_class)
 
     def _timeline(self) -> dict[str, Any] | None:
         """The run's picture, None unless it was recorded. A picture that cannot be resolved (a

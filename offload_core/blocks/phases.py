@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 
+from ..host.released import true_numel
 from ..host.tensor_refs import TensorRef, tensor_refs
 
 # A candidate holding less than this share of its block's bytes joins its neighbour.
@@ -118,13 +119,14 @@ FAMILIES: tuple[Family, ...] = (
 
 
 def tensor_bytes(module: nn.Module) -> int:
-    """Bytes of the distinct parameters and buffers under ``module``."""
+    """Bytes of the distinct parameters and buffers under ``module`` (a tensor the disk tier left
+    empty between runs counts with what it really holds)."""
     seen: set[int] = set()
     total = 0
     for t in [*module.parameters(), *module.buffers()]:
         if id(t) not in seen:
             seen.add(id(t))
-            total += t.numel() * t.element_size()
+            total += true_numel(t) * t.element_size()
     return total
 
 

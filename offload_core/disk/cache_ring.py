@@ -75,14 +75,19 @@ class CacheRing(SlotRing):
                 lease.release()  # no-op when _copy released it with its fence
 
     def _copy(self, slot: int, lease, nbytes: int, prepare) -> None:
-        src = lease.wait()[:nbytes]
+        src = lease.wait()
+        pieces = lease.pieces
         dst = self.buffers[slot][:nbytes]
         ordering, stream = self._ordering, self.stream
         with torch.no_grad(), torch.inference_mode(False), ordering.on(stream):
             stream.wait_event(self._free[slot])  # the slot's last reader is done
             timeline = self._tel.timeline
             start = timeline.mark(stream) if timeline is not None else None
-            ordering.copy(dst, src)
+            if pieces is None:  # the packed layout: one copy
+                ordering.copy(dst, src[:nbytes])
+            else:  # read from the model's file: each tensor to its place in the layout
+                for p in pieces:
+                    ordering.copy(dst[p.dst : p.dst + p.nbytes], src[p.src : p.src + p.nbytes])
             if timeline is not None:  # a worker's copy: compute waits for it only in wait_ready
                 timeline.copied(lease.unit, start, timeline.mark(stream), nbytes, blocking=False)
             fence = ordering.event()

@@ -30,7 +30,9 @@ import torch
 from ..device.timeline import Timeline
 from ..host.pinned import HostStorage
 from ..units import size_text
-from .store import PAGE, DiskStore
+from .model_file import Piece
+from .raw_io import PAGE
+from .sources import DiskSources
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +135,7 @@ class _Entry:
     leases: int = 0
     served: int = 0  # requests served since the current bytes were read
     fence: Fence | None = None  # the last copy out of this entry
+    pieces: tuple[Piece, ...] | None = None  # where the unit's tensors are in it; None: packed layout
 
 
 class Lease:
@@ -143,12 +146,18 @@ class Lease:
         self._released = False
 
     def wait(self) -> torch.Tensor:
-        """The unit's packed bytes (a host buffer of the entry's size), once read; raises the read's error."""
+        """The unit's bytes (a host buffer of the entry's size), once read; raises the read's error."""
         e = self._cache._entries[self.entry]
         e.done.wait()
         if e.error is not None:
             raise e.error
         return self._cache.buffer(self.entry)
+
+    @property
+    def pieces(self) -> tuple[Piece, ...] | None:
+        """After ``wait``: where each tensor's bytes are in the buffer and go in the packed
+        layout (read from the model's file), or None when the buffer holds the packed layout."""
+        return self._cache._entries[self.entry].pieces
 
     def release(self, fence: Fence | None = None) -> None:
         """The copy out of the entry is issued; ``fence`` completes when it has run."""
@@ -161,7 +170,7 @@ class HostCache:
     """``count`` entries of ``entry_bytes`` holding the units of ``order`` read from ``store``,
     ``depth`` units read ahead by ``workers`` threads."""
 
-    def __init__(self, store: DiskStore, unit_bytes: dict[int, int], order: Sequence[int], *,
+    def __init__(self, store: DiskSources, unit_bytes: dict[int, int], order: Sequence[int], *,
                  entry_bytes: int, count: int, workers: int, depth: int, pin: bool,
                  ram_budget_bytes: int | None, device: torch.device, telemetry: DiskTelemetry) -> None:
         if workers < 1 or depth < 1 or count < 1 or entry_bytes % PAGE:
@@ -238,7 +247,11 @@ class HostCache:
 
     # ---------------------------------------------------------------- requests
     def acquire(self, unit: int) -> Lease:
-        """Hold ``unit`` in the cache (reading it now if it is not there) and read ahead of it."""
+        """Hold ``unit`` in the cache (reading it now if it is not there) and read ahead of it.
+        A pass begins with the first unit of the order: the model's file is checked first, so a
+        pass that read a file changed under it fails before its result is used."""
+        if self._order and unit == self._order[0]:
+            self._store.check()
         with self._lock:
             self._cursor = self._pos[unit]
             self._tel.requests += 1
@@ -335,12 +348,12 @@ class HostCache:
                 e = self._entries[entry]
                 fence, e.fence = e.fence, None
             error = None
-            nbytes = self._unit_bytes[unit]
+            nbytes = 0
             started = self._tel.read_started()
             try:
                 if fence is not None:
                     fence.synchronize()  # the last copy out of this entry has run
-                self._store.read(unit, self._buffers[entry], 0, nbytes)
+                nbytes, e.pieces = self._store.read_unit(unit, self._buffers[entry])
             except BaseException as exc:  # handed to whoever waits for this unit
                 error = exc
                 log.error("disk stream: %s", exc)

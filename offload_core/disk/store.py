@@ -1,26 +1,22 @@
-"""The disk home of a disk-streamed pack: a spill file of the engine's own.
+"""The spill file: the disk home of the units whose bytes the engine must make itself.
 
-Why always a file of its own, even when the loaded tensors are the bytes of the model's file:
-between runs the modules must hold their weights somewhere (core runs the model without the
-engine whenever a prompt does), and a map of a file someone else owns can be pulled away at any
-moment. A truncated model file (a re-download, a copy that ran out of disk) turns the next read of
-a mapped page into SIGBUS, which kills ComfyUI and its queue; a file overwritten in place changes
-the weights under the running model, so results match neither the old file nor the new one. A
-copy in RAM would defeat disk streaming. A file that only the engine writes, unlinked as soon as it
-is open, can be changed by no one else, so the maps handed back and every unit read during a run
-are exactly the bytes the engine placed. The price is disk space (the streamed packs, once) and a
-write at the first placement, where the packs are read from the loaded tensors anyway.
+A unit streamed from disk is read from the model's own file where its loaded tensors are that
+file's bytes (model_file.py, sources.py). The others (a dtype cast at load, a quantized
+conversion, a tensor the file does not hold) are written here once, in a file of the engine's
+own, unlinked as soon as it is open: no one else can change it, so the maps handed back and every
+unit read during a run are exactly the bytes the engine placed, and it goes away with its last
+descriptor and map, whatever ends the process. The price is disk space and a write, for those
+units only.
 
 Each pack goes to the spill file in the packed layout at a 64 KiB-aligned offset, padded to 4 KiB,
 so it comes back with one large read, direct (O_DIRECT, past the page cache) where the file
 system allows it. Between runs the modules hold copy-on-write memory maps of those bytes (``mmap``
-ACCESS_COPY), one map of the whole file per store: the model stays usable by anyone, costs no RAM
-until read, and a write into it never reaches the file. The file goes away with its last
-descriptor and map, whatever ends the process.
+ACCESS_COPY), one map of the whole file per store, plus one per pack spilled later (a unit whose
+file bytes turned out to differ from the loaded ones at their first read): the model stays usable
+by anyone, costs no RAM until read, and a write into it never reaches the file.
 """
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
 import mmap
@@ -35,52 +31,15 @@ import torch
 from ..host.layout import PackedTensor
 from ..host.packing import PackedBlock
 from ..units import size_text
+from .raw_io import PAGE, DiskReadError, align_up, memview, open_direct, raw_bytes, read_into, write_all
 
 log = logging.getLogger(__name__)
 
-PAGE = 4096  # direct reads need offsets, lengths and addresses in multiples of the logical block
 SPILL_ALIGN = 64 << 10  # a multiple of PAGE and of Windows' mmap granularity
-_IOV_MAX = 512
-
-
-def align_up(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
-
-
-class DiskReadError(OSError):
-    """A pack could not be read back from disk."""
-
-
-def _memview(t: torch.Tensor) -> memoryview:
-    """A writable view of a CPU uint8 tensor's bytes for os.preadv / os.pwrite (no copy)."""
-    return memoryview((ctypes.c_char * t.numel()).from_address(t.data_ptr())).cast("B")
-
-
-def _skip(views: list[memoryview], n: int) -> list[memoryview]:
-    """The views past their first ``n`` bytes."""
-    out = []
-    for v in views:
-        if n >= len(v):
-            n -= len(v)
-            continue
-        out.append(v[n:])
-        n = 0
-    return out
-
-
-def _open_direct(path: str, flags: int) -> int | None:
-    direct = getattr(os, "O_DIRECT", 0)
-    if not direct:
-        return None
-    try:
-        return os.open(path, flags | direct)
-    except OSError:  # tmpfs and some overlay file systems refuse O_DIRECT
-        return None
 
 
 class _Source:
-    """The spill file: a buffered descriptor, a direct one where allowed. Positional reads and
-    writes where the OS has them (POSIX), otherwise a seek and a read under a lock (Windows)."""
+    """The spill file: a buffered descriptor, a direct one where allowed."""
 
     def __init__(self, path: str, fd: int, direct_fd: int | None) -> None:
         self.path = path
@@ -91,22 +50,24 @@ class _Source:
     def read(self, views: list[memoryview], offset: int, aligned: bool) -> None:
         fd = self.direct_fd if aligned and self.direct_fd is not None else self.fd
         try:
-            self._read(fd, views, offset)
+            got = read_into(fd, views, offset, direct=fd == self.direct_fd)
         except OSError as e:
             if fd == self.fd or e.errno != errno.EINVAL:
                 raise
             self._no_direct()
-            self._read(self.fd, views, offset)
+            got = read_into(self.fd, views, offset)
+        if got < sum(len(v) for v in views):
+            raise DiskReadError(f"{self.path} ends at byte {offset + got}, before the data")
 
     def write(self, view: memoryview, offset: int, aligned: bool) -> None:
         fd = self.direct_fd if aligned and self.direct_fd is not None else self.fd
         try:
-            self._write(fd, view, offset)
+            write_all(fd, view, offset)
         except OSError as e:
             if fd == self.fd or e.errno != errno.EINVAL:
                 raise
             self._no_direct()
-            self._write(self.fd, view, offset)
+            write_all(self.fd, view, offset)
 
     def _no_direct(self) -> None:
         with self._lock:
@@ -115,31 +76,6 @@ class _Source:
                 os.close(self.direct_fd)
                 self.direct_fd = None
 
-    def _read(self, fd: int, views: list[memoryview], offset: int) -> None:
-        total = sum(len(v) for v in views)
-        done = 0
-        while done < total:
-            rest = _skip(views, done)
-            if hasattr(os, "preadv"):
-                got = os.preadv(fd, rest[:_IOV_MAX], offset + done)
-            else:
-                with self._lock:
-                    os.lseek(fd, offset + done, os.SEEK_SET)
-                    got = os.readinto(fd, rest[0]) if hasattr(os, "readinto") else _read_into(fd, rest[0])
-            if got <= 0:
-                raise DiskReadError(f"{self.path} ends at byte {offset + done}, before the data")
-            done += got
-
-    def _write(self, fd: int, view: memoryview, offset: int) -> None:
-        done = 0
-        while done < len(view):
-            if hasattr(os, "pwrite"):
-                done += os.pwrite(fd, view[done:], offset + done)
-            else:
-                with self._lock:
-                    os.lseek(fd, offset + done, os.SEEK_SET)
-                    done += os.write(fd, view[done:])
-
     def close(self) -> None:
         """Close both descriptors, once: a number closed twice may be another file's by then."""
         with self._lock:
@@ -147,12 +83,6 @@ class _Source:
         for fd in fds:
             if fd is not None:
                 os.close(fd)
-
-
-def _read_into(fd: int, view: memoryview) -> int:
-    data = os.read(fd, len(view))
-    view[: len(data)] = data
-    return len(data)
 
 
 def _typed(buf: torch.Tensor, offset: int, e: PackedTensor) -> torch.Tensor:
@@ -179,6 +109,9 @@ class DiskStore:
         self._spill_end = 0
         self._places: dict[int, tuple[int, int]] = {}  # pack -> (offset, padded length)
         self._nbytes: dict[int, int] = {}
+        self._maps: list[mmap.mmap] = []  # maps of packs spilled after the first placement
+        self._lock = threading.Lock()  # late spills come from reader threads
+        self._written = 0
         self._closed = False
 
     # ---------------------------------------------------------------- figures
@@ -186,6 +119,11 @@ class DiskStore:
     def spill_bytes(self) -> int:
         """Size of the spill file (padding included)."""
         return self._spill_end
+
+    @property
+    def written_bytes(self) -> int:
+        """Bytes written to the spill file so far (its packs, padded)."""
+        return self._written
 
     def __contains__(self, i: int) -> bool:
         return i in self._places
@@ -219,7 +157,7 @@ class DiskStore:
         if self._spill is None:
             os.makedirs(self._spill_dir, exist_ok=True)
             fd, path = tempfile.mkstemp(prefix="tiered-offload-", suffix=".spill", dir=self._spill_dir)
-            direct = _open_direct(path, os.O_RDWR)
+            direct = open_direct(path, os.O_RDWR)
             self._spill = _Source(path, fd, direct)
             self._spill_path = path
             if os.name != "nt":
@@ -227,18 +165,48 @@ class DiskStore:
             log.info("disk stream: spill file opened in %s (deleted when the engine lets go of it)", self._spill_dir)
         return self._spill
 
-    def _write_spill(self, pack: PackedBlock, scratch: torch.Tensor) -> tuple[int, int]:
+    def _reserve(self, nbytes: int) -> tuple[_Source, int, int]:
+        """Room for ``nbytes`` at the spill file's end: (file, offset, padded length)."""
         spill = self._open_spill()
-        padded = align_up(pack.nbytes, PAGE)
+        padded = align_up(nbytes, PAGE)
         free = shutil.disk_usage(self._spill_dir).free
         if padded > free:
             raise OSError(f"no room for the spill file in {self._spill_dir}: {size_text(padded)} more "
                           f"needed, {size_text(free)} free")
+        with self._lock:
+            offset = align_up(self._spill_end, SPILL_ALIGN)
+            self._spill_end = offset + padded
+        return spill, offset, padded
+
+    def _write_spill(self, pack: PackedBlock, scratch: torch.Tensor) -> tuple[int, int]:
+        spill, offset, padded = self._reserve(pack.nbytes)
         scratch[pack.nbytes : padded].zero_()
-        offset = align_up(self._spill_end, SPILL_ALIGN)
-        spill.write(_memview(scratch[:padded]), offset, aligned=scratch.data_ptr() % PAGE == 0)
-        self._spill_end = offset + padded
+        spill.write(memview(scratch[:padded]), offset, aligned=scratch.data_ptr() % PAGE == 0)
+        self._written += padded
         return offset, padded
+
+    def write_late(self, i: int, pack: PackedBlock) -> None:
+        """Write pack ``i`` from its originals, tensor by tensor, after the first placement (a
+        unit read from the model's file whose bytes were not the loaded ones); its originals
+        then become copy-on-write maps of what was written. The module's tensors are left as
+        they are: they show their values already, and the next hand-back gives them the maps."""
+        if self._closed:
+            raise RuntimeError("the disk store is closed")
+        spill, offset, padded = self._reserve(pack.nbytes)
+        for e in pack.entries:
+            write_all(spill.fd, memview(raw_bytes(e.original)), offset + e.offset)
+        if padded > pack.nbytes:  # the tail, so the file holds no stale bytes
+            write_all(spill.fd, memoryview(bytes(padded - pack.nbytes)), offset + pack.nbytes)
+        self._written += padded
+        region = mmap.mmap(spill.fd, padded, offset=offset, access=mmap.ACCESS_COPY)
+        with torch.inference_mode(False):
+            whole = torch.frombuffer(region, dtype=torch.uint8)
+        with self._lock:
+            self._places[i] = (offset, padded)
+            self._nbytes[i] = pack.nbytes
+            self._maps.append(region)
+        for e in pack.entries:
+            e.original = _typed(whole, e.offset, e)
 
     def bind(self, packs: Mapping[int, PackedBlock]) -> None:
         """Hand the tensors of written packs copy-on-write maps of their bytes, all from one map
@@ -291,7 +259,7 @@ class DiskStore:
         span = min(align_up(length, PAGE), padded - start)
         aligned = start % PAGE == 0 and dst.data_ptr() % PAGE == 0 and span % PAGE == 0
         try:
-            spill.read([_memview(dst[:span])], offset + start, aligned)
+            spill.read([memview(dst[:span])], offset + start, aligned)
         except OSError as e:
             raise DiskReadError(f"reading {size_text(length)} back from {self._spill_path} failed: {e}") from e
         return length
@@ -319,3 +287,4 @@ class DiskStore:
             except OSError:
                 log.info("disk stream: the spill file %s is still mapped; delete it later", self._spill_path)
         self._places.clear()
+        self._maps.clear()  # the tensors over them keep them open

@@ -1,10 +1,11 @@
 """The disk tier of one streamer: its settings, and the steps the streamer takes through it.
 
 When the host RAM the engine may use for weights (``cap_bytes``) is smaller than the packed
-model, every pack lives on disk, in a spill file of the engine's own (store.py says why never the
-model's file), and the streamed units come in through a host cache of at most ``cap_bytes`` (see
-host_cache.py). Resident units and the tensors every block shares are read once per attach and
-uploaded to the device in cache-entry-sized pieces, so host RAM never holds more than the cache.
+model, every pack lives on disk: read in place from the model's own file where its loaded
+tensors are that file's bytes, else in a spill file of the engine's own (sources.py decides), and
+the streamed units come in through a host cache of at most ``cap_bytes`` (see host_cache.py).
+Resident units and the tensors every block shares are read once per attach and uploaded to the
+device in cache-entry-sized pieces, so host RAM never holds more than the cache.
 """
 from __future__ import annotations
 
@@ -16,10 +17,11 @@ from typing import Any
 import torch
 
 from ..host.packing import PackedBlock
-from ..host.pinned import HostStorage
 from ..ordering import for_device
 from .host_cache import CacheTooSmallError, DiskTelemetry, HostCache
-from .store import PAGE, DiskStore, align_up
+from .model_file import ModelFileMap
+from .raw_io import PAGE, align_up
+from .sources import DiskSources
 
 # Entry size when no unit is streamed: the cache then only stages resident uploads.
 STAGING_BYTES = 64 << 20
@@ -28,11 +30,13 @@ STAGING_BYTES = 64 << 20
 @dataclass(frozen=True)
 class DiskOptions:
     """``cap_bytes``: host RAM for the streamed weights (the cache); ``workers``: read threads;
-    ``spill_dir``: where the spill file goes."""
+    ``spill_dir``: where the spill file goes; ``model_file``: the model's own file and where the
+    blocks' tensors are in it (None: every unit goes to the spill file)."""
 
     cap_bytes: int
     workers: int = 2
     spill_dir: str = field(default_factory=tempfile.gettempdir)
+    model_file: ModelFileMap | None = None
 
     def __post_init__(self) -> None:
         for name in ("cap_bytes", "workers"):
@@ -41,6 +45,8 @@ class DiskOptions:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if not isinstance(self.spill_dir, str) or not self.spill_dir:
             raise ValueError(f"spill_dir must be a folder path, got {self.spill_dir!r}")
+        if self.model_file is not None and not isinstance(self.model_file, ModelFileMap):
+            raise ValueError(f"model_file must be None or a ModelFileMap, got {self.model_file!r}")
 
 
 class DiskTier:
@@ -57,12 +63,12 @@ class DiskTier:
         self._pin = pin
         self._ram_budget = ram_budget_bytes
         self.telemetry = DiskTelemetry()
-        self.store: DiskStore | None = None
+        self.sources: DiskSources | None = None
         self.cache: HostCache | None = None
 
     @property
     def placed(self) -> bool:
-        return self.store is not None
+        return self.sources is not None
 
     def wanted(self, packed_bytes: int) -> bool:
         """Whether the packs go to disk: only when they do not fit the RAM cap."""
@@ -92,14 +98,24 @@ class DiskTier:
 
     def open_cache(self, order: Sequence[int], unit_bytes: dict[int, int], nslots: int,
                    largest_pack: int) -> None:
-        """Make the cache fit this run's streamed units (kept from the last run when it does)."""
+        """Make the cache fit this run's streamed units (kept from the last run when it does):
+        entries hold what a read of each unit needs (its packed bytes, or its spans of the
+        model's file)."""
+        sources = self.sources
+        sources.drop_loaded()
         entry, count, depth = self._sizing(order, unit_bytes, nslots, largest_pack)
+        # The cap counts units in their packed size; a unit read in place may take a page or two
+        # more of its entry (its spans of the file widened to the file system's blocks).
+        kinds = sources.kinds()
+        unit_bytes = {i: sources.buffer_bytes(i) if i in kinds else n for i, n in unit_bytes.items()}
+        if order:
+            entry = max(entry, align_up(max(unit_bytes[u] for u in order), PAGE))
         cache = self.cache
         if cache is not None and (cache.entry_bytes != entry or cache.count != count):
             cache.close()
             self.cache = cache = None
         if cache is None:
-            self.cache = HostCache(self.store, unit_bytes, order, entry_bytes=entry, count=count,
+            self.cache = HostCache(sources, unit_bytes, order, entry_bytes=entry, count=count,
                                    workers=self.options.workers, depth=depth,
                                    pin=self._pin and for_device(self.device).asynchronous,
                                    ram_budget_bytes=self._ram_budget, device=self.device,
@@ -109,54 +125,68 @@ class DiskTier:
 
     # ---------------------------------------------------------------- placing
     def place(self, packs: Sequence[PackedBlock], progress: Callable[[int, int], None] | None) -> int:
-        """Write every pack to the spill file, then bind the module tensors to maps of it (also
-        when a write or the progress callback raises: what was written is bound, the pack being
-        written gets its values back); returns how many packs held tensors."""
-        store = DiskStore(self.options.spill_dir)
-        self.store = store
-        largest = align_up(max((p.nbytes for p in packs), default=0), PAGE)
-        scratch = HostStorage([largest], pin=False, ram_budget_bytes=0)
-        written: dict[int, PackedBlock] = {}
-        try:
-            buf = scratch.buffer(0)
-            for i, p in enumerate(packs):
-                if p.entries:
-                    store.write(i, p, buf)
-                    written[i] = p
-                if progress is not None:
-                    progress(i + 1, len(packs))
-        finally:
-            try:
-                store.bind(written)
-            finally:
-                scratch.release()
-        store.finish()
-        return len(written)
+        """Give every pack its disk home: the model's own file where it serves, else the spill
+        file, whose packs are written now and bound to maps of it (also when a write or the
+        progress callback raises); returns how many packs held tensors."""
+        sources = DiskSources(self.options.spill_dir, self.options.model_file)
+        self.sources = sources
+        sources.plan(packs)
+        return sources.place(progress, len(packs))
 
     def upload(self, index: int, nbytes: int, dst: torch.Tensor) -> None:
         """Copy pack ``index`` from disk into device memory ``dst`` through one cache entry."""
         entry, buf = self.cache.borrow()
         ordering = for_device(self.device)
         try:
-            for start in range(0, nbytes, buf.numel()):
-                n = self.store.read(index, buf, start, buf.numel())
-                ordering.copy(dst[start : start + n], buf[:n])
+            for pieces in self.sources.read_chunks(index, buf):
+                for p in pieces:
+                    ordering.copy(dst[p.dst : p.dst + p.nbytes], buf[p.src : p.src + p.nbytes])
                 ordering.current_stream().synchronize()  # the entry is read into again for the next piece
         finally:
             self.cache.give_back(entry)
+
+    def check_files(self) -> None:
+        """Raise ModelFileChanged if the model's file changed since it was opened."""
+        if self.sources is not None:
+            self.sources.check()
+
+    def read_back(self) -> int:
+        """Read the units streamed from the model's file back into the module's tensors, for a
+        run without the engine; returns how many units."""
+        return self.sources.read_back() if self.sources is not None else 0
 
     # ---------------------------------------------------------------- figures
     def cached_units(self) -> set[int]:
         return self.cache.cached_units() if self.cache is not None else set()
 
+    def unit_sources(self) -> dict[int, str]:
+        """Pack index -> where its bytes come from: "file" (the model's own file), "checking"
+        (the same, until its first read matches the loaded tensors) or "spill"."""
+        return self.sources.kinds() if self.sources is not None else {}
+
+    def _source_list(self) -> list[str | None]:
+        kinds = self.unit_sources()
+        return [kinds.get(i) for i in range(max(kinds, default=-1) + 1)]
+
     def figures(self) -> dict[str, Any]:
-        store, cache = self.store, self.cache
+        sources, cache = self.sources, self.cache
+        kinds = sources.figures() if sources is not None else {}
         return {
-            "active": store is not None,
+            "active": sources is not None,
             "cap_bytes": self.options.cap_bytes,
             "workers": self.options.workers,
             "spill_dir": self.options.spill_dir,
-            "spill_bytes": store.spill_bytes if store is not None else 0,
+            "spill_bytes": kinds.get("spill_bytes", 0),
+            "spill_written_bytes": kinds.get("spill_written_bytes", 0),
+            "spill_units": kinds.get("spill_units", 0),
+            "spill_reasons": kinds.get("spill_reasons", {}),
+            "model_files": kinds.get("model_files", []),
+            "file_units": kinds.get("file_units", 0),
+            "file_bytes": kinds.get("file_bytes", 0),
+            "checking_units": kinds.get("checking_units", 0),
+            "direct_reads": kinds.get("direct"),
+            # Per pack (the units in order, then the shared tensors): where its bytes come from.
+            "unit_sources": self._source_list(),
             "cache_bytes": cache.nbytes if cache is not None else 0,
             "cache_entries": cache.count if cache is not None else 0,
             "cache_entry_bytes": cache.entry_bytes if cache is not None else 0,
@@ -164,12 +194,13 @@ class DiskTier:
         }
 
     def close(self) -> None:
-        """Free the cache and close the store, once; module tensors keep their maps of the bytes."""
-        cache, store = self.cache, self.store
-        self.cache = self.store = None
+        """Free the cache and close the files, once; module tensors keep their maps of the spill
+        file, and those read from the model's file stay released (host/released.py)."""
+        cache, sources = self.cache, self.sources
+        self.cache = self.sources = None
         try:
             if cache is not None:
                 cache.close()
         finally:
-            if store is not None:
-                store.close()
+            if sources is not None:
+                sources.close()

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .released import released, stand_in_note
 from .subclass import (
     PLAIN_TYPES,
     WrapperSpec,
@@ -51,7 +52,12 @@ def _check_plain(t: torch.Tensor, label: str) -> None:
 
 def _describe(t: torch.Tensor, label: str) -> tuple[WrapperSpec | None, tuple[str, ...], tuple[torch.Tensor, ...]]:
     """How ``t`` packs: (None, ("",), (t,)) for a tensor whose bytes are its values, or a wrapper's
-    spec with its inner tensors; raises for anything that does not round-trip."""
+    spec with its inner tensors; raises for anything that does not round-trip. A tensor the disk
+    tier released (its bytes are in the model's file) is described by a meta stand-in of what it
+    really is (``released``)."""
+    note = released(t)
+    if note is not None:
+        return None, ("",), (note.stand_in(),)
     if is_wrapper(t):
         spec, flat = WrapperSpec.of(t, label)
         for name, inner in zip(flat.names, flat.inner):
@@ -77,7 +83,7 @@ def alias_key(t: torch.Tensor) -> tuple:
     """Identity of the memory a tensor shows: equal keys mean the same values, always."""
     if is_wrapper(t):
         return ("wrapped", type(t), *(alias_key(x) for x in flatten(t).inner))
-    if t.numel() == 0:
+    if t.numel() == 0 or t.device.type == "meta":  # a meta tensor is a released tensor's stand-in
         return ("empty", id(t))
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, tuple(t.size()), t.stride())
 
@@ -214,8 +220,9 @@ class BlockLayout:
         offset = 0
         for old in order:
             label, owner, t = firsts[old]
+            note = stand_in_note(t)  # a released tensor: its phase, device and kind are noted
             dense = _is_dense(t)
-            phase = t.data_ptr() % PHASE
+            phase = t.data_ptr() % PHASE if note is None else note.phase
             phase -= phase % t.element_size()  # a typed view must start on its element size
             offset = _align_up(offset, ALIGN) + (phase if keep_address_phase else 0)
             nbytes = t.numel() * t.element_size()
@@ -228,11 +235,11 @@ class BlockLayout:
                     dtype=t.dtype,
                     shape=t.size(),
                     stride=t.stride() if dense else _contiguous_strides(t.size()),
-                    device=t.device,
+                    device=t.device if note is None else note.device,
                     dense=dense,
-                    inference=t.is_inference(),
+                    inference=t.is_inference() if note is None else note.inference,
                     phase=phase,
-                    original=t.detach(),
+                    original=t.detach() if note is None else note.empty(),
                 )
             )
             offset += nbytes

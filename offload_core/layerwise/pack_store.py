@@ -18,6 +18,7 @@ from collections.abc import Callable, Collection
 import torch
 
 from ..device.telemetry import Telemetry
+from ..disk.sources import read_back_pack
 from ..disk.tier import DiskOptions, DiskTier
 from ..host.packing import PackedBlock
 from ..host.pinned import HostStorage, return_freed_ram
@@ -84,6 +85,8 @@ class PackStore:
             if progress is not None:
                 progress(len(packs), len(packs))
             return 0
+        if sum(read_back_pack(p) for p in packs):  # released by an earlier engine on disk
+            log.info("tensors an earlier engine streamed from the model's file were read back to be packed in RAM")
         asynchronous = for_device(self.device).asynchronous  # copies to a GPU
         if asynchronous:
             # Taken before the pack, so pinning the pack up to the cap still leaves room for it.

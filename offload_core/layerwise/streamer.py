@@ -326,6 +326,20 @@ class LayerwiseStreamer:
         elif not keep_pack and self._store.has_pack():
             self._store.free(self._plan)
 
+    def check_files(self) -> None:
+        """ModelFileChanged (naming the file) if a model file the disk tier reads in place changed
+        since it was opened: called at a run's end, so that run fails before its result is used."""
+        if self._store.disk is not None:
+            self._store.disk.check_files()
+
+    def read_back(self) -> int:
+        """While detached: give the tensors the disk tier reads from the model's own file (between
+        runs they hold no bytes) their values in fresh RAM, for a run without the engine; returns
+        how many units. ModelFileChanged if the file changed since they were read from it."""
+        if self._attached:
+            raise RuntimeError("read_back() needs a detached streamer")
+        return self._store.disk.read_back() if self._store.disk is not None else 0
+
     def close(self) -> None:
         """Detach and free everything; the streamer cannot be attached again."""
         self.detach(keep_pack=False)

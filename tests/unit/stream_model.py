@@ -61,6 +61,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from offload_core.disk.model_file import ModelFile
 from offload_core.disk.store import DiskStore
 from offload_core.ordering import install_model
 
@@ -530,12 +531,18 @@ def installed(model: StreamModel, monkeypatch: pytest.MonkeyPatch) -> Iterator[S
     (a host write it cannot see by itself); on exit, frees of what the caller dropped are checked
     and the workers stop."""
     read = DiskStore.read
+    read_file = ModelFile.read
 
     def told_read(store: DiskStore, i: int, dst: torch.Tensor, start: int = 0, length: int | None = None) -> int:
         model.host_write(dst, "disk read in DiskStore.read")
         return read(store, i, dst, start, length)
 
+    def told_read_file(file: ModelFile, plan, dst: torch.Tensor, runs=None) -> int:
+        model.host_write(dst, "disk read in ModelFile.read")
+        return read_file(file, plan, dst, runs)
+
     monkeypatch.setattr(DiskStore, "read", told_read)
+    monkeypatch.setattr(ModelFile, "read", told_read_file)
     install_model(model)
     try:
         with model.watch():

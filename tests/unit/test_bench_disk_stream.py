@@ -1,7 +1,8 @@
 """bench/disk_stream.py --smoke runs end to end and writes the documented JSON.
 
-It checks that the benchmark runs and that its disk runs really streamed from the spill file and
-matched the resident reference; it asserts no timing.
+It checks that the benchmark runs, that its direct mode read the model's own file and wrote
+nothing while its spill mode wrote the blocks first, and that both matched the resident
+reference; it asserts no timing.
 """
 from __future__ import annotations
 
@@ -24,21 +25,18 @@ def test_disk_stream_smoke_writes_json(tmp_path):
     out = tmp_path / "smoke.json"
     bench.main(["--smoke", "--dir", str(tmp_path), "--out", str(out)])
     data = json.loads(out.read_text())
-    assert {"device", "torch", "settings", "raw", "granularity", "file_bytes", "block_bytes"} <= set(data)
+    assert {"device", "torch", "settings", "spec", "file_bytes", "modes"} <= set(data)
     assert data["smoke"] is True and data["device"] == "cpu"
-    assert data["raw"]["warm"] > 0 and data["raw"]["cold"] > 0
-    assert set(data["granularity"]) == {"block", "phase"}
-    for name, row in data["granularity"].items():
-        assert row["ram"]["step_s"] > 0
-        disk = row["disk"]
-        assert disk["matches_reference"] is True, name
-        assert disk["spill_bytes"] >= data["block_bytes"], disk  # the packed layout, padded
-        assert 0 < disk["cache_bytes"] < data["block_bytes"]
-        for state in ("warm", "cold"):
-            figures = disk[state]
-            assert figures["step_s"] > 0 and figures["disk_bytes_read_per_step"] > 0, (name, state, figures)
-            assert figures["disk_read_gibps"] > 0 and figures["vs_raw"] > 0
-            assert 0 <= figures["cache_hit_rate"] < 1
-            assert figures["order_misses"] == 0 and figures["sync_fallbacks"] == 0
-    assert data["granularity"]["phase"]["ram"]["units"] > data["granularity"]["block"]["ram"]["units"]
-    assert data["granularity"]["phase"]["ram"]["bound_bytes"] < data["granularity"]["block"]["ram"]["bound_bytes"]
+    assert set(data["modes"]) == {"direct", "spill"}
+    for name, row in data["modes"].items():
+        assert row["matches_reference"] is True, name
+        assert row["first_step_s"] > 0 and row["first_step_vs_pass_reads"] > 0, row
+        assert row["direct_read_before_gibps"] > 0 and row["direct_read_after_gibps"] > 0, row
+        assert row["disk_bytes_read_per_pass"] > 0 and row["engine_read_gibps"] > 0 and row["p8"] > 0, row
+        assert 0 < row["cache_bytes"] < row["streamed_bytes"], row
+        assert row["order_misses"] == 0 and row["sync_fallbacks"] == 0 and row["disk_read_errors"] == 0
+    direct, spill = data["modes"]["direct"], data["modes"]["spill"]
+    assert direct["written_bytes_engine"] == 0 and direct["attach_figures"]["spill_units"] == 0, direct
+    assert direct["attach_figures"]["file_units"] == data["spec"]["blocks"], direct
+    assert spill["written_bytes_engine"] >= spill["streamed_bytes"], spill
+    assert spill["attach_figures"]["file_units"] == 0, spill

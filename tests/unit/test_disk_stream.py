@@ -14,6 +14,7 @@ from toy_models import ToyDiT, assert_restored, bits, inputs, snapshot
 from torch import nn
 
 from offload_core.disk.host_cache import CacheTooSmallError, DiskTelemetry, HostCache, _union
+from offload_core.disk.sources import DiskSources
 from offload_core.disk.store import DiskStore
 from offload_core.disk.tier import DiskOptions
 from offload_core.host.packing import PackedBlock
@@ -125,14 +126,16 @@ def test_the_spill_file_has_no_name_once_open(tmp_path):
 
 def _cache(n: int, entries: int, depth: int, tmp_path: Path):
     modules = [nn.Linear(64, 64) for _ in range(n)]
-    store = DiskStore(str(tmp_path / "spill"))
-    placed = _place(store, modules)
-    sizes = {i: p.nbytes for i, p in enumerate(placed)}
+    sources = DiskSources(str(tmp_path / "spill"), None)
+    placed = [PackedBlock(tensor_refs(m, i), index=i) for i, m in enumerate(modules)]
+    sources.plan(placed)
+    sources.place(None, len(placed))
+    sizes = {i: sources.buffer_bytes(i) for i in range(n)}
     tel = DiskTelemetry()
-    entry = -(-max(sizes.values()) // PAGE) * PAGE
-    cache = HostCache(store, sizes, list(range(n)), entry_bytes=entry, count=entries, workers=2, depth=depth,
+    entry = max(sizes.values())
+    cache = HostCache(sources, sizes, list(range(n)), entry_bytes=entry, count=entries, workers=2, depth=depth,
                       pin=False, ram_budget_bytes=None, device=torch.device("cpu"), telemetry=tel)
-    return cache, tel, store, placed
+    return cache, tel, sources, placed
 
 
 @pytest.mark.parametrize("n,entries,depth", [(6, 4, 1), (6, 4, 2), (10, 5, 1), (12, 6, 2), (6, 6, 1)])
@@ -330,7 +333,7 @@ def test_a_read_error_fails_the_pass_clearly_and_the_model_stays_whole(tmp_path)
     st.attach()
     with torch.no_grad():
         assert torch.equal(model(x, t), ref)
-    spill = st._store.disk.store._spill
+    spill = st._store.disk.sources.spill._spill
     os.close(spill.fd)  # every later read of the spill file fails with a real OS error
     spill.fd = os.open(os.devnull, os.O_RDONLY)
     if spill.direct_fd is not None:

@@ -1,0 +1,175 @@
+"""Which file a disk-streamed model was loaded from, and where its blocks' tensors are in it: what
+lets the engine read blocks in place instead of writing a spill file (offload_core/disk/sources.py).
+
+Two ways, in this order:
+- Tensors that are views of a mapped file name it themselves (Linux: /proc/self/maps):
+  ComfyUI-GGUF maps its file and hands out the raw quantized bytes. The file's header (GGUF)
+  then says where every tensor is, also those the loader copied out (the norms' float weights).
+- Core's loaders copy a safetensors file's tensors into the model, so the workflow names the file:
+  the loader the node's model comes from (core's UNET and checkpoint loaders, the pack's Tiered
+  ones), through any nodes that pass a model on (a LoRA, a sampling patch). The file's header
+  says where each tensor is; keys are matched with whatever prefix the file uses (a checkpoint's
+  `model.diffusion_model.`, a bare diffusion model's none), and a tensor the model holds in
+  another dtype than the file (a cast at load) is left out, so its unit goes to the spill file.
+
+Nothing found here is trusted blindly: the engine compares every unit's bytes in the file with the
+loaded tensors at its first read, and writes a unit that differs to the spill file instead.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+from collections import Counter
+from collections.abc import Mapping, Sequence
+
+import torch
+
+import folder_paths
+
+from ...offload_core.disk.model_file import ModelFileMap, gguf_tensors, safetensors_tensors
+from ...offload_core.host.released import note_of
+from ...offload_core.host.tensor_refs import tensor_refs
+from . import compile_prompt
+
+log = logging.getLogger(__name__)
+
+# Loader node -> (model folder, the input that names the file); the chain of "model" inputs that
+# leads to the node starts at one of these, or the model's file is not known.
+LOADERS: dict[str, tuple[str, str]] = {
+    "UNETLoader": ("diffusion_models", "unet_name"),
+    "CheckpointLoaderSimple": ("checkpoints", "ckpt_name"),
+    "CheckpointLoader": ("checkpoints", "ckpt_name"),
+    "TieredUNETLoader": ("diffusion_models", "unet_name"),
+    "TieredCheckpointLoader": ("checkpoints", "ckpt_name"),
+}
+
+# The dtype a loaded tensor has when it holds the file's bytes as they are, by the file's type
+# name (safetensors and GGUF); GGUF's quantized types are loaded as raw bytes.
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def _block_tensors(blocks: Sequence[torch.nn.Module]) -> list[tuple[int, str, torch.Tensor]]:
+    """(block index, path inside the block, tensor) of every plain tensor the blocks hold; a
+    tensor released by an earlier engine needs no finding (its note says where it is)."""
+    out = []
+    for b, block in enumerate(blocks):
+        for ref, t in tensor_refs(block, b):
+            if note_of(t) is None and t.device.type == "cpu" and t.numel():
+                out.append((b, ref.path, t))
+    return out
+
+
+def _mapped_files() -> list[tuple[int, int, int, str]]:
+    """(start, end, file offset, path) of every file mapping of this process, by start (Linux)."""
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        parts = line.split(maxsplit=5)
+        if len(parts) < 6 or not parts[5].startswith("/") or parts[5].endswith(" (deleted)"):
+            continue
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        out.append((lo, hi, int(parts[2], 16), parts[5]))
+    out.sort()
+    return out
+
+
+def _mapped_file(tensors: list[tuple[int, str, torch.Tensor]]) -> str | None:
+    """The file most of the tensors are views of (a loader that maps its file), if any."""
+    maps = _mapped_files()
+    starts = [m[0] for m in maps]
+    paths = []
+    for _, _, t in tensors:
+        k = bisect.bisect_right(starts, t.data_ptr()) - 1
+        if k >= 0 and maps[k][0] <= t.data_ptr() < maps[k][1]:
+            paths.append(maps[k][3])
+    if not paths:
+        return None
+    file = Counter(paths).most_common(1)[0][0]
+    return file if os.path.isfile(file) else None
+
+
+def _is_gguf(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def workflow_file(graph: Mapping | None, node_id: str | None) -> str | None:
+    """The file of the loader the node's "model" input comes from, through nodes that pass a
+    model on (compile_prompt.model_path); None where that chain starts at any other node or the
+    file is not in its folder."""
+    if not isinstance(graph, Mapping) or node_id is None or node_id not in graph:
+        return None
+    path = compile_prompt.model_path(dict(graph), node_id)
+    first = graph.get(path[0]) if path and path[0] != node_id else None
+    loader = LOADERS.get(first.get("class_type")) if isinstance(first, Mapping) else None
+    name = first.get("inputs", {}).get(loader[1]) if loader is not None else None
+    return folder_paths.get_full_path(loader[0], name) if isinstance(name, str) else None
+
+
+def _from_header(path: str, tensors: list[tuple[int, str, torch.Tensor]],
+                 prefixes: Sequence[str]) -> tuple[ModelFileMap | None, int]:
+    """Where the tensors are in a safetensors or GGUF file, with the dtype it holds each in (the
+    engine spills one loaded in another dtype); with how many the file holds in another dtype."""
+    try:
+        header = gguf_tensors(path) if _is_gguf(path) else safetensors_tensors(path)
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        log.info("Apply Layerwise Offload: %s cannot be read in place (%s)", path, e)
+        return None, 0
+    names = [(b, p, f"{prefixes[b].split('.', 1)[-1]}.{p}", t) for b, p, t in tensors]
+    if not names:
+        return None, 0
+    probe = names[0][2]
+    candidates = {key[: -len(probe)] for key in header if key.endswith(probe)
+                  and (len(key) == len(probe) or key[-len(probe) - 1] == ".")}
+    best, best_count = None, 0
+    for prefix in candidates:
+        count = sum(f"{prefix}{name}" in header for _, _, name, _ in names)
+        if count > best_count:
+            best, best_count = prefix, count
+    if best is None:
+        return None, 0
+    found, cast = {}, 0
+    for b, p, name, t in names:
+        entry = header.get(f"{best}{name}")
+        if entry is None:
+            continue
+        offset, nbytes, kind = entry
+        held = _DTYPES.get(kind, torch.uint8)  # a quantized type: raw bytes
+        nbytes = t.numel() * t.element_size() if nbytes is None else nbytes  # checked at the first read
+        cast += held != t.dtype
+        found[(b, p)] = (offset, nbytes, held)
+    return (ModelFileMap(path, found) if found else None), cast
+
+
+def find(blocks: Sequence[torch.nn.Module], prefixes: Sequence[str], workflow_path: str | None,
+         model_class: str) -> ModelFileMap | None:
+    """The model's file and where its blocks' tensors are in it, or None (logged: why)."""
+    tensors = _block_tensors(blocks)
+    if not tensors:
+        return None
+    path = _mapped_file(tensors) or workflow_path
+    if path is None:
+        log.info("Apply Layerwise Offload: the file %s was loaded from is not known (its loader is not "
+                 "one the pack knows); streamed blocks go to a spill file", model_class)
+        return None
+    found, cast = _from_header(path, tensors, prefixes)
+    if found is None:
+        log.info("Apply Layerwise Offload: none of %s's block tensors are in %s as loaded; streamed "
+                 "blocks go to a spill file", model_class, path)
+        return None
+    log.info("Apply Layerwise Offload: %d of %s's %d block tensors can be read in place from %s%s",
+             len(found.tensors) - cast, model_class, len(tensors), path,
+             f" ({cast} are loaded in another dtype than the file's)" if cast else "")
+    return found

@@ -1,0 +1,335 @@
+"""Disk streaming from the model's own file, on the CPU with real torch modules and real files:
+units whose loaded tensors are the file's bytes are read in place (nothing written), checked
+against the loaded tensors at their first read; the rest go to the spill file; a file that
+changes under a run fails it, naming the file; between runs the tensors hold no bytes, and come
+back from the file, checked, when the model runs without the engine."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import nn
+
+from offload_core.disk.model_file import ModelFileChanged, ModelFileMap, gguf_tensors, plan_read, safetensors_tensors
+from offload_core.disk.sources import read_back_module
+from offload_core.disk.tier import DiskOptions
+from offload_core.host.released import released
+from offload_core.layerwise.streamer import LayerwiseStreamer
+
+PAGE = 4096
+
+
+class PlainBlock(nn.Module):
+    """A block as a plain model file holds it: contiguous fp32 and bf16 tensors."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 2 * dim)
+        self.down = nn.Linear(2 * dim, dim, dtype=torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))).bfloat16()).float()
+
+
+class PlainModel(nn.Module):
+    def __init__(self, depth: int = 6, dim: int = 64, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Linear(8, dim)
+        self.blocks = nn.ModuleList([PlainBlock(dim) for _ in range(depth)])
+        self.head = nn.Linear(dim, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+def _save(model: PlainModel, path) -> None:
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+
+
+def _file_map(model: PlainModel, path) -> ModelFileMap:
+    """Where each block tensor is in the file, by (block, path inside it), from the header."""
+    found = safetensors_tensors(str(path))
+    tensors = {}
+    for i, block in enumerate(model.blocks):
+        for name in block.state_dict():
+            offset, nbytes, _ = found[f"blocks.{i}.{name}"]
+            tensors[(i, name)] = (offset, nbytes, None)
+    return ModelFileMap(str(path), tensors)
+
+
+def _streamer(model, tmp_path, path, granularity="block", resident=0, entries=3, prefetch=1):
+    probe = LayerwiseStreamer(model.blocks, "cpu", resident=resident, prefetch=prefetch, granularity=granularity)
+    unit = max(p.nbytes for p in probe._plan.packs) + 4 * PAGE  # the file's spans: a page or two more
+    del probe
+    disk = DiskOptions(cap_bytes=entries * unit, workers=2, spill_dir=str(tmp_path / "spill"),
+                       model_file=_file_map(model, path) if path is not None else None)
+    return LayerwiseStreamer(model.blocks, "cpu", resident=resident, prefetch=prefetch, granularity=granularity,
+                             disk=disk)
+
+
+def _packs(st: LayerwiseStreamer) -> int:
+    """The streamer's packs that hold tensors (the shared one may be empty)."""
+    return sum(bool(p.entries) for p in st._plan.all_packs())
+
+
+def _x() -> torch.Tensor:
+    return torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(7))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).contiguous().view(torch.uint8)
+
+
+@pytest.fixture
+def model_file(tmp_path):
+    model = PlainModel()
+    path = tmp_path / "model.safetensors"
+    _save(model, path)
+    return model, path
+
+
+def test_plan_read_merges_close_tensors_into_aligned_runs():
+    plan = plan_read([(10_000, 100, 0), (10_100, 50, 256), (900_000, 10, 512)])
+    assert [(r.start, r.length) for r in plan.runs] == [(8192, 4096), (897024, 4096)]
+    assert plan.pieces[0].src == 10_000 - 8192 and plan.pieces[1].src == 10_100 - 8192
+    assert plan.pieces[2].src == 4096 + 900_000 - 897024 and plan.buffer_bytes == 8192
+
+
+@pytest.mark.parametrize("device", ["cpu", "model"])
+@pytest.mark.parametrize("granularity,resident", [("block", 0), ("block", 2), ("phase", 0)])
+def test_units_are_read_in_place_bit_identical_and_nothing_is_written(model_file, tmp_path, granularity,
+                                                                      resident, device):
+    model, path = model_file
+    x = _x()
+    with torch.no_grad():
+        ref = model(x)
+    st = _streamer(model, tmp_path, path, granularity, resident)
+    for run in range(2):
+        st.attach()
+        with torch.no_grad():
+            for _ in range(3):
+                assert torch.equal(_bits(model(x)), _bits(ref))
+        st.check_files()
+        disk = st.disk_figures()
+        assert disk["spill_units"] == 0 and disk["spill_bytes"] == 0 and disk["spill_written_bytes"] == 0, disk
+        assert disk["file_units"] == _packs(st) and disk["checking_units"] == 0, disk
+        assert disk["model_files"] == [str(path)]
+        assert set(st.disk_figures()) >= {"file_bytes", "direct_reads"}
+        assert st.figures()["disk_reads"] > 0 and st.figures()["disk_read_errors"] == 0
+        st.detach(keep_pack=True)
+        # Between runs the block tensors hold no bytes, and say where theirs are.
+        weight = model.blocks[-1].up.weight
+        assert weight.numel() == 0 and released(weight) is not None, run
+    assert not (tmp_path / "spill").exists()  # no spill file was ever opened
+    # Run without the engine: the tensors are read back from the file, and give the same bits.
+    assert st.read_back() == _packs(st)
+    with torch.no_grad():
+        assert torch.equal(_bits(model(x)), _bits(ref))
+    st.attach()  # the copies read back are let go again
+    with torch.no_grad():
+        assert torch.equal(_bits(model(x)), _bits(ref))
+    st.close()
+    assert model.blocks[0].up.weight.numel() == 0
+
+
+def test_a_unit_whose_bytes_differ_from_the_file_is_spilled_at_its_first_read(tmp_path):
+    model = PlainModel()
+    other = PlainModel(seed=1)
+    mixed = PlainModel()
+    mixed.blocks[2].load_state_dict(other.blocks[2].state_dict())  # the file's block 2 is not the model's
+    path = tmp_path / "model.safetensors"
+    _save(mixed, path)
+    x = _x()
+    with torch.no_grad():
+        ref = model(x)
+    st = _streamer(model, tmp_path, path)
+    st.attach()
+    before = st.disk_figures()  # read-ahead may have checked (or spilled) a few units already
+    assert before["checking_units"] > 0 and before["file_units"] + before["spill_units"] == _packs(st), before
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(_bits(model(x)), _bits(ref))
+    disk = st.disk_figures()
+    assert disk["spill_units"] == 1 and disk["file_units"] == _packs(st) - 1, disk
+    assert "bytes that differ from the model file's" in disk["spill_reasons"]
+    assert 0 < disk["spill_written_bytes"] <= st._plan.packs[2].nbytes + PAGE, disk
+    st.detach(keep_pack=True)
+    assert model.blocks[2].up.weight.numel() > 0 and model.blocks[1].up.weight.numel() == 0
+    st.attach()
+    with torch.no_grad():
+        assert torch.equal(_bits(model(x)), _bits(ref))
+    st.close()
+
+
+def test_tensors_the_file_cannot_serve_go_to_the_spill_file(tmp_path):
+    """A transposed (non-contiguous) weight, and a block the file lacks: those units are spilled
+    at placement, the rest read in place."""
+    model = PlainModel()
+    with torch.no_grad():
+        model.blocks[1].up.weight = nn.Parameter(model.blocks[1].up.weight.detach().t().contiguous().t())
+    path = tmp_path / "model.safetensors"
+    _save(model, path)
+    fmap = _file_map(model, path)
+    fmap = ModelFileMap(fmap.path, {k: v for k, v in fmap.tensors.items() if k[0] != 4})
+    x = _x()
+    with torch.no_grad():
+        ref = model(x)
+    probe = LayerwiseStreamer(model.blocks, "cpu", resident=0, prefetch=1)
+    unit = max(p.nbytes for p in probe._plan.packs) + 4 * PAGE
+    del probe
+    st = LayerwiseStreamer(model.blocks, "cpu", resident=0, prefetch=1,
+                           disk=DiskOptions(cap_bytes=3 * unit, spill_dir=str(tmp_path / "spill"), model_file=fmap))
+    st.attach()
+    disk = st.disk_figures()
+    assert disk["spill_units"] == 2 and disk["spill_bytes"] > 0, disk
+    assert set(disk["spill_reasons"]) == {"tensors loaded in another dtype or layout than the file's",
+                                          "tensors the model file does not hold"}, disk
+    with torch.no_grad():
+        assert torch.equal(_bits(model(x)), _bits(ref))
+    st.close()
+
+
+def _change(path, op: str, tmp_path) -> None:
+    if op == "truncate":
+        os.truncate(path, path.stat().st_size // 2)
+    elif op == "overwrite":  # the same size, other bytes, in place
+        other = tmp_path / "other.safetensors"
+        _save(PlainModel(seed=3), other)
+        shutil.copyfile(other, path)
+    elif op == "replace":
+        other = tmp_path / "new.safetensors"
+        _save(PlainModel(seed=3), other)
+        os.replace(other, path)
+    elif op == "delete":
+        path.unlink()
+
+
+@pytest.mark.parametrize("op", ["truncate", "overwrite", "replace", "delete"])
+def test_a_file_changed_between_passes_fails_the_next_pass_naming_the_file(model_file, tmp_path, op):
+    model, path = model_file
+    x = _x()
+    st = _streamer(model, tmp_path, path)
+    st.attach()
+    with torch.no_grad():
+        model(x)
+    _change(path, op, tmp_path)
+    # A read that finds the file short fails its copy (RuntimeError from the copy worker, the
+    # read's error its cause); otherwise the check at the pass's start raises.
+    with torch.no_grad(), pytest.raises((ModelFileChanged, RuntimeError), match=re.escape(str(path))):
+        for _ in range(2):
+            model(x)
+    with pytest.raises(ModelFileChanged, match="Load the model again"):
+        st.check_files()
+    st.detach(keep_pack=True)
+    # The bytes the model was loaded with are gone: reading them back is refused, never wrong.
+    with pytest.raises(ModelFileChanged, match=re.escape(str(path))):
+        read_back_module(model)
+    st.close()
+
+
+def test_a_file_overwritten_in_place_during_a_pass_fails_that_pass(model_file, tmp_path):
+    """The file is overwritten (same size, other bytes) while a pass is half done: the units
+    read after it are the other model's, and the run fails before any result is used, naming
+    the file."""
+    model, path = model_file
+    x = _x()
+    st = _streamer(model, tmp_path, path)
+    st.attach()
+    with torch.no_grad():
+        model(x)  # every unit checked and released: later reads trust the file's identity
+    done = []
+
+    def overwrite(module, args, output):
+        if not done:
+            done.append(True)
+            _change(path, "overwrite", tmp_path)
+
+    handle = model.blocks[2].register_forward_hook(overwrite)
+    try:
+        with torch.no_grad(), pytest.raises((ModelFileChanged, RuntimeError), match="changed in place"):
+            model(x)
+            model(x)
+            st.check_files()
+    finally:
+        handle.remove()
+    st.close()
+
+
+def test_a_new_engine_takes_over_released_tensors_without_reading_them(model_file, tmp_path):
+    """A settings change builds a new engine over tensors the old one released: their layout
+    comes from what they are, they stay in the file, and results stay the same."""
+    model, path = model_file
+    x = _x()
+    with torch.no_grad():
+        ref = model(x)
+    first = _streamer(model, tmp_path, path, "block")
+    first.attach()
+    with torch.no_grad():
+        model(x)
+    first.close()
+    assert model.blocks[0].up.weight.numel() == 0
+    second = _streamer(model, tmp_path, path, "phase", resident=1, entries=4, prefetch=2)
+    fresh = LayerwiseStreamer(PlainModel().blocks, "cpu", granularity="phase")
+    assert len(second.units) == len(fresh.units) > len(model.blocks), "the phases of empty blocks were not found"
+    second.attach()
+    disk = second.disk_figures()
+    assert disk["file_units"] == _packs(second) and disk["checking_units"] == 0, disk
+    with torch.no_grad():
+        assert torch.equal(_bits(model(x)), _bits(ref))
+    second.close()
+    # An engine that keeps the blocks in RAM reads them back from the file to pack them.
+    ram = LayerwiseStreamer(model.blocks, "cpu", resident=0, prefetch=1)
+    ram.attach()
+    with torch.no_grad():
+        assert torch.equal(_bits(model(x)), _bits(ref))
+    ram.close()
+    assert model.blocks[0].up.weight.numel() > 0
+
+
+def test_read_back_without_an_engine_gives_the_files_bytes(model_file, tmp_path):
+    model, path = model_file
+    x = _x()
+    with torch.no_grad():
+        ref = model(x)
+    st = _streamer(model, tmp_path, path)
+    st.attach()
+    with torch.no_grad():
+        model(x)
+    st.close()
+    assert read_back_module(model) == sum(len(list(b.parameters())) for b in model.blocks)
+    with torch.no_grad():
+        assert torch.equal(_bits(model(x)), _bits(ref))
+    assert read_back_module(model) == 0
+
+
+def test_file_headers_give_each_tensors_bytes(tmp_path, model_file):
+    """safetensors and GGUF headers, read with pread: every tensor's offset and size, checked
+    against the bytes the formats' own readers return."""
+    model, path = model_file
+    header = safetensors_tensors(str(path))
+    data = path.read_bytes()
+    for key, value in model.state_dict().items():
+        offset, nbytes, dtype = header[key]
+        assert data[offset : offset + nbytes] == _bits(value).numpy().tobytes(), key
+    gguf = pytest.importorskip("gguf")
+    import quantized_models  # tests/fixtures: the tiny Wan as GGUF, Q8_0 and float tensors
+
+    gguf_path = tmp_path / "tiny.gguf"
+    quantized_models.write_tiny_wan21_gguf(gguf_path, "Q8_0", seed=0)
+    found = gguf_tensors(str(gguf_path))
+    reader = gguf.GGUFReader(str(gguf_path))
+    assert len(found) == len(reader.tensors) > 0
+    for tensor in reader.tensors:
+        offset, nbytes, kind = found[tensor.name]
+        assert (offset, nbytes, kind) == (tensor.data_offset, tensor.n_bytes, tensor.tensor_type.name), tensor.name
