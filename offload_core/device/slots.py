@@ -109,20 +109,23 @@ class SlotRing:
                 stream.wait_event(self._free[slot])  # no-op until the slot has had a reader
                 if self._timeline is None:
                     ordering.copy(dst, host)
+                    if prepare is not None:
+                        prepare(dst)
                 else:
-                    self._recorded_copy(dst, host, tag)
-                if prepare is not None:
-                    prepare(dst)
+                    self._recorded_copy(dst, host, tag, prepare)
                 self._ready[slot].record(stream)
         self.holds[slot], self._state[slot] = tag, _LOADED
         self._tel.record_copy(n)
 
-    def _recorded_copy(self, dst: torch.Tensor, host: torch.Tensor, tag: Hashable) -> None:
-        """The copy between two marks on the copy stream (on a plain CPU, on this thread, which
-        compute then waits for)."""
+    def _recorded_copy(self, dst: torch.Tensor, host: torch.Tensor, tag: Hashable,
+                       prepare: Callable[[torch.Tensor], None] | None) -> None:
+        """The copy and its ``prepare`` between two marks on the copy stream (on a plain CPU, on
+        this thread, which compute then waits for)."""
         timeline = self._timeline
         start = timeline.mark(self.stream)
         self._ordering.copy(dst, host)
+        if prepare is not None:
+            prepare(dst)
         timeline.copied(tag, start, timeline.mark(self.stream), host.numel(),
                         blocking=not self._ordering.asynchronous)
 

@@ -20,7 +20,6 @@ import heapq
 import itertools
 import logging
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -29,6 +28,7 @@ import torch
 
 from ..device.timeline import Timeline
 from ..host.pinned import HostStorage
+from ..ordering import host_caught_up, host_clock
 from ..units import size_text
 from .store import PAGE, DiskStore
 
@@ -80,14 +80,14 @@ class DiskTelemetry:
     @staticmethod
     def read_started() -> float:
         """The start of a read, for ``read_ended``."""
-        return time.perf_counter()
+        return host_clock()
 
     def read_ended(self, started: float, nbytes: int, ok: bool) -> None:
         with self._lock:
             if ok:
                 self.reads += 1
                 self.bytes_read += nbytes
-                self._intervals.append((started, time.perf_counter()))
+                self._intervals.append((started, host_clock()))
                 if len(self._intervals) >= self._COMPACT_AT:
                     self._intervals = _union(self._intervals)
             else:
@@ -133,6 +133,7 @@ class _Entry:
     leases: int = 0
     served: int = 0  # requests served since the current bytes were read
     fence: Fence | None = None  # the last copy out of this entry
+    read_at: float = 0.0  # when its read ended (host clock)
 
 
 class Lease:
@@ -146,6 +147,7 @@ class Lease:
         """The unit's packed bytes (a host buffer of the entry's size), once read; raises the read's error."""
         e = self._cache._entries[self.entry]
         e.done.wait()
+        host_caught_up(e.read_at)
         if e.error is not None:
             raise e.error
         return self._cache.buffer(self.entry)
@@ -181,7 +183,7 @@ class HostCache:
         self._where: dict[int, int] = {}
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
-        self._queue: list[tuple[int, int, int, int]] = []  # (priority, seq, entry, unit)
+        self._queue: list[tuple[int, int, int, int, float]] = []  # (priority, seq, entry, unit, queued at)
         self._seq = itertools.count()
         self._closing = False
         self.set_order(order)
@@ -320,7 +322,7 @@ class HostCache:
         e.unit, e.reading, e.error, e.served = unit, True, None, 0
         e.done = threading.Event()
         self._where[unit] = entry
-        heapq.heappush(self._queue, (priority, next(self._seq), entry, unit))
+        heapq.heappush(self._queue, (priority, next(self._seq), entry, unit, host_clock()))
         self._work.notify()
 
     # ---------------------------------------------------------------- workers
@@ -331,9 +333,10 @@ class HostCache:
                     self._work.wait()
                 if self._closing and not self._queue:
                     return
-                _, _, entry, unit = heapq.heappop(self._queue)
+                _, _, entry, unit, queued = heapq.heappop(self._queue)
                 e = self._entries[entry]
                 fence, e.fence = e.fence, None
+            host_caught_up(queued)
             error = None
             nbytes = self._unit_bytes[unit]
             started = self._tel.read_started()
@@ -346,11 +349,12 @@ class HostCache:
                 log.error("disk stream: %s", exc)
             finally:
                 self._tel.read_ended(started, nbytes, error is None)
+                ended = host_clock()
                 timeline = self._tel.timeline
                 if timeline is not None and error is None:
-                    timeline.read(unit, started, time.perf_counter(), nbytes)
+                    timeline.read(unit, started, ended, nbytes)
             with self._lock:
-                e.reading, e.error = False, error
+                e.reading, e.error, e.read_at = False, error, ended
                 if error is not None:
                     del self._where[unit]
                     e.unit = None
@@ -360,7 +364,7 @@ class HostCache:
     def close(self) -> None:
         """Drop the reads not started, finish those under way, stop the workers, free the entries."""
         with self._lock:
-            for _, _, entry, unit in self._queue:
+            for _, _, entry, unit, _ in self._queue:
                 e = self._entries[entry]
                 del self._where[unit]
                 e.unit, e.reading, e.error = None, False, RuntimeError("the host cache was closed")
