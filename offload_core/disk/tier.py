@@ -70,8 +70,10 @@ class DiskTier:
 
     # ---------------------------------------------------------------- cache
     def _sizing(self, order: Sequence[int], unit_bytes: dict[int, int], nslots: int,
-                largest_pack: int) -> tuple[int, int, int]:
-        """(entry bytes, entries, read-ahead depth) for this run; refuses a cap that is too small."""
+                largest_pack: int, read_ahead: int | None = None) -> tuple[int, int, int]:
+        """(entry bytes, entries, read-ahead depth) for this run; refuses a cap that is too small.
+        The depth is ``read_ahead`` (the planner's), else one unit per reader, as far as the
+        entries that streaming does not hold allow."""
         cap = self.options.cap_bytes
         if order:
             entry = align_up(max(unit_bytes[u] for u in order), PAGE)
@@ -83,7 +85,7 @@ class DiskTier:
         count = cap // entry
         if count < need:
             raise CacheTooSmallError(cap, entry, need)
-        depth = max(1, min(self.options.workers, count - need + 1))
+        depth = max(1, min(read_ahead or self.options.workers, count - need + 1))
         return entry, count, depth
 
     def check(self, order: Sequence[int], unit_bytes: dict[int, int], nslots: int, largest_pack: int) -> None:
@@ -91,9 +93,9 @@ class DiskTier:
         self._sizing(order, unit_bytes, nslots, largest_pack)
 
     def open_cache(self, order: Sequence[int], unit_bytes: dict[int, int], nslots: int,
-                   largest_pack: int) -> None:
+                   largest_pack: int, read_ahead: int | None = None) -> None:
         """Make the cache fit this run's streamed units (kept from the last run when it does)."""
-        entry, count, depth = self._sizing(order, unit_bytes, nslots, largest_pack)
+        entry, count, depth = self._sizing(order, unit_bytes, nslots, largest_pack, read_ahead)
         cache = self.cache
         if cache is not None and (cache.entry_bytes != entry or cache.count != count):
             cache.close()
