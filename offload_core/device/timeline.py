@@ -74,6 +74,8 @@ class Timeline:
         self._compute: tuple[int, Mark] | None = None  # the running unit and its compute start
         self._spare: list[Mark] = []  # marks nothing refers to any more, to be recorded again (popped
         # and extended in one step each, never read otherwise)
+        self.completed = 0  # complete passes so far (a caller that closes passes counts them)
+        self._uploads: list[tuple[Mark, Mark, int]] = []  # the resident units' copies at attach
 
     # ------------------------------------------------------------- marks
     def mark(self, stream: Stream | None = None) -> Mark:
@@ -94,6 +96,17 @@ class Timeline:
             self._copies[unit] = (start, end, nbytes, blocking)
             if replaced is not None:  # never shown: its unit did not compute since
                 self._spare.extend(replaced[:2])
+
+    def uploaded(self, start: Mark, end: Mark, nbytes: int) -> None:
+        """A resident unit's ``nbytes`` were copied to the device between ``start`` and ``end``."""
+        self._uploads.append((start, end, nbytes))
+
+    def upload_rate(self) -> float | None:
+        """Bytes per ms of the resident units' copies (the link's rate with nothing beside it),
+        None without any. Resolves the marks, waiting for them."""
+        nbytes = sum(n for _, _, n in self._uploads)
+        ms = sum(self._ms(start, end) for start, end, _ in self._uploads)
+        return nbytes / ms if nbytes and ms > 0 else None
 
     def read(self, unit: int, start: float, end: float, nbytes: int) -> None:
         """Unit ``unit``'s bytes were read from disk from ``start`` to ``end`` (``host_clock``)."""
@@ -143,6 +156,13 @@ class Timeline:
         self._compute = None
         current.spans.append(("compute", unit, compute[1], self.mark(), None))
 
+    def close_pass(self) -> None:
+        """The model's call is over (a caller that sees where calls start says so): the pass under
+        way ends here, and the next streamed unit's wait starts the next one, whichever unit it is."""
+        dropped = self._close_pass()
+        if dropped is not None:
+            self._recycle(dropped)
+
     def _close_pass(self) -> _Pass | None:
         """End the pass under way; returns the pass no longer kept (the one before a complete
         pass, or this one cut short)."""
@@ -150,6 +170,7 @@ class Timeline:
         if current is None or len(set(current.units)) < self.streamed:
             return current
         dropped, self._last = self._last, current
+        self.completed += 1
         return dropped
 
     def _recycle(self, dropped: _Pass) -> None:

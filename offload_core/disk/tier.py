@@ -28,11 +28,13 @@ STAGING_BYTES = 64 << 20
 @dataclass(frozen=True)
 class DiskOptions:
     """``cap_bytes``: host RAM for the streamed weights (the cache); ``workers``: read threads;
-    ``spill_dir``: where the spill file goes."""
+    ``spill_dir``: where the spill file goes; ``read_ahead``: units read ahead of need (None: one
+    per reader; "auto": the streamer's planner chooses)."""
 
     cap_bytes: int
     workers: int = 2
     spill_dir: str = field(default_factory=tempfile.gettempdir)
+    read_ahead: int | str | None = None
 
     def __post_init__(self) -> None:
         for name in ("cap_bytes", "workers"):
@@ -41,6 +43,10 @@ class DiskOptions:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if not isinstance(self.spill_dir, str) or not self.spill_dir:
             raise ValueError(f"spill_dir must be a folder path, got {self.spill_dir!r}")
+        ahead = self.read_ahead
+        if ahead is not None and ahead != "auto" and (isinstance(ahead, bool) or not isinstance(ahead, int)
+                                                      or ahead < 1):
+            raise ValueError(f"read_ahead must be None, 'auto' or an int >= 1, got {ahead!r}")
 
 
 class DiskTier:
@@ -85,7 +91,8 @@ class DiskTier:
         count = cap // entry
         if count < need:
             raise CacheTooSmallError(cap, entry, need)
-        depth = max(1, min(read_ahead or self.options.workers, count - need + 1))
+        fixed = self.options.read_ahead if isinstance(self.options.read_ahead, int) else None
+        depth = max(1, min(read_ahead or fixed or self.options.workers, count - need + 1))
         return entry, count, depth
 
     def check(self, order: Sequence[int], unit_bytes: dict[int, int], nslots: int, largest_pack: int) -> None:

@@ -118,6 +118,10 @@ class Stager:
         self._jobs.put((ticket, host_clock(), dst, src, bounce, after_free, prepare, ready, tag))
         return ticket
 
+    def record(self, recorder: CopyRecorder | None) -> None:
+        """Mark the copies issued from now on with ``recorder`` (None: no more marks)."""
+        self._recorder = recorder
+
     def close(self) -> None:
         """Let queued jobs finish, then stop the worker."""
         if self._thread.is_alive():

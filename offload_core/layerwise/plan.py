@@ -148,6 +148,10 @@ class StreamPlan:
         self._settle(dict(self.settings, resident_units=tuple(resident_units), prefetch=prefetch,
                           read_ahead=read_ahead))
 
+    def restore(self, settings: dict) -> None:
+        """Settings saved from ``settings`` earlier, as they were."""
+        self._settle(dict(settings))
+
     def _settle(self, settings: dict) -> None:
         old = self.settings
         self.settings = settings

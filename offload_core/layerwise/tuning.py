@@ -1,0 +1,450 @@
+"""Measure, plan, apply, check, roll back: the streamer's settings left to ``auto``, at the passes
+of each run.
+
+Why at pass boundaries: a pass (one call of the model) is the unit the pipeline repeats, and
+between two calls no block runs, so the device schedule (resident buffers, slots, hooks) can be
+made again around a new setting with nothing bound to the old one. The tuner hooks the call of
+the model's root module (``attach(root=...)``) for that; without a root it only reports.
+
+Each run, per kind of pass (the shapes of the model's inputs, and whether a LoRA is merged:
+another resolution, batch or LoRA changes what a unit costs, so it is measured and planned
+apart):
+
+1. measure: the run's picture of a pass (device/timeline.py, recorded while the tuner needs it)
+   and the resident blocks' compute give each unit's costs (measure.py); the first pass of a run
+   or after a new setting is left out (first calls, and a pipeline that has not filled yet);
+2. plan: the fastest setting the pipeline model finds within the budgets (planner.py);
+3. apply it at the next boundary (the streamer makes its device schedule again); a setting that
+   does not fit the device (out of memory) is rolled back there and then;
+4. check: the next steady pass is held against the prediction; a pass slower than predicted and
+   no faster than the setting before is rolled back to it, and that setting is not tried again
+   for this kind of pass; one slower than predicted but faster than before is kept and measured
+   again;
+5. hold: recording stops (unless the panel asks for the picture). The next run starts with the
+   held setting and checks it once more.
+
+Settings the user fixed are kept; the tuner still measures one pass of each kind and says what
+``auto`` would have chosen and what that would have saved. Whatever the setting, every block
+computes with the same weights, so results do not change with it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from ..device.hooks import BlockHooks
+from ..device.residency import bound_bytes, plan_residency
+from ..device.timeline import Timeline
+from ..ordering import Event, for_device
+from .measure import pass_costs
+from .pipeline import Costs, Setting, predict
+from .plan import StreamPlan
+from .planner import DEFAULT_PREFETCH, Choices, Plan, ms_text, plan
+
+log = logging.getLogger(__name__)
+
+AUTO = "auto"  # a setting left to the tuner
+CHECK_TOLERANCE = 0.05  # a pass up to this much slower than predicted is as predicted
+WARMUP_PASSES = 1  # passes left out after an attach or a new setting before one is measured
+MAX_PLANS = 3  # plans per kind of pass and run: a model that keeps missing stops re-planning
+
+
+class ScheduleLost(RuntimeError):
+    """Neither the new setting's device schedule nor the old one could be made: the run cannot
+    go on (the streamer is left to detach)."""
+
+
+class Rebuild(Protocol):
+    """The streamer's side: make the device schedule again around ``setting`` (None: the same
+    setting, only recorded or not); raises, with the old schedule back, if it cannot."""
+
+    def __call__(self, setting: Setting | None, record: bool) -> None: ...
+
+
+@dataclass
+class _Kind:
+    """What the tuner knows of one kind of pass."""
+
+    costs: Costs | None = None
+    plan: Plan | None = None
+    held: Setting | None = None  # the setting checked and kept
+    predicted_ms: float | None = None  # the prediction for the setting in force
+    measured_ms: float | None = None  # the last steady pass measured
+    before: tuple[Setting, float] | None = None  # the setting a plan replaced, with its step
+    rejected: list[Setting] = field(default_factory=list)
+    verdict: str = "measuring"
+    plans: int = 0
+
+
+def _short_of_memory(error: BaseException) -> bool:
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error)
+
+
+class Tuner:
+    """The auto settings of one streamer (``plan``), applied through ``rebuild``."""
+
+    def __init__(self, plan_: StreamPlan, device: torch.device, choices: Choices, rebuild: Rebuild,
+                 describe: Callable[[], list[dict]]) -> None:
+        self._plan = plan_
+        self._device = device
+        self._ordering = for_device(device)
+        self.choices = choices
+        self._rebuild = rebuild
+        self._describe = describe
+        self._kinds: dict[tuple, _Kind] = {}
+        self._kind: tuple | None = None
+        self._hook: RemovableHandle | None = None
+        self._meter: BlockHooks | None = None
+        self._meter_marks: dict[int, list[Event]] = {}
+        self._mark: Event | None = None
+        self._seen: tuple[int, int] = (0, 0)  # the picture's id and its complete passes, last boundary
+        self._upload_rate: float | None = None  # the link's rate, from resident uploads
+        self._phase = "off"
+        self._skip = 0
+        self._recording = False
+        self._wanted_picture = False
+        self._transform = False
+        self._timeline: Callable[[], Timeline | None] = lambda: None
+        self.budget_bytes: int | None = None
+        self.disk_cap: int | None = None
+        self.default: Setting | None = None
+        self.events: list[dict] = []  # this run's plan changes
+        self.passes = 0
+
+    # ------------------------------------------------------------------ the streamer's calls
+    @property
+    def active(self) -> bool:
+        return self._hook is not None
+
+    def current(self) -> Setting:
+        """The setting the plan holds now."""
+        p = self._plan
+        return Setting(tuple(p.resident_indices), p.settings["prefetch"], p.settings["read_ahead"] or 0)
+
+    def attach_setting(self, budget_bytes: int | None, transform: bool, disk_cap: int | None,
+                       default_read_ahead: int) -> Setting | None:
+        """Before an attach: remember the run's budgets and the setting it would have without a
+        plan; the setting this attach should start from (the last kind of pass's held one, if it
+        fits), None to keep the plan's."""
+        self.budget_bytes, self._transform, self.disk_cap = budget_bytes, transform, disk_cap
+        self.events = []
+        self.passes = 0
+        p = self._plan
+        sizes = [q.nbytes for q in p.packs]
+        prefetch = self.choices.prefetch or DEFAULT_PREFETCH
+        if self.choices.resident is not None:
+            resident = _block_units(p, plan_residency([sum(sizes[u] for u in us) for us in _blocks(p)], 0,
+                                                      resident=self.choices.resident,
+                                                      vram_budget_bytes=None, prefetch=prefetch))
+        elif p.granularity == "block":
+            resident = plan_residency(sizes, p.shared.nbytes, resident=None, vram_budget_bytes=budget_bytes,
+                                      prefetch=prefetch) if budget_bytes is not None else []
+        else:
+            block_sizes = [sum(sizes[u] for u in us) for us in _blocks(p)]
+            resident = _block_units(p, plan_residency(block_sizes, p.shared.nbytes, resident=None,
+                                                      vram_budget_bytes=budget_bytes, prefetch=prefetch)
+                                    if budget_bytes is not None else [])
+        self.default = Setting(tuple(sorted(resident)), prefetch,
+                               (self.choices.read_ahead or default_read_ahead) if disk_cap else 0)
+        kind = self._kinds.get(self._kind) if self._kind is not None else None
+        if kind is not None and kind.held is not None and self._fits(kind.held):
+            return kind.held
+        return self.default if self.choices.free else None
+
+    def start(self, root: nn.Module | None, timeline: Callable[[], Timeline | None], wanted: bool,
+              compiled: bool) -> bool:
+        """After an attach: hook ``root``'s calls (not under torch.compile, which keeps its hooks
+        in compiled graphs). Returns whether the attach should record its passes from the start."""
+        self._timeline = timeline
+        self._wanted_picture = wanted
+        self._mark = None
+        if root is None or compiled:
+            self._phase = "off"
+            return wanted
+        self._hook = root.register_forward_pre_hook(self._boundary, with_kwargs=True, prepend=True)
+        self._phase = "new"
+        self._recording = True
+        self._meter_on()
+        return True
+
+    def stop(self) -> None:
+        """At detach: the hook and the resident blocks' timing go."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self._meter_off()
+        self._phase = "off"
+
+    def rebuilt(self) -> None:
+        """The schedule was made again: the resident blocks' timing follows the new residents."""
+        if self._meter is not None:
+            self._meter_off()
+            self._meter_on()
+
+    # ------------------------------------------------------------------ a boundary
+    def _boundary(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if torch.compiler.is_compiling():
+            return
+        mark = self._ordering.event(timing=True)
+        mark.record(self._ordering.current_stream())
+        previous, self._mark = self._mark, mark
+        timeline = self._timeline()
+        if timeline is not None:
+            timeline.close_pass()
+        self.passes += 1
+        complete = False
+        if timeline is not None:
+            seen = (id(timeline), timeline.completed)
+            complete, self._seen = seen != self._seen and seen[0] == self._seen[0], seen
+        kind_key = (self._transform, _signature(args, kwargs))
+        try:
+            self._step(kind_key, previous, mark, timeline, complete)
+        except ScheduleLost:
+            raise
+        except Exception:  # the plan is advice: a failure stops planning, never the run
+            log.exception("layerwise auto settings: planning failed; the run keeps its settings")
+            self.stop()
+
+    def _step(self, key: tuple, previous: Event | None, mark: Event, timeline: Timeline | None,
+              complete: bool) -> None:
+        kind = self._kinds.setdefault(key, _Kind())
+        if key != self._kind or self._phase == "new":
+            self._kind = key
+            self._begin_kind(kind)
+            return
+        if self._phase == "hold":
+            return
+        if self._skip > 0:
+            self._skip -= 1
+            return
+        measured = self._measure(previous, mark, timeline, complete, kind)
+        if measured is None:
+            return  # the pass was not complete (a block skipped, a retry): the next one is measured
+        costs, period = measured
+        kind.measured_ms = period
+        if self._phase == "check":
+            self._check(kind, costs, period)
+        else:
+            kind.costs = costs
+            self._plan_kind(kind, period)
+
+    def _begin_kind(self, kind: _Kind) -> None:
+        """A run's first pass, or a kind of pass other than the last: start from what is known."""
+        current = self.current()
+        if kind.held is not None and self._fits(kind.held) and self.choices.free:
+            if kind.held != current:
+                self._apply(kind, kind.held, "the setting held for these inputs")
+            kind.predicted_ms = predict(kind.costs, kind.held).step_ms if kind.costs else kind.predicted_ms
+            self._enter("check")
+            return
+        self._enter("measure")
+
+    def _enter(self, phase: str) -> None:
+        self._phase = phase
+        self._skip = WARMUP_PASSES
+        self._record(phase != "hold")
+
+    # ------------------------------------------------------------------ measure, plan, check
+    def _measure(self, previous: Event | None, mark: Event, timeline: Timeline | None, complete: bool,
+                 kind: _Kind) -> tuple[Costs, float] | None:
+        if previous is None or timeline is None:
+            return None
+        mark.synchronize()
+        period = previous.elapsed_time(mark)
+        picture = timeline.last_pass(self._describe()) if complete else None
+        if self._plan.streamed_indices and picture is None:
+            return None  # no complete pass since the last boundary
+        upload = timeline.upload_rate()
+        if upload is not None:
+            self._upload_rate = upload
+        resident = {b: sum(e.elapsed_time(x) for e, x in zip(marks[::2], marks[1::2]))
+                    for b, marks in self._meter_marks.items() if len(marks) >= 2}
+        self._meter_marks = {}
+        costs = pass_costs(picture or {}, resident, period, self._describe(), self._plan.shared.nbytes,
+                           self._ordering.asynchronous, upload_bytes_per_ms=self._upload_rate,
+                           disk_cap_bytes=self.disk_cap, previous=kind.costs)
+        if costs is None:
+            return None
+        return costs, period
+
+    def _plan_kind(self, kind: _Kind, period: float) -> None:
+        current = self.current()
+        kind.plans += 1
+        kind.plan = plan(kind.costs, self.choices, self.budget_bytes, current, kind.rejected)
+        chosen = kind.plan.chosen
+        if chosen.setting == current or not self.choices.free or kind.plans > MAX_PLANS:
+            kind.held = current
+            kind.predicted_ms = predict(kind.costs, current).step_ms
+            kind.verdict = self._verdict(kind.predicted_ms, period)
+            self._enter("hold")
+            return
+        kind.before = (current, period)
+        self._apply(kind, chosen.setting, kind.plan.reason)
+        kind.predicted_ms = chosen.prediction.step_ms
+        self._enter("check")
+
+    def _check(self, kind: _Kind, costs: Costs, period: float) -> None:
+        predicted = kind.predicted_ms or period
+        current = self.current()
+        if period <= predicted * (1 + CHECK_TOLERANCE):
+            kind.held, kind.costs = current, costs
+            kind.verdict = self._verdict(predicted, period)
+            self._enter("hold")
+            return
+        before = kind.before
+        if before is not None and period >= before[1] and before[0] != current:
+            kind.rejected.append(current)
+            kind.held = before[0]
+            kind.verdict = (f"{ms_text(period)} a step where {ms_text(predicted)} was predicted, no "
+                            f"faster than the {ms_text(before[1])} before: rolled back")
+            self._apply(kind, before[0], "rolled back: slower than predicted")
+            kind.predicted_ms, kind.before = before[1], None
+            self._enter("hold")
+            return
+        kind.costs = costs  # slower than predicted, but no slower than before: measured again
+        self._plan_kind(kind, period)
+
+    def _verdict(self, predicted: float, measured: float) -> str:
+        ratio = measured / predicted if predicted > 0 else 1.0
+        if ratio > 1 + CHECK_TOLERANCE:
+            return f"slower than predicted ({ms_text(measured)} against {ms_text(predicted)})"
+        if ratio < 1 - CHECK_TOLERANCE:
+            return f"faster than predicted ({ms_text(measured)} against {ms_text(predicted)})"
+        return f"as predicted ({ms_text(measured)} against {ms_text(predicted)})"
+
+    # ------------------------------------------------------------------ applying
+    def _apply(self, kind: _Kind, setting: Setting, why: str) -> None:
+        before = self.current()
+        try:
+            self._rebuild(setting, record=True)
+        except BaseException as e:
+            if not _short_of_memory(e):
+                raise
+            kind.rejected.append(setting)
+            kind.verdict = f"short of memory for the planned setting: rolled back ({e})"
+            self.events.append({"pass": self.passes, "from": before, "to": before, "why": kind.verdict})
+            log.warning("layerwise auto settings: %s", kind.verdict)
+            return
+        self.rebuilt()
+        self._recording = True
+        self.events.append({"pass": self.passes, "from": before, "to": setting, "why": why})
+        log.info("layerwise auto settings: pass %d: %d resident units, prefetch %d%s (%s)", self.passes,
+                 len(setting.resident), setting.prefetch,
+                 f", read-ahead {setting.read_ahead}" if setting.read_ahead else "", why)
+
+    def _fits(self, setting: Setting) -> bool:
+        if self.budget_bytes is None:
+            return True
+        p = self._plan
+        sizes = [q.nbytes for q in p.packs]
+        return bound_bytes(sizes, setting.resident, p.shared.nbytes, setting.prefetch) <= self.budget_bytes
+
+    # ------------------------------------------------------------------ recording
+    def _record(self, on: bool) -> None:
+        on = on or self._wanted_picture
+        if on == self._recording:
+            if on:
+                self._meter_on()
+            return
+        self._rebuild(None, record=on)
+        self._recording = on
+        if on:
+            self._meter_on()
+        else:
+            self._meter_off()
+
+    def _meter_on(self) -> None:
+        """Time the resident blocks' compute (the picture has no row for them)."""
+        if self._meter is not None:
+            return
+        p = self._plan
+        resident = set(p.resident_indices)
+        blocks = sorted({p.units[u].block for u in resident}
+                        - {p.units[u].block for u in p.streamed_indices})
+        if not blocks:
+            return
+        marks = self._meter_marks
+        ordering = self._ordering
+
+        def mark(b: int) -> None:
+            if torch.compiler.is_compiling():
+                return
+            event = ordering.event(timing=True)
+            event.record(ordering.current_stream())
+            marks.setdefault(b, []).append(event)
+
+        self._meter = BlockHooks([(b, p.blocks[b]) for b in blocks], mark, mark)
+
+    def _meter_off(self) -> None:
+        if self._meter is not None:
+            self._meter.remove()
+            self._meter = None
+        self._meter_marks = {}
+
+    # ------------------------------------------------------------------ the panel
+    def report(self) -> dict[str, Any] | None:
+        """What the tuner chose and why, for the panel (None before anything was measured)."""
+        kind = self._kinds.get(self._kind) if self._kind is not None else None
+        if kind is None:
+            return None
+        costs = kind.costs
+        current = self.current()
+        out: dict[str, Any] = {
+            "auto": list(self.choices.free),
+            "phase": self._phase,
+            "setting": _setting_json(current, self._plan),
+            "predicted_ms": kind.predicted_ms,
+            "measured_ms": kind.measured_ms,
+            "verdict": kind.verdict,
+            "reason": kind.plan.reason if kind.plan is not None else None,
+            "budget_bytes": self.budget_bytes,
+            "passes": self.passes,
+            "changes": [{"pass": e["pass"], "from": _setting_json(e["from"], self._plan),
+                         "to": _setting_json(e["to"], self._plan), "why": e["why"]} for e in self.events],
+        }
+        if costs is not None:
+            now = predict(costs, current)
+            out.update(bound=now.bound, device_bytes=now.device_bytes, hit_rate=now.hit_rate)
+        if kind.plan is not None:
+            auto = kind.plan.chosen
+            out["auto_choice"] = _setting_json(auto.setting, self._plan)
+            out["auto_predicted_ms"] = auto.prediction.step_ms
+            if costs is not None and auto.setting != current:
+                out["explicit_cost_ms"] = predict(costs, current).step_ms - auto.prediction.step_ms
+        return out
+
+
+def _setting_json(setting: Setting, p: StreamPlan) -> dict:
+    blocks = sorted({p.units[u].block for u in setting.resident})
+    return {"resident_blocks": blocks, "resident_units": len(setting.resident),
+            "prefetch": setting.prefetch, "read_ahead": setting.read_ahead}
+
+
+def _blocks(p: StreamPlan) -> list[list[int]]:
+    out: list[list[int]] = [[] for _ in p.blocks]
+    for u, unit in enumerate(p.units):
+        out[unit.block].append(u)
+    return out
+
+
+def _block_units(p: StreamPlan, blocks: list[int]) -> list[int]:
+    chosen = set(blocks)
+    return [u for u, unit in enumerate(p.units) if unit.block in chosen]
+
+
+def _signature(args: tuple, kwargs: dict) -> tuple:
+    """What sets a pass's cost among a call's inputs: the shapes and dtypes of its tensors."""
+    out = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            out.append((tuple(value.shape), str(value.dtype)))
+        elif isinstance(value, (list, tuple)):
+            out.extend((tuple(v.shape), str(v.dtype)) for v in value if isinstance(v, torch.Tensor))
+    return tuple(out)
