@@ -8,6 +8,15 @@ hit. Reads run ahead of the copies: when a unit is requested, workers start read
 needed later than the unit read; so read-ahead never throws out a unit that will be used sooner.
 Units that stay cached across passes are hits; the rest cost one disk read each per pass.
 
+Why the choice never depends on the threads' timing: a unit requested may still wait for its read
+or its copy out of the cache, and such an entry cannot be reused; which entries those are at a
+given moment depends on how fast the disk and the copies went, so a rule that skipped just them
+would keep other units from pass to pass, and the hit rate would wander. Instead the last
+``in_flight`` units requested (the device slots they go to may still be filling) and the units
+read ahead of the cursor are never evicted: a fixed set, given by the order of the requests alone,
+and the one a slow disk leaves busy anyway. The hit rate is then what the cache can hold, and the
+pipeline model (layerwise/pipeline.py) predicts it.
+
 Entries are equal-sized buffers (the largest streamed unit, rounded to 4 KiB) in one host
 storage, page-locked when the pinned budget allows, so reads can be direct and copies to the
 device asynchronous. An entry is never overwritten while a copy out of it may still run: a lease
@@ -173,6 +182,7 @@ class HostCache:
         self._unit_bytes = dict(unit_bytes)
         self._tel = telemetry
         self._depth = depth
+        self._in_flight = 1
         self._storage = HostStorage([self.entry_bytes] * count, pin=pin, ram_budget_bytes=ram_budget_bytes,
                                     label="disk cache")
         self._storage.note_reader(device)
@@ -220,8 +230,9 @@ class HostCache:
         return self._buffers[entry]
 
     # ---------------------------------------------------------------- order
-    def set_order(self, order: Sequence[int], depth: int | None = None) -> None:
-        """The streamed units in run order (a new run may stream another set) and the read-ahead."""
+    def set_order(self, order: Sequence[int], depth: int | None = None, in_flight: int | None = None) -> None:
+        """The streamed units in run order (a new run may stream another set), the read-ahead, and
+        how many requested units may be on their way to the device at once (its slots)."""
         if any(self._unit_bytes.get(u, self.entry_bytes + 1) > self.entry_bytes for u in order):
             raise ValueError("a streamed unit is larger than the cache's entries")
         with self._lock:
@@ -230,6 +241,8 @@ class HostCache:
             self._cursor = 0
             if depth is not None:
                 self._depth = depth
+            if in_flight is not None:
+                self._in_flight = in_flight
 
     def _distance(self, unit: int | None) -> float:
         """How far ahead of the cursor ``unit`` is needed next; never (inf) for units not streamed."""
@@ -278,7 +291,6 @@ class HostCache:
             e.leases -= 1
             if fence is not None:
                 e.fence = fence
-            self._read_ahead()
             self._work.notify_all()
 
     def _wait_for_victim(self, need: float) -> int:
@@ -292,12 +304,21 @@ class HostCache:
                 raise RuntimeError("the host cache is closed")
             self._work.wait()
 
+    def _protected(self) -> set[int]:
+        """The units no read evicts: the last ``in_flight`` requested and those read ahead."""
+        n, order, cursor = len(self._order), self._order, self._cursor
+        return ({order[(cursor - j) % n] for j in range(min(self._in_flight, n))}
+                | {order[(cursor + k) % n] for k in range(1, min(self._depth, n - 1) + 1)})
+
     def _victim(self, need: float) -> int | None:
         """The entry to reuse for a unit needed ``need`` units ahead: a free one first, else the one
-        whose unit is needed last, if that is later than ``need``; never one leased or being read."""
+        whose unit is needed last, if that is later than ``need``; never a protected one (for a
+        request; a transient borrow at attach, ``need`` < 0, has nothing in flight to protect), and
+        never one leased or being read."""
         best, best_d = None, need
+        protected = self._protected() if need >= 0 else set()
         for k, e in enumerate(self._entries):
-            if e.leases or e.reading:
+            if e.leases or e.reading or e.unit in protected:
                 continue
             d = _NEVER if e.unit is None or e.error is not None else self._distance(e.unit)
             if d > best_d:
@@ -343,6 +364,7 @@ class HostCache:
             try:
                 if fence is not None:
                     fence.synchronize()  # the last copy out of this entry has run
+                    started = self._tel.read_started()  # the read starts now, not the wait for the copy
                 self._store.read(unit, self._buffers[entry], 0, nbytes)
             except BaseException as exc:  # handed to whoever waits for this unit
                 error = exc

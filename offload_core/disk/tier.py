@@ -113,8 +113,9 @@ class DiskTier:
                                    pin=self._pin and for_device(self.device).asynchronous,
                                    ram_budget_bytes=self._ram_budget, device=self.device,
                                    telemetry=self.telemetry)
+            self.cache.set_order(order, depth, nslots)
         else:
-            cache.set_order(order, depth)
+            cache.set_order(order, depth, nslots)
 
     # ---------------------------------------------------------------- placing
     def place(self, packs: Sequence[PackedBlock], progress: Callable[[int, int], None] | None) -> int:

@@ -39,10 +39,12 @@ def read_rate(spans: Sequence[dict]) -> float | None:
 def pass_costs(picture: Mapping, resident_ms: Mapping[int, float], period_ms: float,
                units: Sequence[Mapping], shared_bytes: int, asynchronous: bool, *,
                upload_bytes_per_ms: float | None = None, disk_cap_bytes: int | None = None,
-               previous: Costs | None = None) -> Costs | None:
+               disk_bytes_per_ms: float | None = None, previous: Costs | None = None) -> Costs | None:
     """The costs of one pass: ``picture`` is ``Timeline.last_pass``, ``resident_ms`` each resident
-    block's compute, ``units`` each unit's ``{"block", "bytes"}``. None when the pass says too
-    little (no unit's compute at all)."""
+    block's compute, ``units`` each unit's ``{"block", "bytes"}``; from disk, the RAM cache's size
+    and the disk's rate over the run so far (a pass's own reads overlap those of the passes beside
+    it), else the rate of this pass's reads. None when the pass says too little (no unit's compute
+    at all, or no read from disk yet)."""
     n = len(units)
     sizes = [int(u["bytes"]) for u in units]
     blocks = [int(u["block"]) for u in units]
@@ -84,7 +86,7 @@ def pass_costs(picture: Mapping, resident_ms: Mapping[int, float], period_ms: fl
     outside = max(0.0, period_ms - sum(compute) - stall)
     disk = None
     if disk_cap_bytes is not None:
-        rate = read_rate(picture.get("spans", ()))
+        rate = disk_bytes_per_ms or read_rate(picture.get("spans", ()))
         if rate is None and previous is not None and previous.disk is not None:
             rate = previous.disk.bytes_per_ms
         if rate is None:

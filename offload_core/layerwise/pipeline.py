@@ -18,8 +18,9 @@ host_cache.py), with each step's cost taken from a measured pass (``Costs``):
   other on one copy stream; on the plain host they run on the sampling thread, between units.
 - From disk, a unit is read into the RAM cache before its copy, by the cache's rule (the entry
   whose unit is needed furthest ahead is reused, read-ahead never evicts a unit needed sooner,
-  an entry is not reused while its unit is being read or copied out), one read after another at
-  the disk's rate; a unit still cached from the previous pass is a hit and is not read again. The
+  the units on their way to the slots and those read ahead are never evicted), one read after
+  another at the disk's rate; a unit still cached from the previous pass is a hit and is not read
+  again. The
   sampling thread waits for a unit whose copy has not been issued yet (cache_ring.py), which is
   what keeps it from running ahead of the disk.
 
@@ -39,6 +40,8 @@ from ..disk.store import PAGE, align_up
 
 PASSES = 6  # passes simulated from a cold start; the last two are the steady state
 STEADY = 2  # a steady state may alternate between two passes: their mean is the step
+# From disk the cache's state may repeat only every few passes: more passes, and the mean of more.
+DISK_PASSES, DISK_STEADY = 10, 4
 # Compute stalls below this share of the pass's compute leave a pass bound by compute (the
 # timeline's verdict uses the same share).
 STALL_SHARE_BOUND = 0.1
@@ -100,9 +103,9 @@ class Prediction:
     disk_stall_ms: float  # of that, waiting for the disk
     copy_busy_ms: float
     device_bytes: int  # resident units, shared tensors and slots
-    reads: int = 0  # disk reads per pass
-    read_bytes: int = 0
-    hits: int = 0  # cache hits per pass
+    reads: float = 0  # disk reads per pass (a mean: the cache's state may differ from pass to pass)
+    read_bytes: float = 0
+    hits: float = 0  # cache hits per pass
     requests: int = 0
 
     @property
@@ -239,7 +242,7 @@ class _DiskPass:
     def run(self) -> Prediction:
         for process in (self._sampling(), self._copy_worker(), self._disk()):
             self._schedule(process, 0.0)
-        while self._wakes and len(self.pass_ends) < PASSES:
+        while self._wakes and len(self.pass_ends) < DISK_PASSES:
             wake = heapq.heappop(self._wakes)
             self.now = max(self.now, wake.time)
             self._step(wake.process)
@@ -247,15 +250,15 @@ class _DiskPass:
         c = self.costs
         compute = sum(c.compute_ms) + c.outside_ms
         ends = self.pass_ends
-        step = (ends[-1] - ends[-1 - STEADY]) / STEADY
-        stall = sum(s for s, _ in self.stalls[-STEADY:]) / STEADY
-        disk_stall = sum(d for _, d in self.stalls[-STEADY:]) / STEADY
+        step = (ends[-1] - ends[-1 - DISK_STEADY]) / DISK_STEADY
+        stall = sum(s for s, _ in self.stalls[-DISK_STEADY:]) / DISK_STEADY
+        disk_stall = sum(d for _, d in self.stalls[-DISK_STEADY:]) / DISK_STEADY
         # Each unit that is no hit is read once per pass (read-ahead never evicts a unit needed
         # sooner), wherever its read falls between two passes.
-        last = [self.counts[p] for p in range(len(ends) - STEADY, len(ends))]
-        hits = round(sum(k[1] for k in last) / STEADY)
+        last = [self.counts[p] for p in range(len(ends) - DISK_STEADY, len(ends))]
+        hits = sum(k[1] for k in last) / DISK_STEADY
         misses = len(self.order) - hits
-        read_bytes = round(sum(k[3] for k in last) / STEADY)
+        read_bytes = round(sum(k[3] for k in last) / DISK_STEADY)
         copy_busy = sum(c.copy_ms[u] for u in self.order)
         return Prediction(step, compute, stall, disk_stall, copy_busy, self.device_bytes, misses,
                           read_bytes, hits, len(self.order))
@@ -332,7 +335,7 @@ class _DiskPass:
             self.stalls.append((stall, disk_stall))
             self.pass_ends.append(compute)
             self._pass += 1
-            if len(self.pass_ends) >= PASSES:
+            if len(self.pass_ends) >= DISK_PASSES:
                 return
             yield ("at", max(host, self.now))
 
@@ -362,9 +365,12 @@ class _DiskPass:
         return (self.pos[unit] - self.cursor) % len(self.order)
 
     def _victim(self, need: float) -> int | None:
+        n, order, cursor = len(self.order), self.order, self.cursor
+        protected = ({order[(cursor - j) % n] for j in range(min(self.nslots, n))}
+                     | {order[(cursor + k) % n] for k in range(1, min(self.depth, n - 1) + 1)})
         best, best_d = None, need
         for k, e in enumerate(self.entries):
-            if e.leases or e.reading:
+            if e.leases or e.reading or e.unit in protected:
                 continue
             d = self._distance(e.unit)
             if d > best_d:
@@ -417,7 +423,6 @@ class _DiskPass:
                 yield ("at", start + c.copy_ms[unit])
                 self.ready[g] = e.fence = issued = self.now
             e.leases -= 1
-            self._read_ahead()
             self.ticket[g] = issued
 
     # ------------------------------------------------------------ the disk

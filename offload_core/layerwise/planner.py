@@ -36,10 +36,10 @@ DEFAULT_PREFETCH = 2  # the node's manual default, and the planner's start befor
 
 @dataclass(frozen=True)
 class Choices:
-    """What the planner may choose (None) and what the user fixed (a value): a resident count in
-    blocks, the prefetch, the disk read-ahead."""
+    """What the planner may choose (None) and what the user fixed (a value): the resident units,
+    the prefetch, the disk read-ahead."""
 
-    resident: int | None = None
+    resident: tuple[int, ...] | None = None
     prefetch: int | None = None
     read_ahead: int | None = None
 
@@ -106,26 +106,27 @@ def candidates(costs: Costs, choices: Choices, counts: Sequence[int] | None = No
     """Every setting the planner weighs (with resident block ``counts``, default all), fixed
     settings kept."""
     nblocks = len(block_units(costs))
-    if choices.resident is not None:
-        counts = [min(choices.resident, nblocks)]
-    elif counts is None:
+    if counts is None:
         counts = range(nblocks + 1)
+    if choices.resident is not None:
+        sets = [tuple(sorted(choices.resident))]
+    else:
+        sets = [s for count in counts for s in resident_sets(costs, count)]
     prefetches = range(1, MAX_PREFETCH + 1) if choices.prefetch is None else [choices.prefetch]
-    for count in counts:
-        for resident in resident_sets(costs, count):
-            res = set(resident)
-            streamed = [u for u in range(costs.units) if u not in res]
-            for prefetch in prefetches:
-                if costs.disk is None or not streamed:
-                    yield Setting(resident, prefetch, 0)
-                    continue
-                most = most_read_ahead(costs, streamed, min(prefetch + 1, len(streamed)))
-                if not most:
-                    continue  # the cache cannot hold what this setting streams at once
-                depths = (range(1, min(most, MAX_READ_AHEAD) + 1) if choices.read_ahead is None
-                          else [min(choices.read_ahead, most)])
-                for depth in depths:
-                    yield Setting(resident, prefetch, depth)
+    for resident in sets:
+        res = set(resident)
+        streamed = [u for u in range(costs.units) if u not in res]
+        for prefetch in prefetches:
+            if costs.disk is None or not streamed:
+                yield Setting(resident, prefetch, 0)
+                continue
+            most = most_read_ahead(costs, streamed, min(prefetch + 1, len(streamed)))
+            if not most:
+                continue  # the cache cannot hold what this setting streams at once
+            depths = (range(1, min(most, MAX_READ_AHEAD) + 1) if choices.read_ahead is None
+                      else [min(choices.read_ahead, most)])
+            for depth in depths:
+                yield Setting(resident, prefetch, depth)
 
 
 def plan(costs: Costs, choices: Choices, budget_bytes: int | None, default: Setting | None,

@@ -102,7 +102,7 @@ class LayerwiseStreamer(StreamerFigures):
         self._plan = StreamPlan(blocks, units, granularity, resident=None if auto["resident"] else resident,
                                 vram_budget_bytes=vram_budget_bytes,
                                 prefetch=DEFAULT_PREFETCH if auto["prefetch"] else prefetch)
-        self._tuner = (Tuner(self._plan, self.device, auto, self._rebuild, self.describe_units)
+        self._tuner = (Tuner(self._plan, self.device, auto, self._rebuild, self.describe_units, self._disk_rate)
                        if any(auto.values()) else None)
 
     def record_timeline(self, on: bool) -> None:
@@ -159,11 +159,11 @@ class LayerwiseStreamer(StreamerFigures):
         plan, store, tuner = self._plan, self._store, self._tuner
         if tuner is not None:
             disk = store.disk
+            ahead = disk.options.read_ahead if disk else None
             start = tuner.attach_setting(plan.settings["vram_budget_bytes"], transform is not None,
                                          disk.options.cap_bytes if disk else None,
-                                         disk.options.workers if disk else 0)
-            if start is not None:
-                plan.apply(start.resident, start.prefetch, start.read_ahead or None)
+                                         ahead if isinstance(ahead, int) else disk.options.workers if disk else 0)
+            plan.apply(start.resident, start.prefetch, start.read_ahead or None)
         adopted = store.adopt(plan)  # a re-wrap of the same memory leaves the kept pack valid
         if adopted:
             log.info("%d block tensors were re-wrapped over the kept pack; it stays valid", adopted)
@@ -257,6 +257,13 @@ class LayerwiseStreamer(StreamerFigures):
         """Detach and free everything; the streamer cannot be attached again."""
         self.detach(keep_pack=False)
         self._closed = True
+
+    def _disk_rate(self) -> float | None:
+        """Bytes per ms the disk tier read at while reading, this run; None before a read."""
+        disk = self._store.disk
+        figures = disk.telemetry.snapshot() if disk is not None else {}
+        busy = figures.get("disk_read_busy_s")
+        return figures["disk_bytes_read"] / busy / 1000.0 if busy else None
 
     def _put_up(self, record: bool) -> None:
         """The device schedule of the plan's setting (and a picture of its passes with ``record``)."""

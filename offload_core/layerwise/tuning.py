@@ -40,11 +40,11 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ..device.hooks import BlockHooks
-from ..device.residency import bound_bytes, plan_residency
+from ..device.residency import bound_bytes
 from ..device.timeline import Timeline
 from ..ordering import Event, for_device
 from .measure import pass_costs
-from .pipeline import Costs, Setting, predict
+from .pipeline import DISK_STEADY, Costs, Setting, predict
 from .plan import StreamPlan
 from .planner import DEFAULT_PREFETCH, Choices, Plan, ms_text, plan
 
@@ -88,26 +88,31 @@ def _short_of_memory(error: BaseException) -> bool:
 
 
 class Tuner:
-    """The auto settings of one streamer (``plan``), applied through ``rebuild``."""
+    """The settings of one streamer (``plan``) that ``auto`` leaves to it, applied through
+    ``rebuild``."""
 
-    def __init__(self, plan_: StreamPlan, device: torch.device, choices: Choices, rebuild: Rebuild,
-                 describe: Callable[[], list[dict]]) -> None:
+    def __init__(self, plan_: StreamPlan, device: torch.device, auto: dict[str, bool], rebuild: Rebuild,
+                 describe: Callable[[], list[dict]], disk_rate: Callable[[], float | None]) -> None:
         self._plan = plan_
         self._device = device
         self._ordering = for_device(device)
-        self.choices = choices
+        self._auto = auto  # which of resident, prefetch, read_ahead are left to the tuner
+        self.choices = Choices()
         self._rebuild = rebuild
         self._describe = describe
+        self._disk_rate = disk_rate  # bytes per ms the disk delivered in this run, None before a read
         self._kinds: dict[tuple, _Kind] = {}
         self._kind: tuple | None = None
         self._hook: RemovableHandle | None = None
         self._meter: BlockHooks | None = None
-        self._meter_marks: dict[int, list[Event]] = {}
+        self._meter_marks: dict[int, list[Event]] = {}  # resident block -> its marks in this pass
+        self._pass_marks: dict[int, list[Event]] = {}  # the same, of the pass that just ended
         self._mark: Event | None = None
         self._seen: tuple[int, int] = (0, 0)  # the picture's id and its complete passes, last boundary
         self._upload_rate: float | None = None  # the link's rate, from resident uploads
         self._phase = "off"
         self._skip = 0
+        self._periods: list[float] = []  # the steps measured in this phase so far
         self._recording = False
         self._wanted_picture = False
         self._transform = False
@@ -129,34 +134,28 @@ class Tuner:
         return Setting(tuple(p.resident_indices), p.settings["prefetch"], p.settings["read_ahead"] or 0)
 
     def attach_setting(self, budget_bytes: int | None, transform: bool, disk_cap: int | None,
-                       default_read_ahead: int) -> Setting | None:
-        """Before an attach: remember the run's budgets and the setting it would have without a
-        plan; the setting this attach should start from (the last kind of pass's held one, if it
-        fits), None to keep the plan's."""
+                       disk_read_ahead: int) -> Setting:
+        """Before an attach: the run's budgets, the setting it would have without a plan (the user's
+        rules; for resident blocks left to auto, the most the budget holds) and what the planner
+        may change; returns the setting to start with (the last kind of pass's held one, if it fits)."""
         self.budget_bytes, self._transform, self.disk_cap = budget_bytes, transform, disk_cap
         self.events = []
         self.passes = 0
-        p = self._plan
-        sizes = [q.nbytes for q in p.packs]
-        prefetch = self.choices.prefetch or DEFAULT_PREFETCH
-        if self.choices.resident is not None:
-            resident = _block_units(p, plan_residency([sum(sizes[u] for u in us) for us in _blocks(p)], 0,
-                                                      resident=self.choices.resident,
-                                                      vram_budget_bytes=None, prefetch=prefetch))
-        elif p.granularity == "block":
-            resident = plan_residency(sizes, p.shared.nbytes, resident=None, vram_budget_bytes=budget_bytes,
-                                      prefetch=prefetch) if budget_bytes is not None else []
-        else:
-            block_sizes = [sum(sizes[u] for u in us) for us in _blocks(p)]
-            resident = _block_units(p, plan_residency(block_sizes, p.shared.nbytes, resident=None,
-                                                      vram_budget_bytes=budget_bytes, prefetch=prefetch)
-                                    if budget_bytes is not None else [])
-        self.default = Setting(tuple(sorted(resident)), prefetch,
-                               (self.choices.read_ahead or default_read_ahead) if disk_cap else 0)
+        p, auto = self._plan, self._auto
+        prefetch = DEFAULT_PREFETCH if auto["prefetch"] else p.settings["prefetch"]
+        rules = dict(p.settings, resident_units=None, prefetch=prefetch, read_ahead=None)
+        if auto["resident"]:
+            rules.update(resident=None, vram_budget_bytes=budget_bytes)
+        p.restore(rules)
+        read_ahead = disk_read_ahead if disk_cap else 0
+        self.default = Setting(tuple(p.resident_indices), prefetch, read_ahead)
+        self.choices = Choices(resident=None if auto["resident"] else self.default.resident,
+                               prefetch=None if auto["prefetch"] else prefetch,
+                               read_ahead=None if auto["read_ahead"] or not disk_cap else read_ahead)
         kind = self._kinds.get(self._kind) if self._kind is not None else None
         if kind is not None and kind.held is not None and self._fits(kind.held):
             return kind.held
-        return self.default if self.choices.free else None
+        return self.default
 
     def start(self, root: nn.Module | None, timeline: Callable[[], Timeline | None], wanted: bool,
               compiled: bool) -> bool:
@@ -195,6 +194,7 @@ class Tuner:
         mark = self._ordering.event(timing=True)
         mark.record(self._ordering.current_stream())
         previous, self._mark = self._mark, mark
+        self._pass_marks, self._meter_marks = self._meter_marks, {}
         timeline = self._timeline()
         if timeline is not None:
             timeline.close_pass()
@@ -228,6 +228,11 @@ class Tuner:
         if measured is None:
             return  # the pass was not complete (a block skipped, a retry): the next one is measured
         costs, period = measured
+        self._periods.append(period)
+        if len(self._periods) < (DISK_STEADY if self.disk_cap else 1):
+            return  # from disk the cache's state repeats only every few passes: their mean counts
+        period = sum(self._periods) / len(self._periods)
+        self._periods = []
         kind.measured_ms = period
         if self._phase == "check":
             self._check(kind, costs, period)
@@ -239,8 +244,9 @@ class Tuner:
         """A run's first pass, or a kind of pass other than the last: start from what is known."""
         current = self.current()
         if kind.held is not None and self._fits(kind.held) and self.choices.free:
-            if kind.held != current:
-                self._apply(kind, kind.held, "the setting held for these inputs")
+            if kind.held != current and not self._apply(kind, kind.held, "the setting held for these inputs"):
+                self._enter("hold")
+                return
             kind.predicted_ms = predict(kind.costs, kind.held).step_ms if kind.costs else kind.predicted_ms
             self._enter("check")
             return
@@ -249,6 +255,7 @@ class Tuner:
     def _enter(self, phase: str) -> None:
         self._phase = phase
         self._skip = WARMUP_PASSES
+        self._periods = []
         self._record(phase != "hold")
 
     # ------------------------------------------------------------------ measure, plan, check
@@ -265,11 +272,11 @@ class Tuner:
         if upload is not None:
             self._upload_rate = upload
         resident = {b: sum(e.elapsed_time(x) for e, x in zip(marks[::2], marks[1::2]))
-                    for b, marks in self._meter_marks.items() if len(marks) >= 2}
-        self._meter_marks = {}
+                    for b, marks in self._pass_marks.items() if len(marks) >= 2}
         costs = pass_costs(picture or {}, resident, period, self._describe(), self._plan.shared.nbytes,
                            self._ordering.asynchronous, upload_bytes_per_ms=self._upload_rate,
-                           disk_cap_bytes=self.disk_cap, previous=kind.costs)
+                           disk_cap_bytes=self.disk_cap, disk_bytes_per_ms=self._disk_rate() if self.disk_cap else None,
+                           previous=kind.costs)
         if costs is None:
             return None
         return costs, period
@@ -286,7 +293,11 @@ class Tuner:
             self._enter("hold")
             return
         kind.before = (current, period)
-        self._apply(kind, chosen.setting, kind.plan.reason)
+        if not self._apply(kind, chosen.setting, kind.plan.reason):
+            kind.held = current
+            kind.predicted_ms = predict(kind.costs, current).step_ms
+            self._enter("hold")
+            return
         kind.predicted_ms = chosen.prediction.step_ms
         self._enter("check")
 
@@ -320,7 +331,9 @@ class Tuner:
         return f"as predicted ({ms_text(measured)} against {ms_text(predicted)})"
 
     # ------------------------------------------------------------------ applying
-    def _apply(self, kind: _Kind, setting: Setting, why: str) -> None:
+    def _apply(self, kind: _Kind, setting: Setting, why: str) -> bool:
+        """Make ``setting`` the streamer's; False (the setting before kept) when the device is short
+        of memory for it."""
         before = self.current()
         try:
             self._rebuild(setting, record=True)
@@ -331,13 +344,14 @@ class Tuner:
             kind.verdict = f"short of memory for the planned setting: rolled back ({e})"
             self.events.append({"pass": self.passes, "from": before, "to": before, "why": kind.verdict})
             log.warning("layerwise auto settings: %s", kind.verdict)
-            return
+            return False
         self.rebuilt()
         self._recording = True
         self.events.append({"pass": self.passes, "from": before, "to": setting, "why": why})
         log.info("layerwise auto settings: pass %d: %d resident units, prefetch %d%s (%s)", self.passes,
                  len(setting.resident), setting.prefetch,
                  f", read-ahead {setting.read_ahead}" if setting.read_ahead else "", why)
+        return True
 
     def _fits(self, setting: Setting) -> bool:
         if self.budget_bytes is None:
@@ -370,7 +384,6 @@ class Tuner:
                         - {p.units[u].block for u in p.streamed_indices})
         if not blocks:
             return
-        marks = self._meter_marks
         ordering = self._ordering
 
         def mark(b: int) -> None:
@@ -378,7 +391,7 @@ class Tuner:
                 return
             event = ordering.event(timing=True)
             event.record(ordering.current_stream())
-            marks.setdefault(b, []).append(event)
+            self._meter_marks.setdefault(b, []).append(event)  # this pass's, renewed at each boundary
 
         self._meter = BlockHooks([(b, p.blocks[b]) for b in blocks], mark, mark)
 
@@ -397,7 +410,7 @@ class Tuner:
         costs = kind.costs
         current = self.current()
         out: dict[str, Any] = {
-            "auto": list(self.choices.free),
+            "auto": [k for k, on in self._auto.items() if on],
             "phase": self._phase,
             "setting": _setting_json(current, self._plan),
             "predicted_ms": kind.predicted_ms,
