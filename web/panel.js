@@ -6,6 +6,7 @@
 import { tr } from "./i18n.js";
 import { esc, legend, num } from "./html.js";
 import { compactTimelineHtml, fitMarks } from "./timeline.js";
+import { planHtml } from "./plan.js";
 import { View } from "./view.js";
 
 const TIER_LABEL = { vram: "VRAM", ram: "RAM", disk: "DISK" };
@@ -262,6 +263,7 @@ function layerwiseHtml(lw, showStrip, open) {
     <div class="to-lw-head"><b>${esc(tr("layerwise.head"))}</b>
       <span class="to-muted" data-role="lw-summary">${esc(parts.join(" · "))}</span></div>
     ${lw.dynamic_vram?.cost ? `<div class="to-muted" data-role="lw-cost">${esc(tr("layerwise.cost", { cost: lw.dynamic_vram.cost }))}</div>` : ""}
+    ${planHtml(lw)}
     ${showStrip ? stripHtml(lw) : ""}
     ${telemetryHtml(lw.telemetry)}
     ${compactTimelineHtml(lw.timeline, !!lw.telemetry && num(lw.streamed_indices?.length) > 0, open)}

@@ -38,11 +38,12 @@ from ...offload_core.device.telemetry import overlap_efficiency
 from ...offload_core.disk.host_cache import CacheTooSmallError
 from ...offload_core.disk.tier import DiskOptions
 from ...offload_core.layerwise.streamer import LayerwiseStreamer
+from ...offload_core.layerwise.tuning import AUTO
 from ...offload_core.units import size_text
 from ..core import host_moves
 from ..core.state import LAYERWISE, LAYERWISE_KEY
-from . import block_budget, comfy_weights, compiled_models, dynamic_vram, spill_folder
-from .settings import GIB, LayerwiseSettings
+from . import block_budget, comfy_weights, compiled_models, dynamic_vram, granularity, spill_folder
+from .settings import AUTO_DISK_WORKERS, GIB, LayerwiseSettings
 
 log = logging.getLogger(__name__)
 
@@ -67,20 +68,18 @@ class LayerwiseSession:
         self.rest_bytes = max(0, comfy.model_management.module_size(patcher.model) - self.block_bytes)
         self.device = patcher.load_device
         self.settings = settings
-        resident = settings.resident_blocks if settings.resident_blocks >= 0 else None
-        self.streamer = LayerwiseStreamer(list(self.blocks), self.device, resident=resident,
-                                          prefetch=settings.prefetch, pin=settings.pin,
-                                          granularity=settings.granularity,
-                                          disk=self._disk_options(settings))
+        self.granularity, self.granularity_why = granularity.choose(self.blocks, settings)
+        self.streamer = make_streamer(self.blocks, self.device, self.settings, self.granularity)
         least, _ = self.streamer.bound_range()
         requested = settings.requested_budget
-        if resident is None and requested is not None and requested < least:
+        if settings.resident_blocks < 0 and requested is not None and requested < least:
+            slots = "2 slots, at prefetch 1," if settings.auto_prefetch else \
+                f"prefetch + 1 = {settings.prefetch + 1} slots"
             raise ValueError(
                 f"Apply Layerwise Offload: vram_budget_gb={settings.vram_budget_gb:g} GiB is too "
                 f"small for {self.model_class}: streaming every block needs {size_text(least)} "
-                f"(prefetch + 1 = {settings.prefetch + 1} slots of its largest block), and the "
-                f"budget leaves {size_text(requested)} for them. Raise vram_budget_gb, lower "
-                "prefetch, or set 0 for auto.")
+                f"({slots} of its largest block), and the budget leaves {size_text(requested)} "
+                "for them. Raise vram_budget_gb, lower prefetch, or set 0 for auto.")
         self.module_id = id(diffusion_model)
         self.accounted_bytes = 0
         self.budget_bytes: int | None = None
@@ -101,15 +100,6 @@ class LayerwiseSession:
         self._root = weakref.ref(patcher.model)
         for module in self._watched():
             host_moves.watch(module, LAYERWISE_KEY, self._reclaim_before_host_move)
-
-    @staticmethod
-    def _disk_options(settings: LayerwiseSettings) -> DiskOptions | None:
-        """The disk tier when host_cache_gb caps the RAM for blocks."""
-        if settings.host_cache_gb <= 0:
-            return None
-        return DiskOptions(cap_bytes=int(settings.host_cache_gb * GIB),
-                           workers=settings.disk_workers,
-                           spill_dir=spill_folder.spill_folder(settings.spill_dir))
 
     def begin(self, patcher, noise_shape=None, conds=None, model_options=None) -> None:
         """Plan, hand the blocks over from core, pack and attach. Called before core's load; if
@@ -141,9 +131,11 @@ class LayerwiseSession:
         start = time.perf_counter()
         progress = comfy.utils.ProgressBar(len(self.streamer.units) + 1)
         try:
+            # The model's call is one pass over the blocks: auto settings are measured and
+            # planned at its calls.
             self.streamer.attach(transform=transform,
                                  progress=lambda done, total: progress.update_absolute(done, total),
-                                 compiled=compiled)
+                                 compiled=compiled, root=compiled_models.diffusion_module(patcher))
         except CacheTooSmallError as e:
             remedies = "Raise host_cache_gb or lower prefetch"
             if self.settings.granularity != "phase":
@@ -192,15 +184,30 @@ class LayerwiseSession:
         least, most = self.streamer.bound_range()
         requested = self.settings.requested_budget
         if self.device.type == "cpu":
-            # The "device" is host RAM: nothing to clamp to. Auto keeps every block resident.
+            # The "device" is host RAM: nothing to clamp to. Auto may keep every block resident.
             budget = most if requested is None else requested
         else:
             wanted = most if requested is None else min(requested, most)
             room = block_budget.device_room(patcher, self.rest_bytes, wanted, noise_shape, conds,
                                             model_options, merge_bytes)
+            if self._fit_granularity(room.for_blocks):
+                least, most = self.streamer.bound_range()
             budget = block_budget.choose_budget(self.model_class, requested, room, least, most)
         self.streamer.replan(vram_budget_bytes=budget)
         self.budget_bytes = budget
+
+    def _fit_granularity(self, room: int) -> bool:
+        """Granularity auto: phases from this run on if only phases fit the room left for the
+        blocks (the pack is made again, once). Whether the granularity changed."""
+        chosen, why = granularity.choose(self.blocks, self.settings, room)
+        if chosen == self.granularity:
+            return False
+        log.info("Apply Layerwise Offload: %s streams as %s from now on (%s)", self.model_class,
+                 chosen, why)
+        self.streamer.close()
+        self.granularity, self.granularity_why = chosen, why
+        self.streamer = make_streamer(self.blocks, self.device, self.settings, self.granularity)
+        return True
 
     def account(self, patcher) -> None:
         """Make core's figures for the model true, once core has loaded the rest.
@@ -308,6 +315,9 @@ class LayerwiseSession:
             "bound_bytes": self.streamer.bound_bytes(),
             "block_states": self.streamer.block_states(),
             "granularity": self.streamer.granularity,
+            "granularity_why": self.granularity_why,
+            "auto_settings": self.settings.auto_settings,
+            "tuning": self.streamer.tuning(),
             "units": self.streamer.describe_units(),
             "unit_states": self.streamer.unit_states(),
             "host": self.streamer.host_bytes(),
@@ -323,6 +333,23 @@ class LayerwiseSession:
     def disk_bytes(self) -> int:
         """Bytes of the model's blocks that are only on disk now (disk streaming), else 0."""
         return self.streamer.host_bytes().get("disk", 0)
+
+
+def make_streamer(blocks, device: torch.device, settings: LayerwiseSettings,
+                  granularity_: str) -> LayerwiseStreamer:
+    """The engine for the node's settings at ``granularity_``; settings left to auto go to its
+    tuner, and under auto the disk tier's readers read as far ahead as the tuner says."""
+    disk = None
+    if settings.host_cache_gb > 0:
+        auto = settings.auto_read_ahead
+        disk = DiskOptions(cap_bytes=int(settings.host_cache_gb * GIB),
+                           workers=AUTO_DISK_WORKERS if auto else settings.disk_workers,
+                           spill_dir=spill_folder.spill_folder(settings.spill_dir),
+                           read_ahead=AUTO if auto else None)
+    return LayerwiseStreamer(list(blocks), device,
+                             resident=settings.resident_blocks if settings.resident_blocks >= 0 else AUTO,
+                             prefetch=AUTO if settings.auto_prefetch else settings.prefetch,
+                             pin=settings.pin, granularity=granularity_, disk=disk)
 
 
 def run_figures(snapshot: dict[str, Any], seconds: float, attach_seconds: float,

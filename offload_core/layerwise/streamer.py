@@ -42,7 +42,6 @@ from .figures import StreamerFigures
 from .pack_store import PackStore
 from .pipeline import Setting
 from .plan import StreamPlan, check_blocks
-from .planner import DEFAULT_PREFETCH
 from .schedule import DeviceSchedule
 from .tuning import AUTO, ScheduleLost, Tuner
 
@@ -101,7 +100,7 @@ class LayerwiseStreamer(StreamerFigures):
                 "read_ahead": disk is not None and disk.read_ahead == AUTO}
         self._plan = StreamPlan(blocks, units, granularity, resident=None if auto["resident"] else resident,
                                 vram_budget_bytes=vram_budget_bytes,
-                                prefetch=DEFAULT_PREFETCH if auto["prefetch"] else prefetch)
+                                prefetch=1 if auto["prefetch"] else prefetch)  # auto: the least it may take
         self._tuner = (Tuner(self._plan, self.device, auto, self._rebuild, self.describe_units, self._disk_rate)
                        if any(auto.values()) else None)
 

@@ -142,11 +142,17 @@ class Tuner:
         self.events = []
         self.passes = 0
         p, auto = self._plan, self._auto
-        prefetch = DEFAULT_PREFETCH if auto["prefetch"] else p.settings["prefetch"]
-        rules = dict(p.settings, resident_units=None, prefetch=prefetch, read_ahead=None)
+        fixed = None if auto["prefetch"] else p.settings["prefetch"]
+        rules = dict(p.settings, resident_units=None, read_ahead=None)
         if auto["resident"]:
             rules.update(resident=None, vram_budget_bytes=budget_bytes)
-        p.restore(rules)
+        for prefetch in ([fixed] if fixed else range(DEFAULT_PREFETCH, 0, -1)):
+            try:  # under auto, the engine's default prefetch, or less where the budget is too small
+                p.restore(dict(rules, prefetch=prefetch))
+                break
+            except ValueError:
+                if prefetch == 1 or fixed:
+                    raise
         read_ahead = disk_read_ahead if disk_cap else 0
         self.default = Setting(tuple(p.resident_indices), prefetch, read_ahead)
         self.choices = Choices(resident=None if auto["resident"] else self.default.resident,
