@@ -184,12 +184,16 @@ def _count_search(costs: Costs, choices: Choices, budget_bytes: int | None,
 
 
 def _pick(pool: list[Candidate], base: Candidate | None) -> Candidate:
+    """The fastest of ``pool``; among those as fast, the one that reads least from disk, then
+    takes least VRAM, then is ``base`` itself (a new setting costs a new device schedule), then
+    copies and reads least ahead."""
     best = min(c.prediction.step_ms for c in pool)
     limit = best * (1 + TIE)
     if base is not None:
         limit = min(limit, base.prediction.step_ms)
     tied = [c for c in pool if c.prediction.step_ms <= limit] or [min(pool, key=lambda c: c.prediction.step_ms)]
-    return min(tied, key=lambda c: (c.prediction.read_bytes, c.prediction.device_bytes,
+    same = base.setting if base is not None else None
+    return min(tied, key=lambda c: (c.prediction.read_bytes, c.prediction.device_bytes, c.setting != same,
                                     c.setting.prefetch, c.setting.read_ahead, c.prediction.step_ms))
 
 

@@ -103,6 +103,7 @@ class Tuner:
         self._disk_rate = disk_rate  # bytes per ms the disk delivered in this run, None before a read
         self._kinds: dict[tuple, _Kind] = {}
         self._kind: tuple | None = None
+        self._last_kind: dict[bool, tuple] = {}  # with a LoRA or without: the kind of pass last seen
         self._hook: RemovableHandle | None = None
         self._meter: BlockHooks | None = None
         self._meter_marks: dict[int, list[Event]] = {}  # resident block -> its marks in this pass
@@ -158,7 +159,9 @@ class Tuner:
         self.choices = Choices(resident=None if auto["resident"] else self.default.resident,
                                prefetch=None if auto["prefetch"] else prefetch,
                                read_ahead=None if auto["read_ahead"] or not disk_cap else read_ahead)
-        kind = self._kinds.get(self._kind) if self._kind is not None else None
+        # The kind of pass this run most likely makes: the last one with a LoRA, or without.
+        last = self._last_kind.get(transform)
+        kind = self._kinds.get(last) if last is not None else None
         if kind is not None and kind.held is not None and self._fits(kind.held):
             return kind.held
         return self.default
@@ -222,7 +225,7 @@ class Tuner:
               complete: bool) -> None:
         kind = self._kinds.setdefault(key, _Kind())
         if key != self._kind or self._phase == "new":
-            self._kind = key
+            self._kind = self._last_kind[self._transform] = key
             self._begin_kind(kind)
             return
         if self._phase == "hold":
