@@ -327,6 +327,7 @@ class LayerwiseStreamer(StreamerFigures):
             if schedule is not None:
                 schedule.release()
             self._schedule = None
+            self._schedule_args = ()  # the transform holds its model's patches: not past the attach
             self.telemetry.add_materialized(-self.telemetry.materialized_bytes)
             self._attached = False
         if not keep:
