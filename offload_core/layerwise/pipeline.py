@@ -41,7 +41,8 @@ from ..disk.store import PAGE, align_up
 PASSES = 6  # passes simulated from a cold start; the last two are the steady state
 STEADY = 2  # a steady state may alternate between two passes: their mean is the step
 # From disk the cache's state may repeat only every few passes: more passes, and the mean of more.
-DISK_PASSES, DISK_STEADY = 10, 4
+DISK_PASSES = 10
+DISK_STEADY = 4
 # Compute stalls below this share of the pass's compute leave a pass bound by compute (the
 # timeline's verdict uses the same share).
 STALL_SHARE_BOUND = 0.1
