@@ -17,7 +17,11 @@ Wan-shaped blocks (bench/layerwise.py's) in random weights are written to a safe
 Each "disk" figure is taken warm and cold. Cold drops the spill file from the page cache before
 every measured pass: posix_fadvise(DONTNEED), and with --drop-caches (root only) a write to
 /proc/sys/vm/drop_caches (direct reads, where the file system allows them, never use the cache).
-The raw read is taken in the same states. Prints a table, writes
+The raw read is taken in the same states.
+Read-ahead (``read_ahead`` in the JSON, its own table): cold passes through a cache of
+--read-ahead-units units, read ahead by 1, 2 and 4 workers (each reads one unit ahead) and by
+``auto`` (the engine's tuner chooses how far, after measuring its first passes): step time, cache
+hit rate and bytes read per step. Prints a table, writes
 JSON (device, torch, settings) to bench/results/. ``--smoke`` runs tiny shapes on the CPU in a few
 seconds so the script never rots; no timing is asserted anywhere.
 """
@@ -157,6 +161,65 @@ def run_disk(stack: Stack, device: torch.device, granularity: str, path: Path, r
     return out
 
 
+READ_AHEAD = ("1", "2", "4", "auto")  # disk_workers settings compared; auto: read-ahead planned
+AUTO_WARM_PASSES = 16  # the tuner measures, plans, applies and checks within these
+
+
+def run_read_ahead(stack: Stack, device: torch.device, granularity: str, path: Path, args) -> dict:
+    """Cold passes through a cache of ``args.read_ahead_units`` units, read ahead by 1, 2, 4 workers
+    and by auto: step time, hit rate and bytes read per step of each."""
+    probe = LayerwiseStreamer(list(stack.blocks), device, resident=0, prefetch=args.prefetch, granularity=granularity)
+    units = len(probe.units)
+    entries = min(args.read_ahead_units, units - 2)  # the model must not fit the cache
+    cap = entries * align_up(max(p.nbytes for p in probe._plan.packs), PAGE)
+    del probe
+    out: dict = {"cache_bytes": cap, "cache_units": entries, "units": units, "settings": {}}
+    for name in READ_AHEAD:
+        auto = name == "auto"
+        options = DiskOptions(cap_bytes=cap, workers=2 if auto else int(name), spill_dir=str(path.parent),
+                              read_ahead="auto" if auto else None)
+        st = LayerwiseStreamer(list(stack.blocks), device, resident=0, prefetch=args.prefetch,
+                               granularity=granularity, disk=options)
+        st.attach(root=stack if auto else None)
+        try:
+            passes = []
+            for k in range((AUTO_WARM_PASSES if auto else 2) + args.steps):
+                st._store.disk.store.drop_cached_pages()
+                drop_file_cache(path, args.drop_caches)
+                st.reset_figures()
+                step = timed(device, stack, 1)[0]
+                passes.append((step, st.figures(wait=True)))
+            measured = passes[-args.steps:]
+            requests = sum(f["cache_requests"] for _, f in measured)
+            tuning = st.tuning()
+            out["settings"][name] = {
+                "step_s": statistics.median(s for s, _ in measured),
+                "cache_hit_rate": sum(f["cache_hits"] for _, f in measured) / requests if requests else None,
+                "disk_bytes_read_per_step": sum(f["disk_bytes_read"] for _, f in measured) / len(measured),
+                "read_ahead": tuning["setting"]["read_ahead"] if auto else int(name),
+                "tuning": tuning,
+            }
+        finally:
+            st.close()
+    best = min(r["step_s"] for n, r in out["settings"].items() if n != "auto")
+    out["auto_vs_best_fixed"] = out["settings"]["auto"]["step_s"] / best
+    return out
+
+
+def print_read_ahead(result: dict) -> None:
+    head = f"{'unit':<6} {'disk_workers':<12} {'read-ahead':>10} {'step s':>8} {'hit rate':>8} {'MiB read/step':>13}"
+    print(head)
+    print("-" * len(head))
+    for g, row in result["granularity"].items():
+        ra = row["read_ahead"]
+        for name, r in ra["settings"].items():
+            hit = f"{100 * r['cache_hit_rate']:.0f}%" if r["cache_hit_rate"] is not None else "-"
+            print(f"{g:<6} {name:<12} {r['read_ahead']:>10} {r['step_s']:>8.4f} {hit:>8} "
+                  f"{r['disk_bytes_read_per_step'] / (1 << 20):>13.1f}")
+        print(f"{g:<6} auto / best fixed step: {ra['auto_vs_best_fixed']:.3f} (cache of {ra['cache_units']} "
+              f"of {ra['units']} units)")
+
+
 def specs(args) -> Spec:
     if args.smoke:
         return Spec("wan-smoke", "wan", dim=64, heads=4, tokens=16, ctx=8, blocks=6, ffn=128)
@@ -198,6 +261,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=3, help="measured passes per state")
     ap.add_argument("--dir", type=Path, default=None, help="folder for the model file (default: a temp folder)")
     ap.add_argument("--drop-caches", action="store_true", help="also drop the whole page cache when cold (root)")
+    ap.add_argument("--read-ahead-units", type=int, default=6,
+                    help="cache size, in units, of the read-ahead comparison (1, 2, 4 workers and auto)")
     ap.add_argument("--out", type=Path, help="JSON path (default: bench/results/disk_stream-<device>-<time>.json)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -229,8 +294,10 @@ def main(argv: list[str] | None = None) -> dict:
         }
         for g in args.granularity.split(","):
             result["granularity"][g] = {"ram": run_ram(stack, device, g, args),
-                                        "disk": run_disk(stack, device, g, path, raw, ref, args)}
+                                        "disk": run_disk(stack, device, g, path, raw, ref, args),
+                                        "read_ahead": run_read_ahead(stack, device, g, path, args)}
     print_table(result)
+    print_read_ahead(result)
     write_result(result, "disk_stream", name, args)
     return result
 
