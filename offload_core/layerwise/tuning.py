@@ -198,7 +198,13 @@ class Tuner:
 
     # ------------------------------------------------------------------ a boundary
     def _boundary(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """The model's call starts: the pass before it has ended."""
         if torch.compiler.is_compiling():
+            return
+        kind_key = (self._transform, _signature(args, kwargs))
+        if self._phase == "hold" and kind_key == self._kind:
+            self.passes += 1
+            self._mark = None  # holding: nothing to time, one check of the inputs per call
             return
         mark = self._ordering.event(timing=True)
         mark.record(self._ordering.current_stream())
@@ -212,7 +218,6 @@ class Tuner:
         if timeline is not None:
             seen = (id(timeline), timeline.completed)
             complete, self._seen = seen != self._seen and seen[0] == self._seen[0], seen
-        kind_key = (self._transform, _signature(args, kwargs))
         try:
             self._step(kind_key, previous, mark, timeline, complete)
         except ScheduleLost:
