@@ -29,7 +29,7 @@ import heapq
 import itertools
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -131,6 +131,46 @@ def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
         else:
             out.append((start, end))
     return out
+
+
+# ---------------------------------------------------------------- the rule
+# Module functions, so the pipeline model (layerwise/pipeline.py) plays the cache's own rule.
+def protected_units(order: Sequence[int], cursor: int, in_flight: int, depth: int) -> set[int]:
+    """The units no read evicts: the last ``in_flight`` requested (up to the one at ``cursor``)
+    and the ``depth`` read ahead of it."""
+    n = len(order)
+    return ({order[(cursor - j) % n] for j in range(min(in_flight, n))}
+            | {order[(cursor + k) % n] for k in range(1, min(depth, n - 1) + 1)})
+
+
+def pick_victim(entries: Sequence[Any], need: float, distance: Callable[[int], float],
+                protected: Container[int]) -> int | None:
+    """The entry to reuse for a unit needed ``need`` units ahead: a free one first, else the one
+    whose unit is needed last, if that is later than ``need``; never a ``protected`` unit's, nor
+    one leased or being read. ``entries`` have ``unit``, ``leases``, ``reading`` (and ``error``)."""
+    best, best_d = None, need
+    for k, e in enumerate(entries):
+        if e.leases or e.reading or e.unit in protected:
+            continue
+        d = _NEVER if e.unit is None or getattr(e, "error", None) is not None else distance(e.unit)
+        if d > best_d:
+            best, best_d = k, d
+    return best
+
+
+def read_ahead(order: Sequence[int], cursor: int, depth: int, cached: Container[int],
+               victim: Callable[[int], int | None], start: Callable[[int, int, int], None]) -> None:
+    """Start reading the ``depth`` units after ``cursor`` that are not ``cached``, each into
+    ``victim(k)`` for the unit ``k`` ahead, with priority ``k``; stop at the first without one."""
+    n = len(order)
+    for k in range(1, min(depth, n - 1) + 1):
+        unit = order[(cursor + k) % n]
+        if unit in cached:
+            continue
+        entry = victim(k)
+        if entry is None:
+            return
+        start(entry, unit, k)
 
 
 @dataclass(eq=False)
@@ -304,37 +344,15 @@ class HostCache:
                 raise RuntimeError("the host cache is closed")
             self._work.wait()
 
-    def _protected(self) -> set[int]:
-        """The units no read evicts: the last ``in_flight`` requested and those read ahead."""
-        n, order, cursor = len(self._order), self._order, self._cursor
-        return ({order[(cursor - j) % n] for j in range(min(self._in_flight, n))}
-                | {order[(cursor + k) % n] for k in range(1, min(self._depth, n - 1) + 1)})
-
     def _victim(self, need: float) -> int | None:
-        """The entry to reuse for a unit needed ``need`` units ahead: a free one first, else the one
-        whose unit is needed last, if that is later than ``need``; never a protected one (for a
-        request; a transient borrow at attach, ``need`` < 0, has nothing in flight to protect), and
-        never one leased or being read."""
-        best, best_d = None, need
-        protected = self._protected() if need >= 0 else set()
-        for k, e in enumerate(self._entries):
-            if e.leases or e.reading or e.unit in protected:
-                continue
-            d = _NEVER if e.unit is None or e.error is not None else self._distance(e.unit)
-            if d > best_d:
-                best, best_d = k, d
-        return best
+        """``pick_victim`` over the entries; the protected units are a request's (a transient borrow
+        at attach, ``need`` < 0, has nothing in flight to protect)."""
+        protected = (protected_units(self._order, self._cursor, self._in_flight, self._depth)
+                     if need >= 0 else ())
+        return pick_victim(self._entries, need, self._distance, protected)
 
     def _read_ahead(self) -> None:
-        n = len(self._order)
-        for k in range(1, min(self._depth, n - 1) + 1):
-            unit = self._order[(self._cursor + k) % n]
-            if unit in self._where:
-                continue
-            entry = self._victim(k)
-            if entry is None:
-                return
-            self._start_read(entry, unit, k)
+        read_ahead(self._order, self._cursor, self._depth, self._where, self._victim, self._start_read)
 
     def _start_read(self, entry: int, unit: int, priority: int) -> None:
         e = self._entries[entry]

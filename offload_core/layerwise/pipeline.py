@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from ..device.residency import bound_bytes, slot_count
+from ..disk.host_cache import pick_victim, protected_units, read_ahead
 from ..disk.store import PAGE, align_up
 
 PASSES = 6  # passes simulated from a cold start; the last two are the steady state
@@ -360,34 +361,15 @@ class _DiskPass:
         self.jobs.append((g, entry))
 
     # ------------------------------------------------------------ the cache's rule
-    def _distance(self, unit: int | None) -> float:
-        if unit is None:
-            return float("inf")
+    def _distance(self, unit: int) -> float:
         return (self.pos[unit] - self.cursor) % len(self.order)
 
     def _victim(self, need: float) -> int | None:
-        n, order, cursor = len(self.order), self.order, self.cursor
-        protected = ({order[(cursor - j) % n] for j in range(min(self.nslots, n))}
-                     | {order[(cursor + k) % n] for k in range(1, min(self.depth, n - 1) + 1)})
-        best, best_d = None, need
-        for k, e in enumerate(self.entries):
-            if e.leases or e.reading or e.unit in protected:
-                continue
-            d = self._distance(e.unit)
-            if d > best_d:
-                best, best_d = k, d
-        return best
+        protected = protected_units(self.order, self.cursor, self.nslots, self.depth)
+        return pick_victim(self.entries, need, self._distance, protected)
 
     def _read_ahead(self) -> None:
-        n = len(self.order)
-        for k in range(1, min(self.depth, n - 1) + 1):
-            unit = self.order[(self.cursor + k) % n]
-            if unit in self.where:
-                continue
-            entry = self._victim(k)
-            if entry is None:
-                return
-            self._start_read(entry, unit, k)
+        read_ahead(self.order, self.cursor, self.depth, self.where, self._victim, self._start_read)
 
     def _start_read(self, entry: int, unit: int, priority: int) -> None:
         e = self.entries[entry]
