@@ -101,8 +101,8 @@ class LayerwiseStreamer(StreamerFigures):
         self._plan = StreamPlan(blocks, units, granularity, resident=None if auto["resident"] else resident,
                                 vram_budget_bytes=vram_budget_bytes,
                                 prefetch=1 if auto["prefetch"] else prefetch)  # auto: the least it may take
-        self._tuner = (Tuner(self._plan, self.device, auto, self._rebuild, self.describe_units, self._disk_rate)
-                       if any(auto.values()) else None)
+        # With every setting fixed the tuner only says what auto would choose.
+        self._tuner = Tuner(self._plan, self.device, auto, self._rebuild, self.describe_units, self._disk_rate)
 
     def record_timeline(self, on: bool) -> None:
         """Record (or stop recording) a picture of each pass: copies, waits, compute, disk reads.

@@ -79,6 +79,7 @@ class _Kind:
     measured_ms: float | None = None  # the last steady pass measured
     before: tuple[Setting, float] | None = None  # the setting a plan replaced, with its step
     rejected: list[Setting] = field(default_factory=list)
+    advice: Plan | None = None  # with a setting fixed: what auto would choose
     verdict: str = "measuring"
     plans: int = 0
 
@@ -144,9 +145,11 @@ class Tuner:
         self.passes = 0
         p, auto = self._plan, self._auto
         fixed = None if auto["prefetch"] else p.settings["prefetch"]
-        rules = dict(p.settings, resident_units=None, read_ahead=None)
+        rules = dict(p.settings)
         if auto["resident"]:
-            rules.update(resident=None, vram_budget_bytes=budget_bytes)
+            rules.update(resident=None, vram_budget_bytes=budget_bytes, resident_units=None)
+        if auto["read_ahead"]:
+            rules.update(read_ahead=None)
         for prefetch in ([fixed] if fixed else range(DEFAULT_PREFETCH, 0, -1)):
             try:  # under auto, the engine's default prefetch, or less where the budget is too small
                 p.restore(dict(rules, prefetch=prefetch))
@@ -154,7 +157,7 @@ class Tuner:
             except ValueError:
                 if prefetch == 1 or fixed:
                     raise
-        read_ahead = disk_read_ahead if disk_cap else 0
+        read_ahead = (p.settings["read_ahead"] or disk_read_ahead) if disk_cap else 0
         self.default = Setting(tuple(p.resident_indices), prefetch, read_ahead)
         self.choices = Choices(resident=None if auto["resident"] else self.default.resident,
                                prefetch=None if auto["prefetch"] else prefetch,
@@ -299,6 +302,11 @@ class Tuner:
         current = self.current()
         kind.plans += 1
         kind.plan = plan(kind.costs, self.choices, self.budget_bytes, current, kind.rejected)
+        if not all(self._auto.values()):  # what auto would choose, in the same device memory
+            budget = self.budget_bytes
+            if budget is None:
+                budget = predict(kind.costs, current).device_bytes
+            kind.advice = plan(kind.costs, Choices(), budget, None)
         chosen = kind.plan.chosen
         if chosen.setting == current or not self.choices.free or kind.plans > MAX_PLANS:
             kind.held = current
@@ -439,10 +447,11 @@ class Tuner:
         if costs is not None:
             now = predict(costs, current)
             out.update(bound=now.bound, device_bytes=now.device_bytes, hit_rate=now.hit_rate)
-        if kind.plan is not None:
-            auto = kind.plan.chosen
+        if kind.advice is not None:
+            auto = kind.advice.chosen
             out["auto_choice"] = _setting_json(auto.setting, self._plan)
             out["auto_predicted_ms"] = auto.prediction.step_ms
+            out["auto_reason"] = kind.advice.reason
             if costs is not None and auto.setting != current:
                 out["explicit_cost_ms"] = predict(costs, current).step_ms - auto.prediction.step_ms
         return out

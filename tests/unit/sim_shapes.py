@@ -89,10 +89,10 @@ class Run:
 
 def run(shape: Shape, clock: TimedStreamModel, stack: TimedStack, passes: int, *,
         setting: Setting | None = None, auto: bool = False, spill_dir: str | None = None,
-        on_pass=None) -> Run:
+        on_pass=None, advise: bool = False) -> Run:
     """``passes`` calls of ``stack`` under ``clock``: with a fixed ``setting``, or with every
     setting left to auto (the tuner hooked to the stack's calls). ``on_pass(k)`` runs before
-    call ``k``."""
+    call ``k``; ``advise``: a fixed setting's calls are hooked too, for what auto would choose."""
     disk = shape.disk("auto" if auto else None)
     if disk is not None and spill_dir is not None:
         disk = DiskOptions(cap_bytes=disk.cap_bytes, workers=disk.workers, read_ahead=disk.read_ahead,
@@ -107,7 +107,7 @@ def run(shape: Shape, clock: TimedStreamModel, stack: TimedStack, passes: int, *
     x = torch.zeros(4)
     periods, ends = [], [clock.device_time()]
     try:
-        streamer.attach(root=stack if auto else None)
+        streamer.attach(root=stack if auto or advise else None)
         try:
             with torch.no_grad():
                 for k in range(passes):

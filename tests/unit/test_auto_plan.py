@@ -109,6 +109,22 @@ def test_the_plan_is_the_best_setting_and_as_fast_as_predicted(shape, spill_dir,
     assert abs(tuning["predicted_ms"] - step) <= 0.05 * step, report
 
 
+def test_a_fixed_setting_is_kept_and_auto_says_what_it_would_save(monkeypatch):
+    """Every setting fixed (here today's default on the link-bound shape): nothing changes, and
+    the report names what auto would choose in the same device memory and the step it saves."""
+    shape = SHAPES[0]
+    clock = shape.clock()
+    with installed(clock, monkeypatch):
+        stack = shape.build(clock)
+        fixed = run(shape, clock, stack, 6, setting=_default(shape), advise=True)
+    tuning = fixed.tuning
+    assert tuning["auto"] == [] and tuning["changes"] == [] and tuning["phase"] == "hold", tuning
+    assert tuning["setting"]["resident_blocks"] == list(_default(shape).resident), tuning
+    assert tuning["auto_choice"] != tuning["setting"], tuning
+    assert tuning["explicit_cost_ms"] == pytest.approx(fixed.steady(2) - tuning["auto_predicted_ms"], rel=0.05)
+    assert tuning["explicit_cost_ms"] > 0
+
+
 def test_a_plan_slower_than_predicted_is_rolled_back(monkeypatch):
     """The link slows to a third once the plan is applied: its checked pass is slower than predicted
     and no faster than the setting before, so that setting comes back, and the plan is not tried
