@@ -1,8 +1,9 @@
 """Models on the timed stream model (timed_streams.py) for the planner's tests: blocks with given
 bytes and compute times, and a run of the real engine over them, timed on the virtual clock.
 
-A block holds one fp32 weight of its size and spends its compute time on the clock; the model
-around the blocks spends the time outside them, half before and half after. The output is a sum
+A block holds one fp32 weight of its size and spends its compute time on the clock, per 4 values
+of its input (a larger input costs more, as a larger latent does); the model around the blocks
+spends the time outside them, half before and half after. The output is a sum
 over every block's weight, so a block that read the wrong bytes changes it.
 """
 
@@ -29,7 +30,7 @@ class TimedBlock(nn.Module):
         self.weight = nn.Parameter(torch.randn(nbytes // 4, generator=g), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.clock.spend(self.compute_ms)
+        self.clock.spend(self.compute_ms * x.numel() / 4)
         return x * 0.5 + self.weight[: x.numel()].view_as(x)
 
 
@@ -89,10 +90,11 @@ class Run:
 
 def run(shape: Shape, clock: TimedStreamModel, stack: TimedStack, passes: int, *,
         setting: Setting | None = None, auto: bool = False, spill_dir: str | None = None,
-        on_pass=None, advise: bool = False) -> Run:
+        on_pass=None, advise: bool = False, inputs=None) -> Run:
     """``passes`` calls of ``stack`` under ``clock``: with a fixed ``setting``, or with every
     setting left to auto (the tuner hooked to the stack's calls). ``on_pass(k)`` runs before
-    call ``k``; ``advise``: a fixed setting's calls are hooked too, for what auto would choose."""
+    call ``k``; ``advise``: a fixed setting's calls are hooked too, for what auto would choose;
+    ``inputs(k)``: call ``k``'s input (default 4 zeros)."""
     disk = shape.disk("auto" if auto else None)
     if disk is not None and spill_dir is not None:
         disk = DiskOptions(cap_bytes=disk.cap_bytes, workers=disk.workers, read_ahead=disk.read_ahead,
@@ -113,7 +115,7 @@ def run(shape: Shape, clock: TimedStreamModel, stack: TimedStack, passes: int, *
                 for k in range(passes):
                     if on_pass is not None:
                         on_pass(k)
-                    out = stack(x)
+                    out = stack(x if inputs is None else inputs(k))
                     ends.append(clock.device_time())
             periods = [b - a for a, b in zip(ends[1:], ends[2:])]
             tuning = streamer.tuning()

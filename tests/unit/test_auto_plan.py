@@ -125,6 +125,30 @@ def test_a_fixed_setting_is_kept_and_auto_says_what_it_would_save(monkeypatch):
     assert tuning["explicit_cost_ms"] > 0
 
 
+def test_a_larger_input_is_measured_and_planned_apart(monkeypatch):
+    """The link-bound shape, whose blocks then get inputs four times as large (as from a larger
+    latent): compute then hides the copies, so the plan for the new inputs keeps fewer blocks
+    resident; the first inputs, coming back, get their own plan again at once."""
+    shape = SHAPES[0]
+    clock = shape.clock()
+    small, large = torch.zeros(4), torch.zeros(16)
+
+    def inputs(k: int) -> torch.Tensor:
+        return large if 10 <= k < 20 else small
+
+    with installed(clock, monkeypatch):
+        stack = shape.build(clock)
+        auto = run(shape, clock, stack, 24, auto=True, inputs=inputs)
+    changes = auto.tuning["changes"]
+    first = [c for c in changes if c["pass"] <= 10]
+    larger = [c for c in changes if 10 < c["pass"] <= 20]
+    back = [c for c in changes if c["pass"] > 20]
+    assert first and larger and back, changes
+    assert len(larger[-1]["to"]["resident_blocks"]) < len(first[-1]["to"]["resident_blocks"]), changes
+    assert back[0]["pass"] == 21 and back[0]["to"] == first[-1]["to"], changes  # held: no new measuring
+    assert "held" in back[0]["why"], changes
+
+
 def test_a_plan_slower_than_predicted_is_rolled_back(monkeypatch):
     """The link slows to a third once the plan is applied: its checked pass is slower than predicted
     and no faster than the setting before, so that setting comes back, and the plan is not tried
