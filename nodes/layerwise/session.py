@@ -222,6 +222,7 @@ class LayerwiseSession:
         comfy_weights.settle_after_core_load(self.blocks)
         model = patcher.model
         self.accounted_bytes = self.streamer.bound_bytes()
+        self.streamer.hold_within(self.accounted_bytes)  # a plan within the run keeps core's figures true
         model.model_loaded_weight_memory = min(model.model_loaded_weight_memory,
                                                self.rest_bytes) + self.accounted_bytes
         if hasattr(patcher, "size"):

@@ -125,6 +125,12 @@ class StreamerFigures:
             raise RuntimeError("replan() needs a detached streamer")
         self._plan.replan(resident=resident, vram_budget_bytes=vram_budget_bytes)
 
+    def hold_within(self, nbytes: int) -> None:
+        """Until detach, a new auto setting takes at most ``nbytes`` of device memory: what the
+        caller has told its memory manager the model holds (the bound at its load)."""
+        if self._tuner is not None:
+            self._tuner.run_cap = nbytes
+
     def use(self, setting: Setting) -> None:
         """Stream with ``setting`` (the planner's terms: resident units, prefetch, disk read-ahead)
         from the next attach. Only while detached."""

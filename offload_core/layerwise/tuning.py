@@ -120,6 +120,7 @@ class Tuner:
         self._transform = False
         self._timeline: Callable[[], Timeline | None] = lambda: None
         self.budget_bytes: int | None = None
+        self.run_cap: int | None = None  # device bytes this attach's later settings may take
         self.disk_cap: int | None = None
         self.default: Setting | None = None
         self.events: list[dict] = []  # this run's plan changes
@@ -141,6 +142,7 @@ class Tuner:
         rules; for resident blocks left to auto, the most the budget holds) and what the planner
         may change; returns the setting to start with (the last kind of pass's held one, if it fits)."""
         self.budget_bytes, self._transform, self.disk_cap = budget_bytes, transform, disk_cap
+        self.run_cap = None
         self.events = []
         self.passes = 0
         p, auto = self._plan, self._auto
@@ -301,7 +303,7 @@ class Tuner:
     def _plan_kind(self, kind: _Kind, period: float) -> None:
         current = self.current()
         kind.plans += 1
-        kind.plan = plan(kind.costs, self.choices, self.budget_bytes, current, kind.rejected)
+        kind.plan = plan(kind.costs, self.choices, self._budget(), current, kind.rejected)
         if not all(self._auto.values()):  # what auto would choose, in the same device memory
             budget = self.budget_bytes
             if budget is None:
@@ -375,12 +377,19 @@ class Tuner:
                  f", read-ahead {setting.read_ahead}" if setting.read_ahead else "", why)
         return True
 
+    def _budget(self) -> int | None:
+        """Device bytes a new setting may take now: the run's budget, and within an attach no more
+        than the caller said it would hold (``run_cap``)."""
+        caps = [c for c in (self.budget_bytes, self.run_cap) if c is not None]
+        return min(caps) if caps else None
+
     def _fits(self, setting: Setting) -> bool:
-        if self.budget_bytes is None:
+        budget = self._budget()
+        if budget is None:
             return True
         p = self._plan
         sizes = [q.nbytes for q in p.packs]
-        return bound_bytes(sizes, setting.resident, p.shared.nbytes, setting.prefetch) <= self.budget_bytes
+        return bound_bytes(sizes, setting.resident, p.shared.nbytes, setting.prefetch) <= budget
 
     # ------------------------------------------------------------------ recording
     def _record(self, on: bool) -> None:
