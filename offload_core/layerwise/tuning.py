@@ -54,6 +54,7 @@ AUTO = "auto"  # a setting left to the tuner
 CHECK_TOLERANCE = 0.05  # a pass up to this much slower than predicted is as predicted
 WARMUP_PASSES = 1  # passes left out after an attach or a new setting before one is measured
 MAX_PLANS = 3  # plans per kind of pass and run: a model that keeps missing stops re-planning
+MAX_SWITCHES = 2  # changes of the kind of pass a run follows; more, and its setting stays
 
 
 class ScheduleLost(RuntimeError):
@@ -125,6 +126,7 @@ class Tuner:
         self.default: Setting | None = None
         self.events: list[dict] = []  # this run's plan changes
         self.passes = 0
+        self._switches = 0  # changes of the kind of pass in this run
 
     # ------------------------------------------------------------------ the streamer's calls
     @property
@@ -145,6 +147,7 @@ class Tuner:
         self.run_cap = None
         self.events = []
         self.passes = 0
+        self._switches = 0
         p, auto = self._plan, self._auto
         fixed = None if auto["prefetch"] else p.settings["prefetch"]
         rules = dict(p.settings)
@@ -235,7 +238,16 @@ class Tuner:
               complete: bool) -> None:
         kind = self._kinds.setdefault(key, _Kind())
         if key != self._kind or self._phase == "new":
+            switches, self._switches = self._switches, self._switches + (self._phase != "new")
             self._kind = self._last_kind[self._transform] = key
+            if switches >= MAX_SWITCHES:
+                # Inputs that change from call to call (a cond and an uncond batch of other
+                # sizes): a setting made again at every call would cost more than any plan saves.
+                if self._phase != "hold":
+                    log.info("layerwise auto settings: the model's inputs change from call to call; "
+                             "the setting stays for the rest of the run")
+                self._enter("hold")
+                return
             self._begin_kind(kind)
             return
         if self._phase == "hold":

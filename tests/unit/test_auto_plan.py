@@ -149,6 +149,22 @@ def test_a_larger_input_is_measured_and_planned_apart(monkeypatch):
     assert "held" in back[0]["why"], changes
 
 
+def test_inputs_that_change_at_every_call_keep_the_setting(monkeypatch):
+    """A cond and an uncond batch of other sizes, call after call: after two changes of the kind
+    of pass the setting stays, rather than being made again at every call."""
+    shape = SHAPES[0]
+    clock = shape.clock()
+    small, large = torch.zeros(4), torch.zeros(16)
+    alternating = lambda k: large if k % 2 else small  # noqa: E731
+    with installed(clock, monkeypatch):
+        stack = shape.build(clock)
+        reference = run(shape, clock, stack, 16, setting=Setting(tuple(range(len(shape.sizes))), 1, 0),
+                        inputs=alternating)
+        auto = run(shape, clock, stack, 16, auto=True, inputs=alternating)
+    assert auto.tuning["phase"] == "hold" and len(auto.tuning["changes"]) <= 2, auto.tuning
+    assert torch.equal(auto.output, reference.output)
+
+
 def test_a_plan_slower_than_predicted_is_rolled_back(monkeypatch):
     """The link slows to a third once the plan is applied: its checked pass is slower than predicted
     and no faster than the setting before, so that setting comes back, and the plan is not tried
