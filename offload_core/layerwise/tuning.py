@@ -17,9 +17,9 @@ apart):
 3. apply it at the next boundary (the streamer makes its device schedule again); a setting that
    does not fit the device (out of memory) is rolled back there and then;
 4. check: the next steady pass is held against the prediction; a pass slower than predicted and
-   no faster than the setting before is rolled back to it, and that setting is not tried again
-   for this kind of pass; one slower than predicted but faster than before is kept and measured
-   again;
+   slower than the setting before (both by more than ``CHECK_TOLERANCE``: a busy host's steps
+   vary that much) is rolled back to it, and that setting is not tried again for this kind of
+   pass; one slower than predicted but not slower than before is kept and measured again;
 5. hold: recording stops (unless the panel asks for the picture). The next run starts with the
    held setting and checks it once more.
 
@@ -346,11 +346,11 @@ class Tuner:
             self._enter("hold")
             return
         before = kind.before
-        if before is not None and period >= before[1] and before[0] != current:
+        if before is not None and period > before[1] * (1 + CHECK_TOLERANCE) and before[0] != current:
             kind.rejected.append(current)
             kind.held = before[0]
-            kind.verdict = (f"{ms_text(period)} a step where {ms_text(predicted)} was predicted, no "
-                            f"faster than the {ms_text(before[1])} before: rolled back")
+            kind.verdict = (f"{ms_text(period)} a step where {ms_text(predicted)} was predicted, slower "
+                            f"than the {ms_text(before[1])} before: rolled back")
             self._apply(kind, before[0], "rolled back: slower than predicted")
             kind.predicted_ms, kind.before = before[1], None
             self._enter("hold")
