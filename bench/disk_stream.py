@@ -167,40 +167,47 @@ AUTO_WARM_PASSES = 16  # the tuner measures, plans, applies and checks within th
 
 def run_read_ahead(stack: Stack, device: torch.device, granularity: str, path: Path, args) -> dict:
     """Cold passes through a cache of ``args.read_ahead_units`` units, read ahead by 1, 2, 4 workers
-    and by auto: step time, hit rate and bytes read per step of each."""
+    and by auto: step time, hit rate and bytes read per step of each. The settings run in
+    ``args.read_ahead_rounds`` rounds, every other one in reverse order, and each figure is over
+    all rounds: a host whose load drifts then weighs on every setting alike."""
     probe = LayerwiseStreamer(list(stack.blocks), device, resident=0, prefetch=args.prefetch, granularity=granularity)
     units = len(probe.units)
     entries = min(args.read_ahead_units, units - 2)  # the model must not fit the cache
     cap = entries * align_up(max(p.nbytes for p in probe._plan.packs), PAGE)
     del probe
-    out: dict = {"cache_bytes": cap, "cache_units": entries, "units": units, "settings": {}}
-    for name in READ_AHEAD:
-        auto = name == "auto"
-        options = DiskOptions(cap_bytes=cap, workers=2 if auto else int(name), spill_dir=str(path.parent),
-                              read_ahead="auto" if auto else None)
-        st = LayerwiseStreamer(list(stack.blocks), device, resident=0, prefetch=args.prefetch,
-                               granularity=granularity, disk=options)
-        st.attach(root=stack if auto else None)
-        try:
-            passes = []
-            for k in range((AUTO_WARM_PASSES if auto else 2) + args.steps):
-                st._store.disk.store.drop_cached_pages()
-                drop_file_cache(path, args.drop_caches)
-                st.reset_figures()
-                step = timed(device, stack, 1)[0]
-                passes.append((step, st.figures(wait=True)))
-            measured = passes[-args.steps:]
-            requests = sum(f["cache_requests"] for _, f in measured)
-            tuning = st.tuning()
-            out["settings"][name] = {
-                "step_s": statistics.median(s for s, _ in measured),
-                "cache_hit_rate": sum(f["cache_hits"] for _, f in measured) / requests if requests else None,
-                "disk_bytes_read_per_step": sum(f["disk_bytes_read"] for _, f in measured) / len(measured),
-                "read_ahead": tuning["setting"]["read_ahead"] if auto else int(name),
-                "tuning": tuning,
-            }
-        finally:
-            st.close()
+    measured: dict[str, list[tuple[float, dict]]] = {name: [] for name in READ_AHEAD}
+    tunings: dict[str, dict | None] = {}
+    for round_ in range(args.read_ahead_rounds):
+        for name in READ_AHEAD if round_ % 2 == 0 else READ_AHEAD[::-1]:
+            auto = name == "auto"
+            options = DiskOptions(cap_bytes=cap, workers=2 if auto else int(name), spill_dir=str(path.parent),
+                                  read_ahead="auto" if auto else None)
+            st = LayerwiseStreamer(list(stack.blocks), device, resident=0, prefetch=args.prefetch,
+                                   granularity=granularity, disk=options)
+            st.attach(root=stack if auto else None)
+            try:
+                for k in range((AUTO_WARM_PASSES if auto else 2) + args.steps):
+                    st._store.disk.store.drop_cached_pages()
+                    drop_file_cache(path, args.drop_caches)
+                    st.reset_figures()
+                    step = timed(device, stack, 1)[0]
+                    if k >= (AUTO_WARM_PASSES if auto else 2):
+                        measured[name].append((step, st.figures(wait=True)))
+                tunings[name] = st.tuning()
+            finally:
+                st.close()
+    out: dict = {"cache_bytes": cap, "cache_units": entries, "units": units,
+                 "rounds": args.read_ahead_rounds, "settings": {}}
+    for name, passes in measured.items():
+        requests = sum(f["cache_requests"] for _, f in passes)
+        tuning = tunings[name]
+        out["settings"][name] = {
+            "step_s": statistics.median(s for s, _ in passes),
+            "cache_hit_rate": sum(f["cache_hits"] for _, f in passes) / requests if requests else None,
+            "disk_bytes_read_per_step": sum(f["disk_bytes_read"] for _, f in passes) / len(passes),
+            "read_ahead": tuning["setting"]["read_ahead"] if name == "auto" else int(name),
+            "tuning": tuning,
+        }
     best = min(r["step_s"] for n, r in out["settings"].items() if n != "auto")
     out["auto_vs_best_fixed"] = out["settings"]["auto"]["step_s"] / best
     return out
@@ -217,7 +224,7 @@ def print_read_ahead(result: dict) -> None:
             print(f"{g:<6} {name:<12} {r['read_ahead']:>10} {r['step_s']:>8.4f} {hit:>8} "
                   f"{r['disk_bytes_read_per_step'] / (1 << 20):>13.1f}")
         print(f"{g:<6} auto / best fixed step: {ra['auto_vs_best_fixed']:.3f} (cache of {ra['cache_units']} "
-              f"of {ra['units']} units)")
+              f"of {ra['units']} units, {ra['rounds']} rounds)")
 
 
 def specs(args) -> Spec:
@@ -263,11 +270,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--drop-caches", action="store_true", help="also drop the whole page cache when cold (root)")
     ap.add_argument("--read-ahead-units", type=int, default=6,
                     help="cache size, in units, of the read-ahead comparison (1, 2, 4 workers and auto)")
+    ap.add_argument("--read-ahead-rounds", type=int, default=2,
+                    help="rounds of that comparison, every other one in reverse order")
     ap.add_argument("--out", type=Path, help="JSON path (default: bench/results/disk_stream-<device>-<time>.json)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.smoke:
         args.steps = min(args.steps, 2)
+        args.read_ahead_rounds = 1
         torch.set_num_threads(1)
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

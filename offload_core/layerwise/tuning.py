@@ -16,10 +16,12 @@ apart):
 2. plan: the fastest setting the pipeline model finds within the budgets (planner.py);
 3. apply it at the next boundary (the streamer makes its device schedule again); a setting that
    does not fit the device (out of memory) is rolled back there and then;
-4. check: the next steady pass is held against the prediction; a pass slower than predicted and
-   slower than the setting before (both by more than ``CHECK_TOLERANCE``: a busy host's steps
-   vary that much) is rolled back to it, and that setting is not tried again for this kind of
-   pass; one slower than predicted but not slower than before is kept and measured again;
+4. check: the next steady pass is held against the prediction; a pass slower than predicted (by
+   more than ``CHECK_TOLERANCE``) whose setting is slower than the one before is rolled back to
+   it, and that setting is not tried again for this kind of pass; slower than before is judged
+   in the conditions of the pass just measured (``_worse``: a busy host or a slower link slows
+   every setting, which no comparison with an earlier step can tell); a pass slower than
+   predicted but not slower than before is kept and measured again;
 5. hold: recording stops (unless the panel asks for the picture). The next run starts with the
    held setting and checks it once more.
 
@@ -346,17 +348,31 @@ class Tuner:
             self._enter("hold")
             return
         before = kind.before
-        if before is not None and period > before[1] * (1 + CHECK_TOLERANCE) and before[0] != current:
+        if before is not None and before[0] != current and self._worse(costs, current, before, predicted, period):
             kind.rejected.append(current)
             kind.held = before[0]
             kind.verdict = (f"{ms_text(period)} a step where {ms_text(predicted)} was predicted, slower "
-                            f"than the {ms_text(before[1])} before: rolled back")
+                            f"than the setting before: rolled back")
             self._apply(kind, before[0], "rolled back: slower than predicted")
-            kind.predicted_ms, kind.before = before[1], None
+            kind.predicted_ms, kind.before = predict(costs, before[0]).step_ms, None
             self._enter("hold")
             return
         kind.costs = costs  # slower than predicted, but no slower than before: measured again
         self._plan_kind(kind, period)
+
+    @staticmethod
+    def _worse(costs: Costs, current: Setting, before: tuple[Setting, float], predicted: float,
+               period: float) -> bool:
+        """Whether the setting in force is slower than the one before it, its pass having been
+        slower than predicted. Where the units themselves now cost more than when the plan was
+        made (the model predicts the slower pass from what was just measured: a busier host, a
+        slower link), both settings are judged by the model in these new conditions, since a step
+        measured before them says nothing of them. Where they do not (the model was wrong about
+        this setting), by the steps measured."""
+        now = predict(costs, current).step_ms
+        if now > predicted * (1 + CHECK_TOLERANCE):
+            return predict(costs, before[0]).step_ms * (1 + CHECK_TOLERANCE) < now
+        return period > before[1] * (1 + CHECK_TOLERANCE)
 
     def _verdict(self, predicted: float, measured: float) -> str:
         ratio = measured / predicted if predicted > 0 else 1.0
