@@ -15,9 +15,15 @@ unit not seen from the compute per byte of those seen. Where the same thing was 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
+import torch
+
+from ..device.hooks import BlockHooks
+from ..device.timeline import Timeline
+from ..ordering import Event, for_device
 from .pipeline import Costs, DiskCosts
+from .plan import StreamPlan
 
 
 def read_rate(spans: Sequence[dict]) -> float | None:
@@ -94,3 +100,91 @@ def pass_costs(picture: Mapping, resident_ms: Mapping[int, float], period_ms: fl
         disk = DiskCosts(rate, disk_cap_bytes)
     return Costs(tuple(compute), tuple(copy), tuple(sizes), tuple(blocks), shared_bytes, outside,
                  asynchronous, disk)
+
+
+class PassMeter:
+    """Times the passes of one streamer's ``plan`` on ``device``: a mark where each call of the
+    model starts, and, while ``on``, marks around each resident block (the picture has no row for
+    them); ``measure`` reads the pass that just ended into its costs.
+
+    ``describe()`` gives each unit's ``{"block", "bytes"}``; ``disk_rate()`` the disk's bytes per ms
+    in this run (None before a read)."""
+
+    def __init__(self, plan: StreamPlan, device: torch.device, describe: Callable[[], list[dict]],
+                 disk_rate: Callable[[], float | None]) -> None:
+        self._plan = plan
+        self._ordering = for_device(device)
+        self._describe = describe
+        self._disk_rate = disk_rate
+        self._hooks: BlockHooks | None = None
+        self._marks: dict[int, list[Event]] = {}  # resident block -> its marks in this pass
+        self._ended: dict[int, list[Event]] = {}  # the same, of the pass that just ended
+        self._start: Event | None = None  # where the pass under way started
+        self._seen: tuple[int, int] = (0, 0)  # the picture's id and its complete passes, last call
+        self._upload_rate: float | None = None  # the link's rate, from resident uploads
+
+    def pass_starts(self, timeline: Timeline | None) -> tuple[Event | None, Event, bool]:
+        """A call of the model starts: (the last pass's start, its end, whether ``timeline`` holds
+        that pass complete)."""
+        mark = self._ordering.event(timing=True)
+        mark.record(self._ordering.current_stream())
+        previous, self._start = self._start, mark
+        self._ended, self._marks = self._marks, {}
+        complete = False
+        if timeline is not None:
+            timeline.close_pass()
+            seen = (id(timeline), timeline.completed)
+            complete, self._seen = seen != self._seen and seen[0] == self._seen[0], seen
+        return previous, mark, complete
+
+    def forget(self) -> None:
+        """Nothing is timed from here to the next call (a held setting)."""
+        self._start = None
+
+    def measure(self, previous: Event | None, mark: Event, timeline: Timeline | None, complete: bool,
+                disk_cap: int | None, known: Costs | None) -> tuple[Costs, float] | None:
+        """(costs, period) of the pass from ``previous`` to ``mark``; None when it cannot be read
+        (no complete picture of it). Waits for the device to reach ``mark``."""
+        if previous is None or timeline is None:
+            return None
+        mark.synchronize()
+        period = previous.elapsed_time(mark)
+        picture = timeline.last_pass(self._describe()) if complete else None
+        if self._plan.streamed_indices and picture is None:
+            return None  # no complete pass since the last call
+        upload = timeline.upload_rate()
+        if upload is not None:
+            self._upload_rate = upload
+        resident = {b: sum(e.elapsed_time(x) for e, x in zip(marks[::2], marks[1::2]))
+                    for b, marks in self._ended.items() if len(marks) >= 2}
+        costs = pass_costs(picture or {}, resident, period, self._describe(), self._plan.shared.nbytes,
+                           self._ordering.asynchronous, upload_bytes_per_ms=self._upload_rate,
+                           disk_cap_bytes=disk_cap, disk_bytes_per_ms=self._disk_rate() if disk_cap else None,
+                           previous=known)
+        return None if costs is None else (costs, period)
+
+    def on(self) -> None:
+        """Time the resident blocks' compute (again after a new setting: ``off`` first)."""
+        if self._hooks is not None:
+            return
+        p = self._plan
+        blocks = sorted({p.units[u].block for u in p.resident_indices}
+                        - {p.units[u].block for u in p.streamed_indices})
+        if not blocks:
+            return
+        ordering = self._ordering
+
+        def mark(b: int) -> None:
+            if torch.compiler.is_compiling():
+                return
+            event = ordering.event(timing=True)
+            event.record(ordering.current_stream())
+            self._marks.setdefault(b, []).append(event)  # this pass's, renewed at each call
+
+        self._hooks = BlockHooks([(b, p.blocks[b]) for b in blocks], mark, mark)
+
+    def off(self) -> None:
+        if self._hooks is not None:
+            self._hooks.remove()
+            self._hooks = None
+        self._marks = {}

@@ -41,11 +41,10 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ..device.hooks import BlockHooks
 from ..device.residency import bound_bytes
 from ..device.timeline import Timeline
 from ..ordering import Event, for_device
-from .measure import pass_costs
+from .measure import PassMeter
 from .pipeline import DISK_STEADY, Costs, Setting, predict
 from .plan import StreamPlan
 from .planner import DEFAULT_PREFETCH, Choices, Plan, ms_text, plan
@@ -104,17 +103,11 @@ class Tuner:
         self.choices = Choices()
         self._rebuild = rebuild
         self._describe = describe
-        self._disk_rate = disk_rate  # bytes per ms the disk delivered in this run, None before a read
+        self._meter = PassMeter(plan_, device, describe, disk_rate)
         self._kinds: dict[tuple, _Kind] = {}
         self._kind: tuple | None = None
         self._last_kind: dict[bool, tuple] = {}  # with a LoRA or without: the kind of pass last seen
         self._hook: RemovableHandle | None = None
-        self._meter: BlockHooks | None = None
-        self._meter_marks: dict[int, list[Event]] = {}  # resident block -> its marks in this pass
-        self._pass_marks: dict[int, list[Event]] = {}  # the same, of the pass that just ended
-        self._mark: Event | None = None
-        self._seen: tuple[int, int] = (0, 0)  # the picture's id and its complete passes, last boundary
-        self._upload_rate: float | None = None  # the link's rate, from resident uploads
         self._phase = "off"
         self._skip = 0
         self._periods: list[float] = []  # the steps measured in this phase so far
@@ -182,14 +175,14 @@ class Tuner:
         in compiled graphs). Returns whether the attach should record its passes from the start."""
         self._timeline = timeline
         self._wanted_picture = wanted
-        self._mark = None
+        self._meter.forget()
         if root is None or compiled:
             self._phase = "off"
             return wanted
         self._hook = root.register_forward_pre_hook(self._boundary, with_kwargs=True, prepend=True)
         self._phase = "new"
         self._recording = True
-        self._meter_on()
+        self._meter.on()
         return True
 
     def stop(self) -> None:
@@ -197,14 +190,14 @@ class Tuner:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        self._meter_off()
+        self._meter.off()
         self._phase = "off"
 
     def rebuilt(self) -> None:
         """The schedule was made again: the resident blocks' timing follows the new residents."""
-        if self._meter is not None:
-            self._meter_off()
-            self._meter_on()
+        if self._recording:
+            self._meter.off()
+            self._meter.on()
 
     # ------------------------------------------------------------------ a boundary
     def _boundary(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -214,20 +207,11 @@ class Tuner:
         kind_key = (self._transform, _signature(args, kwargs))
         if self._phase == "hold" and kind_key == self._kind:
             self.passes += 1
-            self._mark = None  # holding: nothing to time, one check of the inputs per call
+            self._meter.forget()  # holding: nothing to time, one check of the inputs per call
             return
-        mark = self._ordering.event(timing=True)
-        mark.record(self._ordering.current_stream())
-        previous, self._mark = self._mark, mark
-        self._pass_marks, self._meter_marks = self._meter_marks, {}
         timeline = self._timeline()
-        if timeline is not None:
-            timeline.close_pass()
+        previous, mark, complete = self._meter.pass_starts(timeline)
         self.passes += 1
-        complete = False
-        if timeline is not None:
-            seen = (id(timeline), timeline.completed)
-            complete, self._seen = seen != self._seen and seen[0] == self._seen[0], seen
         try:
             self._step(kind_key, previous, mark, timeline, complete)
         except ScheduleLost:
@@ -257,7 +241,7 @@ class Tuner:
         if self._skip > 0:
             self._skip -= 1
             return
-        measured = self._measure(previous, mark, timeline, complete, kind)
+        measured = self._meter.measure(previous, mark, timeline, complete, self.disk_cap, kind.costs)
         if measured is None:
             return  # the pass was not complete (a block skipped, a retry): the next one is measured
         costs, period = measured
@@ -292,28 +276,6 @@ class Tuner:
         self._record(phase != "hold")
 
     # ------------------------------------------------------------------ measure, plan, check
-    def _measure(self, previous: Event | None, mark: Event, timeline: Timeline | None, complete: bool,
-                 kind: _Kind) -> tuple[Costs, float] | None:
-        if previous is None or timeline is None:
-            return None
-        mark.synchronize()
-        period = previous.elapsed_time(mark)
-        picture = timeline.last_pass(self._describe()) if complete else None
-        if self._plan.streamed_indices and picture is None:
-            return None  # no complete pass since the last boundary
-        upload = timeline.upload_rate()
-        if upload is not None:
-            self._upload_rate = upload
-        resident = {b: sum(e.elapsed_time(x) for e, x in zip(marks[::2], marks[1::2]))
-                    for b, marks in self._pass_marks.items() if len(marks) >= 2}
-        costs = pass_costs(picture or {}, resident, period, self._describe(), self._plan.shared.nbytes,
-                           self._ordering.asynchronous, upload_bytes_per_ms=self._upload_rate,
-                           disk_cap_bytes=self.disk_cap, disk_bytes_per_ms=self._disk_rate() if self.disk_cap else None,
-                           previous=kind.costs)
-        if costs is None:
-            return None
-        return costs, period
-
     def _plan_kind(self, kind: _Kind, period: float) -> None:
         current = self.current()
         kind.plans += 1
@@ -327,7 +289,7 @@ class Tuner:
         if chosen.setting == current or not self.choices.free or kind.plans > MAX_PLANS:
             kind.held = current
             kind.predicted_ms = predict(kind.costs, current).step_ms
-            kind.verdict = self._verdict(kind.predicted_ms, period)
+            kind.verdict = _verdict(kind.predicted_ms, period)
             self._enter("hold")
             return
         kind.before = (current, period)
@@ -344,11 +306,11 @@ class Tuner:
         current = self.current()
         if period <= predicted * (1 + CHECK_TOLERANCE):
             kind.held, kind.costs = current, costs
-            kind.verdict = self._verdict(predicted, period)
+            kind.verdict = _verdict(predicted, period)
             self._enter("hold")
             return
         before = kind.before
-        if before is not None and before[0] != current and self._worse(costs, current, before, predicted, period):
+        if before is not None and before[0] != current and _worse(costs, current, before, predicted, period):
             kind.rejected.append(current)
             kind.held = before[0]
             kind.verdict = (f"{ms_text(period)} a step where {ms_text(predicted)} was predicted, slower "
@@ -359,28 +321,6 @@ class Tuner:
             return
         kind.costs = costs  # slower than predicted, but no slower than before: measured again
         self._plan_kind(kind, period)
-
-    @staticmethod
-    def _worse(costs: Costs, current: Setting, before: tuple[Setting, float], predicted: float,
-               period: float) -> bool:
-        """Whether the setting in force is slower than the one before it, its pass having been
-        slower than predicted. Where the units themselves now cost more than when the plan was
-        made (the model predicts the slower pass from what was just measured: a busier host, a
-        slower link), both settings are judged by the model in these new conditions, since a step
-        measured before them says nothing of them. Where they do not (the model was wrong about
-        this setting), by the steps measured."""
-        now = predict(costs, current).step_ms
-        if now > predicted * (1 + CHECK_TOLERANCE):
-            return predict(costs, before[0]).step_ms * (1 + CHECK_TOLERANCE) < now
-        return period > before[1] * (1 + CHECK_TOLERANCE)
-
-    def _verdict(self, predicted: float, measured: float) -> str:
-        ratio = measured / predicted if predicted > 0 else 1.0
-        if ratio > 1 + CHECK_TOLERANCE:
-            return f"slower than predicted ({ms_text(measured)} against {ms_text(predicted)})"
-        if ratio < 1 - CHECK_TOLERANCE:
-            return f"faster than predicted ({ms_text(measured)} against {ms_text(predicted)})"
-        return f"as predicted ({ms_text(measured)} against {ms_text(predicted)})"
 
     # ------------------------------------------------------------------ applying
     def _apply(self, kind: _Kind, setting: Setting, why: str) -> bool:
@@ -424,74 +364,74 @@ class Tuner:
         on = on or self._wanted_picture
         if on == self._recording:
             if on:
-                self._meter_on()
+                self._meter.on()
             return
         self._rebuild(None, record=on)
         self._recording = on
         if on:
-            self._meter_on()
+            self._meter.on()
         else:
-            self._meter_off()
-
-    def _meter_on(self) -> None:
-        """Time the resident blocks' compute (the picture has no row for them)."""
-        if self._meter is not None:
-            return
-        p = self._plan
-        resident = set(p.resident_indices)
-        blocks = sorted({p.units[u].block for u in resident}
-                        - {p.units[u].block for u in p.streamed_indices})
-        if not blocks:
-            return
-        ordering = self._ordering
-
-        def mark(b: int) -> None:
-            if torch.compiler.is_compiling():
-                return
-            event = ordering.event(timing=True)
-            event.record(ordering.current_stream())
-            self._meter_marks.setdefault(b, []).append(event)  # this pass's, renewed at each boundary
-
-        self._meter = BlockHooks([(b, p.blocks[b]) for b in blocks], mark, mark)
-
-    def _meter_off(self) -> None:
-        if self._meter is not None:
-            self._meter.remove()
-            self._meter = None
-        self._meter_marks = {}
+            self._meter.off()
 
     # ------------------------------------------------------------------ the panel
     def report(self) -> dict[str, Any] | None:
         """What the tuner chose and why, for the panel (None before anything was measured)."""
-        kind = self._kinds.get(self._kind) if self._kind is not None else None
-        if kind is None:
-            return None
-        costs = kind.costs
-        current = self.current()
-        out: dict[str, Any] = {
-            "auto": [k for k, on in self._auto.items() if on],
-            "phase": self._phase,
-            "setting": _setting_json(current, self._plan),
-            "predicted_ms": kind.predicted_ms,
-            "measured_ms": kind.measured_ms,
-            "verdict": kind.verdict,
-            "reason": kind.plan.reason if kind.plan is not None else None,
-            "budget_bytes": self.budget_bytes,
-            "passes": self.passes,
-            "changes": [{"pass": e["pass"], "from": _setting_json(e["from"], self._plan),
-                         "to": _setting_json(e["to"], self._plan), "why": e["why"]} for e in self.events],
-        }
-        if costs is not None:
-            now = predict(costs, current)
-            out.update(bound=now.bound, device_bytes=now.device_bytes, hit_rate=now.hit_rate)
-        if kind.advice is not None:
-            auto = kind.advice.chosen
-            out["auto_choice"] = _setting_json(auto.setting, self._plan)
-            out["auto_predicted_ms"] = auto.prediction.step_ms
-            out["auto_reason"] = kind.advice.reason
-            if costs is not None and auto.setting != current:
-                out["explicit_cost_ms"] = predict(costs, current).step_ms - auto.prediction.step_ms
-        return out
+        return _report(self, self._kinds.get(self._kind) if self._kind is not None else None)
+
+def _report(tuner: Tuner, kind: _Kind | None) -> dict[str, Any] | None:
+    """``Tuner.report`` for ``kind``, the kind of pass last seen."""
+    if kind is None:
+        return None
+    costs = kind.costs
+    current = tuner.current()
+    out: dict[str, Any] = {
+        "auto": [k for k, on in tuner._auto.items() if on],
+        "phase": tuner._phase,
+        "setting": _setting_json(current, tuner._plan),
+        "predicted_ms": kind.predicted_ms,
+        "measured_ms": kind.measured_ms,
+        "verdict": kind.verdict,
+        "reason": kind.plan.reason if kind.plan is not None else None,
+        "budget_bytes": tuner.budget_bytes,
+        "passes": tuner.passes,
+        "changes": [{"pass": e["pass"], "from": _setting_json(e["from"], tuner._plan),
+                     "to": _setting_json(e["to"], tuner._plan), "why": e["why"]} for e in tuner.events],
+    }
+    if costs is not None:
+        now = predict(costs, current)
+        out.update(bound=now.bound, device_bytes=now.device_bytes, hit_rate=now.hit_rate)
+    if kind.advice is not None:
+        auto = kind.advice.chosen
+        out["auto_choice"] = _setting_json(auto.setting, tuner._plan)
+        out["auto_predicted_ms"] = auto.prediction.step_ms
+        out["auto_reason"] = kind.advice.reason
+        if costs is not None and auto.setting != current:
+            out["explicit_cost_ms"] = predict(costs, current).step_ms - auto.prediction.step_ms
+    return out
+
+
+def _worse(costs: Costs, current: Setting, before: tuple[Setting, float], predicted: float,
+           period: float) -> bool:
+    """Whether the setting in force is slower than the one before it, its pass having been
+    slower than predicted. Where the units themselves now cost more than when the plan was
+    made (the model predicts the slower pass from what was just measured: a busier host, a
+    slower link), both settings are judged by the model in these new conditions, since a step
+    measured before them says nothing of them. Where they do not (the model was wrong about
+    this setting), by the steps measured."""
+    now = predict(costs, current).step_ms
+    if now > predicted * (1 + CHECK_TOLERANCE):
+        return predict(costs, before[0]).step_ms * (1 + CHECK_TOLERANCE) < now
+    return period > before[1] * (1 + CHECK_TOLERANCE)
+
+
+def _verdict(predicted: float, measured: float) -> str:
+    """The measured step against the predicted one, in the panel's words."""
+    ratio = measured / predicted if predicted > 0 else 1.0
+    if ratio > 1 + CHECK_TOLERANCE:
+        return f"slower than predicted ({ms_text(measured)} against {ms_text(predicted)})"
+    if ratio < 1 - CHECK_TOLERANCE:
+        return f"faster than predicted ({ms_text(measured)} against {ms_text(predicted)})"
+    return f"as predicted ({ms_text(measured)} against {ms_text(predicted)})"
 
 
 def _setting_json(setting: Setting, p: StreamPlan) -> dict:
