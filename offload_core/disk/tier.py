@@ -29,7 +29,7 @@ STAGING_BYTES = 64 << 20
 class DiskOptions:
     """``cap_bytes``: host RAM for the streamed weights (the cache); ``workers``: read threads;
     ``spill_dir``: where the spill file goes; ``read_ahead``: units read ahead of need (None: one
-    per reader; "auto": the streamer's planner chooses)."""
+    per reader; "auto": the streamer's planner chooses, from one)."""
 
     cap_bytes: int
     workers: int = 2

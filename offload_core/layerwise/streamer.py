@@ -32,7 +32,7 @@ from ..blocks.phases import stream_units
 from ..device.slots import resolve_device
 from ..device.telemetry import StallTimer, Telemetry
 from ..device.timeline import Timeline
-from ..disk.tier import DiskOptions
+from ..disk.tier import DiskOptions, DiskTier
 from ..host.packing import PackedBlock
 from ..host.pinned import DEFAULT_CHUNK_BYTES
 from ..host.tensor_refs import tables_under
@@ -55,6 +55,15 @@ def _check_optional_int(name: str, value: object, minimum: int) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be None or an int >= {minimum}, got {value!r}")
+
+
+def _start_read_ahead(disk: DiskTier | None) -> int:
+    """Units the disk cache reads ahead before any plan: the options' number; under auto one,
+    which leaves the most entries to keep units from step to step; else one per reader."""
+    if disk is None:
+        return 0
+    ahead = disk.options.read_ahead
+    return ahead if isinstance(ahead, int) else 1 if ahead == AUTO else disk.options.workers
 
 
 class LayerwiseStreamer(StreamerFigures):
@@ -158,10 +167,8 @@ class LayerwiseStreamer(StreamerFigures):
         plan, store, tuner = self._plan, self._store, self._tuner
         if tuner is not None:
             disk = store.disk
-            ahead = disk.options.read_ahead if disk else None
             start = tuner.attach_setting(plan.settings["vram_budget_bytes"], transform is not None,
-                                         disk.options.cap_bytes if disk else None,
-                                         ahead if isinstance(ahead, int) else disk.options.workers if disk else 0)
+                                         disk.options.cap_bytes if disk else None, _start_read_ahead(disk))
             plan.apply(start.resident, start.prefetch, start.read_ahead or None)
         adopted = store.adopt(plan)  # a re-wrap of the same memory leaves the kept pack valid
         if adopted:
