@@ -162,7 +162,7 @@ def run_disk(stack: Stack, device: torch.device, granularity: str, path: Path, r
 
 
 READ_AHEAD = ("1", "2", "4", "auto")  # disk_workers settings compared; auto: read-ahead planned
-AUTO_WARM_PASSES = 16  # the tuner measures, plans, applies and checks within these
+AUTO_WARM_PASSES = 24  # at most: the tuner measures, plans, applies and checks within these
 
 
 def run_read_ahead(stack: Stack, device: torch.device, granularity: str, path: Path, args) -> dict:
@@ -186,13 +186,18 @@ def run_read_ahead(stack: Stack, device: torch.device, granularity: str, path: P
                                    granularity=granularity, disk=options)
             st.attach(root=stack if auto else None)
             try:
-                for k in range((AUTO_WARM_PASSES if auto else 2) + args.steps):
+                warm = 0  # warm-up passes, cold too (auto: until the tuner holds its setting)
+                while warm < 2 or auto and warm < AUTO_WARM_PASSES and st.tuning()["phase"] != "hold":
+                    st._store.disk.store.drop_cached_pages()
+                    drop_file_cache(path, args.drop_caches)
+                    stack()
+                    warm += 1
+                for _ in range(args.steps):
                     st._store.disk.store.drop_cached_pages()
                     drop_file_cache(path, args.drop_caches)
                     st.reset_figures()
                     step = timed(device, stack, 1)[0]
-                    if k >= (AUTO_WARM_PASSES if auto else 2):
-                        measured[name].append((step, st.figures(wait=True)))
+                    measured[name].append((step, st.figures(wait=True)))
                 tunings[name] = st.tuning()
             finally:
                 st.close()

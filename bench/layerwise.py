@@ -337,7 +337,7 @@ class BenchLora:
 
 
 # ------------------------------------------------------------------ runs
-AUTO_WARM_PASSES = 6  # the tuner leaves one out, measures one, applies, leaves one out, checks one
+AUTO_WARM_PASSES = 20  # at most: the tuner leaves one out, measures, applies, leaves one out, checks
 
 
 def parse_settings(text: str, n: int) -> list[tuple[int | str, int | str]]:
@@ -386,8 +386,11 @@ def run_streaming(stack: Stack, device: torch.device, resident: int | str, prefe
     t0 = time.perf_counter()
     st.attach(transform=lora, root=stack if auto else None)
     attach_s = time.perf_counter() - t0
-    for _ in range(AUTO_WARM_PASSES if auto else 1):
-        stack()  # warm-up passes (the tuner's with auto), which also wrap the prefetch around
+    stack()  # warm-up pass, also wraps the prefetch around
+    for _ in range(AUTO_WARM_PASSES if auto else 0):  # auto: until the tuner holds its setting
+        if st.tuning()["phase"] == "hold":
+            break
+        stack()
     peak_memory_reset(device)
     st.telemetry.reset()
     steps = timed(device, stack, args.steps)

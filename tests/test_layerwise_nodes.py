@@ -47,7 +47,8 @@ def test_offload_is_bit_identical_across_settings(comfy, kind, model_class):
         if settings.get("resident_blocks", -1) == 0:
             assert state["streamed_indices"] == list(range(state["blocks"]))
             assert telemetry["copies"] > 0 and telemetry["bytes_copied"] > 0
-        assert 0 < telemetry["peak_materialized_bytes"] <= state["bound_bytes"], state
+        # (with auto settings, the most of every setting the run streamed with)
+        assert 0 < telemetry["peak_materialized_bytes"] <= telemetry["peak_bound_bytes"], state
         # Core's figures for the streamed model: its size is the model less the blocks plus the
         # engine's bound, so core never makes room for blocks it does not load.
         assert state["core_view"]["model_size"] == state["rest_bytes"] + state["bound_bytes"], state

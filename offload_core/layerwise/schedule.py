@@ -73,6 +73,7 @@ class DeviceSchedule:
         plan, tel, disk, resident = self._plan, self.telemetry, self._disk, self._resident
         resident.upload()
         tel.bound_bytes = plan.bound_bytes()
+        tel.peak_bound_bytes = max(tel.peak_bound_bytes, tel.bound_bytes)
         if resident.uploaded:  # without an upload, compute has nothing to wait for
             # Phases: a block's own tensors are resident, and it may read them before any phase.
             waits = [(i, plan.blocks[i]) for i in plan.resident_indices] if plan.granularity == "block" \

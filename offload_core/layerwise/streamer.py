@@ -291,6 +291,7 @@ class LayerwiseStreamer(StreamerFigures):
         for pack in self._plan.resident_packs():
             pack.release()  # nothing may hold the resident buffers once they are given back
         schedule.release()
+        self.telemetry.add_materialized(-self.telemetry.materialized_bytes)  # nothing is on the device
 
     def _rebuild(self, setting: Setting | None, record: bool) -> None:
         """At a pass boundary: the device schedule made again around ``setting`` (None: the same
