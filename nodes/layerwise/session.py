@@ -166,7 +166,7 @@ class LayerwiseSession:
                              f"{refusal.instead}.")
         streamed = sorted({self.streamer.units[i].block for i in self.streamer.streamed_indices})
         refusal = compiled_models.streaming_refusal(setups, [self.prefixes[b] for b in streamed],
-                                                    self.settings.granularity)
+                                                    self.granularity)
         if refusal is not None:
             raise ValueError(
                 f"Apply Layerwise Offload: {self.model_class} is compiled with torch.compile "

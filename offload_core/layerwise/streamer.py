@@ -23,6 +23,7 @@ check, roll back; the schedule is made again around each new setting).
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -55,6 +56,19 @@ def _check_optional_int(name: str, value: object, minimum: int) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be None or an int >= {minimum}, got {value!r}")
+
+
+def _weak(method: Callable) -> Callable:
+    """``method`` of an object, called without keeping the object alive."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args, **kwargs):
+        bound = ref()
+        if bound is None:
+            raise RuntimeError("the streamer is gone")
+        return bound(*args, **kwargs)
+
+    return call
 
 
 def _start_read_ahead(disk: DiskTier | None) -> int:
@@ -110,8 +124,10 @@ class LayerwiseStreamer(StreamerFigures):
         self._plan = StreamPlan(blocks, units, granularity, resident=None if auto["resident"] else resident,
                                 vram_budget_bytes=vram_budget_bytes,
                                 prefetch=1 if auto["prefetch"] else prefetch)  # auto: the least it may take
-        # With every setting fixed the tuner only says what auto would choose.
-        self._tuner = Tuner(self._plan, self.device, auto, self._rebuild, self.describe_units, self._disk_rate)
+        # With every setting fixed the tuner only says what auto would choose. It calls back through
+        # weak references: a streamer dropped is freed at once, with its pack (no cycle to collect).
+        self._tuner = Tuner(self._plan, self.device, auto, _weak(self._rebuild), _weak(self.describe_units),
+                            _weak(self._disk_rate))
 
     def record_timeline(self, on: bool) -> None:
         """Record (or stop recording) a picture of each pass: copies, waits, compute, disk reads.
@@ -186,7 +202,8 @@ class LayerwiseStreamer(StreamerFigures):
                 store.host.note_reader(self.device)
             record = self._timeline_wanted
             if tuner is not None:
-                record = tuner.start(root, lambda: self.telemetry.timeline, record, compiled)
+                telemetry = self.telemetry
+                record = tuner.start(root, lambda: telemetry.timeline, record, compiled)
             self._schedule_args = (transform, compiled)
             self._put_up(record)  # the timeline goes before the first copies, which the first pass waits for
         except BaseException:
