@@ -47,7 +47,7 @@ from ..ordering import Event, for_device
 from .measure import PassMeter
 from .pipeline import DISK_STEADY, Costs, Setting, predict
 from .plan import StreamPlan
-from .planner import DEFAULT_PREFETCH, Choices, Plan, ms_text, plan
+from .planner import DEFAULT_PREFETCH, Choices, Plan, plan
 
 log = logging.getLogger(__name__)
 
@@ -313,8 +313,7 @@ class Tuner:
         if before is not None and before[0] != current and _worse(costs, current, before, predicted, period):
             kind.rejected.append(current)
             kind.held = before[0]
-            kind.verdict = (f"{ms_text(period)} a step where {ms_text(predicted)} was predicted, slower "
-                            f"than the setting before: rolled back")
+            kind.verdict = "slower than predicted, and than the setting before: rolled back"
             self._apply(kind, before[0], "rolled back: slower than predicted")
             kind.predicted_ms, kind.before = predict(costs, before[0]).step_ms, None
             self._enter("hold")
@@ -425,13 +424,13 @@ def _worse(costs: Costs, current: Setting, before: tuple[Setting, float], predic
 
 
 def _verdict(predicted: float, measured: float) -> str:
-    """The measured step against the predicted one, in the panel's words."""
+    """The measured step against the predicted one, in the panel's words (the panel shows both)."""
     ratio = measured / predicted if predicted > 0 else 1.0
     if ratio > 1 + CHECK_TOLERANCE:
-        return f"slower than predicted ({ms_text(measured)} against {ms_text(predicted)})"
+        return "slower than predicted"
     if ratio < 1 - CHECK_TOLERANCE:
-        return f"faster than predicted ({ms_text(measured)} against {ms_text(predicted)})"
-    return f"as predicted ({ms_text(measured)} against {ms_text(predicted)})"
+        return "faster than predicted"
+    return "as predicted"
 
 
 def _setting_json(setting: Setting, p: StreamPlan) -> dict:
