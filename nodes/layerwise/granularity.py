@@ -38,10 +38,10 @@ def choose(blocks: Sequence[torch.nn.Module], settings: LayerwiseSettings,
     fit ``room`` (device bytes for the blocks, None: not known yet) or the host cache."""
     if not settings.auto_granularity:
         return settings.granularity, "set on the node"
-    block = _least(blocks, BLOCK)
+    cap = int(settings.host_cache_gb * 1024 ** 3) if settings.host_cache_gb > 0 else None
+    block = _least(blocks, BLOCK) if cap is not None or room is not None else None
     if block is None:
         return BLOCK, "whole blocks"
-    cap = int(settings.host_cache_gb * 1024 ** 3) if settings.host_cache_gb > 0 else None
     need = min(3, len(blocks))  # two slots at prefetch 1, and one unit read ahead
     if cap is not None and cap // align_up(block[1], PAGE) < need:
         phase = _least(blocks, PHASE)
