@@ -25,6 +25,11 @@ apart):
 5. hold: recording stops (unless the panel asks for the picture). The next run starts with the
    held setting and checks it once more.
 
+Inputs whose kind changes from call to call (a cond and an uncond batch of other sizes) keep the
+run's setting after two changes: a schedule made again at every call would cost more than any
+plan saves. Within an attach a new setting takes no more device memory than the caller said the
+model holds (``run_cap``: ComfyUI counts the engine's bytes when it loads the model).
+
 Settings the user fixed are kept; the tuner still measures one pass of each kind and says what
 ``auto`` would have chosen and what that would have saved. Whatever the setting, every block
 computes with the same weights, so results do not change with it.
@@ -97,7 +102,6 @@ class Tuner:
     def __init__(self, plan_: StreamPlan, device: torch.device, auto: dict[str, bool], rebuild: Rebuild,
                  describe: Callable[[], list[dict]], disk_rate: Callable[[], float | None]) -> None:
         self._plan = plan_
-        self._device = device
         self._ordering = for_device(device)
         self._auto = auto  # which of resident, prefetch, read_ahead are left to the tuner
         self.choices = Choices()
@@ -124,10 +128,6 @@ class Tuner:
         self._switches = 0  # changes of the kind of pass in this run
 
     # ------------------------------------------------------------------ the streamer's calls
-    @property
-    def active(self) -> bool:
-        return self._hook is not None
-
     def current(self) -> Setting:
         """The setting the plan holds now."""
         p = self._plan
