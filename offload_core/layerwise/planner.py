@@ -211,7 +211,7 @@ def reason(costs: Costs, result: Plan) -> str:
                 f"{free_text}")
     if chosen.bound == "disk":
         text = (f"disk-bound: reading {setting.read_ahead} unit{_s(setting.read_ahead)} ahead keeps "
-                f"{chosen.hits} of {chosen.requests} streamed units cached from step to step")
+                f"{chosen.hits:.3g} of {chosen.requests} streamed units cached from step to step")
         if result.more is not None:
             text += _more_text(costs, result)
         return text
