@@ -61,6 +61,7 @@ CHECK_TOLERANCE = 0.05  # a pass up to this much slower than predicted is as pre
 WARMUP_PASSES = 1  # passes left out after an attach or a new setting before one is measured
 MAX_PLANS = 3  # plans per kind of pass and run: a model that keeps missing stops re-planning
 MAX_SWITCHES = 2  # changes of the kind of pass a run follows; more, and its setting stays
+MAX_MISSES = 4  # passes of a phase that could not be measured before the setting is held
 
 
 class ScheduleLost(RuntimeError):
@@ -115,6 +116,7 @@ class Tuner:
         self._phase = "off"
         self._skip = 0
         self._periods: list[float] = []  # the steps measured in this phase so far
+        self._misses = 0  # passes of this phase that could not be measured
         self._recording = False
         self._wanted_picture = False
         self._transform = False
@@ -186,12 +188,12 @@ class Tuner:
         return True
 
     def stop(self) -> None:
-        """At detach: the hook and the resident blocks' timing go."""
+        """At detach: the hook and the resident blocks' timing go (the report keeps the last phase)."""
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
         self._meter.off()
-        self._phase = "off"
+        self._recording = False
 
     def rebuilt(self) -> None:
         """The schedule was made again: the resident blocks' timing follows the new residents."""
@@ -219,6 +221,7 @@ class Tuner:
         except Exception:  # the plan is advice: a failure stops planning, never the run
             log.exception("layerwise auto settings: planning failed; the run keeps its settings")
             self.stop()
+            self._phase = "off"
 
     def _step(self, key: tuple, previous: Event | None, mark: Event, timeline: Timeline | None,
               complete: bool) -> None:
@@ -242,8 +245,12 @@ class Tuner:
             self._skip -= 1
             return
         measured = self._meter.measure(previous, mark, timeline, complete, self.disk_cap, kind.costs)
-        if measured is None:
-            return  # the pass was not complete (a block skipped, a retry): the next one is measured
+        if measured is None:  # the pass was not complete (a block skipped, a retry): the next one
+            self._misses += 1
+            if self._misses > MAX_MISSES:  # passes that skip blocks (a block cache): nothing to plan on
+                kind.verdict = "the model's passes do not run every block: the setting stays"
+                self._enter("hold")
+            return
         costs, period = measured
         self._periods.append(period)
         if len(self._periods) < (DISK_STEADY if self.disk_cap else 1):
@@ -273,6 +280,7 @@ class Tuner:
         self._phase = phase
         self._skip = WARMUP_PASSES
         self._periods = []
+        self._misses = 0
         self._record(phase != "hold")
 
     # ------------------------------------------------------------------ measure, plan, check

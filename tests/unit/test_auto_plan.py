@@ -23,8 +23,10 @@ import pytest
 import torch
 from sim_shapes import KiB, Shape, run
 from stream_model import installed
+from toy_models import ToyDiT, inputs
 
 from offload_core.device.residency import bound_bytes
+from offload_core.layerwise.streamer import LayerwiseStreamer
 from offload_core.layerwise.pipeline import Costs, DiskCosts, Setting
 from offload_core.layerwise.planner import DEFAULT_PREFETCH, Choices, candidates
 
@@ -163,6 +165,28 @@ def test_inputs_that_change_at_every_call_keep_the_setting(monkeypatch):
         auto = run(shape, clock, stack, 16, auto=True, inputs=alternating)
     assert auto.tuning["phase"] == "hold" and len(auto.tuning["changes"]) <= 2, auto.tuning
     assert torch.equal(auto.output, reference.output)
+
+
+def test_passes_that_skip_a_block_keep_the_setting():
+    """A block cache that skips a block in every pass (on the plain CPU): no pass can be measured
+    whole, so after a few the setting stays, said so, and every pass computes as without it."""
+    model = ToyDiT(depth=4)
+    x, t = inputs()
+    order = [0, 1, 3]
+    with torch.no_grad():
+        reference = [model(x, t, order) for _ in range(10)]
+    streamer = LayerwiseStreamer(model.blocks, "cpu", resident="auto", prefetch="auto", vram_budget_bytes=None)
+    try:
+        streamer.attach(root=model)
+        with torch.no_grad():
+            outs = [model(x, t, order) for _ in range(10)]
+        streamer.detach()
+        tuning = streamer.tuning()
+    finally:
+        streamer.close()
+    assert all(torch.equal(a, b) for a, b in zip(reference, outs))
+    assert tuning["phase"] == "hold" and "do not run every block" in tuning["verdict"], tuning
+    assert tuning["changes"] == [], tuning
 
 
 def test_a_plan_slower_than_predicted_is_rolled_back(monkeypatch):
