@@ -229,7 +229,8 @@ def _more_text(costs: Costs, result: Plan) -> str:
     need = more.prediction.device_bytes - chosen.prediction.device_bytes
     free = max(0, (result.budget_bytes or 0) - chosen.prediction.device_bytes)
     what = f"{extra} more resident block{_s(extra)}" if extra > 0 else "more VRAM"
-    return (f"; {what} would save {ms_text(saved)} a step; they need {size_text(need)}, "
+    needs = "it needs" if extra <= 1 else "they need"
+    return (f"; {what} would save {ms_text(saved)} a step; {needs} {size_text(need)}, "
             f"{size_text(free)} free")
 
 
