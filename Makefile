@@ -1,5 +1,5 @@
 # `make demo` and `make test` build what they need once and reuse it; `make gpu-kit` prepares
-# what a lent GPU machine needs carried (bench/gpu_session.sh, docs/gpu-session.md).
+# what a lent GPU machine needs carried (bench/gpu_session.sh, bench/gpu-session.md).
 # `make test` checks the registry archive (`make pack-check`), then runs two lanes: the whole
 # suite on ComfyUI 0.3.75 (.venv/, .comfyui/), then the tests that run ComfyUI (marker
 # comfy_tree) on ComfyUI 0.33.0 (.venv-033/, .comfyui-033/).
@@ -112,11 +112,14 @@ cxx:
 demo: env
 	$(PY) tools/demo.py $(DEMO_ARGS)
 
-# The README's screenshot, on purpose only: the tests write theirs under tests/artifacts/.
+# The README's picture and its record (web/screenshot.json: the node inputs it shows, which
+# tests/unit/test_screenshot_sidecar.py checks), on purpose only: the tests write theirs under
+# tests/artifacts/.
 screenshot: env /usr/bin/chromium
 	OMP_NUM_THREADS=2 $(PY) tools/screenshot.py web/screenshot.png
 
-# The graph (UI) files of example_workflows/, rebuilt from tools/example_workflows.py.
+# The example workflows, rebuilt from tools/example_workflows.py: their API forms
+# (example_workflows/api/), then their graph (UI) files and thumbnails through the real frontend.
 example-workflows: env /usr/bin/chromium
 	OMP_NUM_THREADS=2 $(PY) tools/example_workflows.py
 
@@ -153,7 +156,7 @@ test-0.33: cxx env env-033 /usr/bin/chromium
 	TIERED_OFFLOAD_COMFY_ROOT=$(CURDIR)/$(COMFY033) TIERED_OFFLOAD_COMFY_PYTHON=$(CURDIR)/$(PY033) \
 	OMP_NUM_THREADS=2 $(PY) -m pytest -m comfy_tree tests
 
-# What a lent GPU machine needs carried, .gpu_kit/ (docs/gpu-session.md): both ComfyUI trees as
+# What a lent GPU machine needs carried, .gpu_kit/ (bench/gpu-session.md): both ComfyUI trees as
 # tarballs and the wheels its offline image lacks. With the checkout it stays under the 64 MiB a
 # device call carries; `bench/gpu_session.sh first --rehearse` measures what would travel.
 gpu-kit: $(COMFY)/.ready $(COMFY033)/.ready

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call of a session with the lent GPU; docs/gpu-session.md says how to call it, what
+# One device call of a session with the lent GPU; bench/gpu-session.md says how to call it, what
 # it carries (.gpu_kit, from tools/gpu_kit.sh) and what comes back.
 #
 #   bench/gpu_session.sh first   [--rehearse]  ComfyUI 0.3.75: tests/unit on CUDA, the server

@@ -14,8 +14,9 @@ import logging
 
 from comfy_api.v0_0_2 import ComfyExtension, io
 
-from .core import prompt_lifecycle
+from .core import host_sharing, model_files, prompt_lifecycle
 from .core.pins import install as share_pinned_budget_with_core
+from .layerwise import compile_prompt
 from .layerwise.node import ApplyLayerwiseOffload
 from .server import routes
 from .swap.node import ModelLevelSwap
@@ -42,11 +43,17 @@ class TieredOffloadExtension(ComfyExtension):
 
 
 def install() -> None:
-    """Server-side wiring, once at start-up: the REST routes and panel events, then a prompt's
-    models held from its start and released when it ends, then the preload (which never fails
-    the pack's import)."""
+    """Server-side wiring, once at start-up: the record of which file each model is read from (what
+    names its shared host store) and the removal of stores that ended processes left, the REST
+    routes and panel events, then a prompt's models held from its start and released when it
+    ends, each posted graph kept for its validation, then the preload (which never fails the
+    pack's import)."""
+    model_files.install()
+    host_sharing.sweep()
+    host_sharing.let_go_on_sigterm()
     routes.register()
     prompt_lifecycle.install()
+    compile_prompt.install()
     prompt_lifecycle.on_prompt_start(loaders.hold_graph)
     prompt_lifecycle.on_prompt_end(managed_models.release_prompt)
     try:

@@ -26,6 +26,8 @@ _EXPORTS = {
     "check_packable": "host.layout",
     "wrappers_to_inference": "host.subclass",
     "HostStorage": "host.pinned",
+    "HostShare": "host.shared_packing",
+    "StoreFolder": "host.store_folder",
     "pinned_bytes": "host.pinned",
     "pin_cap": "host.pinned",
     "set_pin_accounting": "host.pinned",
@@ -51,6 +53,8 @@ if TYPE_CHECKING:
         pinned_bytes,
         set_pin_accounting,
     )
+    from .host.shared_packing import HostShare
+    from .host.store_folder import StoreFolder
     from .host.subclass import wrappers_to_inference
     from .host.tensor_refs import TensorRef, tensor_refs
     from .layerwise.streamer import LayerwiseStreamer

@@ -31,6 +31,7 @@ from typing import Protocol
 import torch
 
 _REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, not only the current one
+_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly: the device only reads it (a read-only shared mapping)
 
 
 class Stream(Protocol):
@@ -60,8 +61,12 @@ class Event(Protocol):
 class HostRegistrar(Protocol):
     """Page-locks host memory for the device's copies (``cudaHostRegister``)."""
 
-    def register(self, ptr: int, nbytes: int, label: str) -> int:
-        """0 once ``nbytes`` at ``ptr`` are page-locked, else the runtime's error code."""
+    def register(self, ptr: int, nbytes: int, label: str, read_only: bool = False) -> int:
+        """0 once ``nbytes`` at ``ptr`` are page-locked, else the runtime's error code.
+
+        ``read_only``: the memory is a read-only mapping (a host store other processes share),
+        which page-locking must not ask to write: that would fail, or copy a private mapping's
+        pages."""
 
     def unregister(self, ptr: int) -> int: ...
 
@@ -218,8 +223,9 @@ def _on_cuda(device: torch.device, stream: torch.cuda.Stream) -> Iterator[None]:
 
 
 class _CudaRegistrar:
-    def register(self, ptr: int, nbytes: int, label: str) -> int:
-        return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _REGISTER_PORTABLE))
+    def register(self, ptr: int, nbytes: int, label: str, read_only: bool = False) -> int:
+        flags = _REGISTER_PORTABLE | (_REGISTER_READ_ONLY if read_only else 0)
+        return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, flags))
 
     def unregister(self, ptr: int) -> int:
         return int(torch.cuda.cudart().cudaHostUnregister(ptr))

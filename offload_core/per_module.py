@@ -60,6 +60,12 @@ class PerModule(Generic[T]):
         with self._lock:
             return [value for _, value in self._entries.values()]
 
+    def items(self) -> list[tuple[torch.nn.Module, T]]:
+        """(module, object) of every module still alive."""
+        with self._lock:
+            entries = list(self._entries.values())
+        return [(module, value) for ref, value in entries if (module := ref()) is not None]
+
     def _drop(self, key: int, dead: weakref.ref) -> None:
         # id() values are reused: drop the entry only if it still belongs to the dead module.
         with self._lock:

@@ -65,3 +65,46 @@ def overlapping(found: list[dict], slack: float = 0.5) -> list[tuple[str, str]]:
                     and min(a["y"] + a["h"], b["y"] + b["h"]) - max(a["y"], b["y"]) > slack):
                 pairs.append((a["text"], b["text"]))
     return pairs
+
+
+# Runs in the page: every element under `root` whose content does not fit its box, as the user
+# would see it. A box that clips its text must end it with an ellipsis, carry the whole text in
+# its title (its own or an ancestor's) and keep room for a few characters; any other box must
+# hold its content (text that runs past its box, or past the root, is what "overflow" means
+# here). Icons and the root's own scrolling are no overflow.
+_OVERFLOWS_JS = """(root) => {
+  const out = [];
+  const limit = root.getBoundingClientRect();
+  const describe = (el) => `${el.tagName.toLowerCase()}${el.dataset.role ? `[${el.dataset.role}]` : ""}.${
+    [...el.classList].join(".")} "${el.textContent.trim().slice(0, 60)}"`;
+  for (const el of root.querySelectorAll("*")) {
+    const r = el.getBoundingClientRect();
+    if (!r.width && !r.height) continue;                      // not shown
+    if (el.closest(".pi, svg") || el.tagName === "INPUT") continue;
+    const style = getComputedStyle(el);
+    if (style.visibility === "hidden") continue;
+    const text = [...el.childNodes].some((n) => n.nodeType === 3 && n.textContent.trim());
+    if (r.right > limit.right + 0.5 || r.left < limit.left - 0.5) {
+      out.push(`past the panel's edge (${Math.round(r.left - limit.left)}..${Math.round(r.right - limit.left)} of ${Math.round(limit.width)} px): ${describe(el)}`);
+      continue;
+    }
+    if (el.scrollWidth <= el.clientWidth + 1 || ["auto", "scroll"].includes(style.overflowX)) continue;
+    if (style.overflowX === "visible") {
+      // Absolutely placed children (a picture's spans and labels) are checked on their own.
+      const inner = [...el.children].some((c) => getComputedStyle(c).position === "absolute");
+      if (!inner || text) out.push(`runs past its box (${el.scrollWidth} > ${el.clientWidth} px): ${describe(el)}`);
+      continue;
+    }
+    if (!text) continue;                                      // clips only what its children hold
+    const titled = el.closest("[title]")?.getAttribute("title")?.includes(el.textContent.trim());
+    if (style.textOverflow !== "ellipsis" || !titled) out.push(`cut without an ellipsis and a title: ${describe(el)}`);
+    else if (el.clientWidth < 24) out.push(`squeezed to ${el.clientWidth} px: ${describe(el)}`);
+  }
+  return out;
+}"""
+
+
+def overflows(locator) -> list[str]:
+    """What does not fit its box under the element `locator` matches (see _OVERFLOWS_JS): empty
+    when every word on it can be read, whole or ellipsized with its full text in a title."""
+    return locator.evaluate(_OVERFLOWS_JS)

@@ -121,6 +121,22 @@ def test_verdicts():
     assert verdict.judge(step, other, _ok("a"))["kind"] == "p_failed"
     assert verdict.judge({**step, "allowed_refusals": []}, clear, _ok("a"))["kind"] == "p_failed"
     assert verdict.judge(step, {"status": "interrupted"}, _ok("a"))["result"] == "interrupted"
+    # Refused when queued: the node's validation error is judged like the same refusal at run.
+    queued = {"status": "rejected", "detail": {"node_errors": {"3": {"errors": [
+        {"details": "model - resident_blocks=5 but the model has 2 blocks"}]}}}}
+    assert verdict.judge(step, queued, _ok("a")) == {"result": "refused", "kind": "resident_out_of_range",
+                                                      "when": "queued"}
+    assert verdict.judge({**step, "allowed_refusals": []}, queued, _ok("a"))["kind"] == "rejected"
+    # Queued with one branch refused: ComfyUI runs the other, which must match.
+    errors = queued["detail"]["node_errors"]
+    two = {"status": "success", "outputs": {"9": {"latent_stats": [{"sha256": "a"}]},
+                                            "12": {"latent_stats": [{"sha256": "b"}]}}}
+    ran = {"status": "success", "node_errors": errors, "outputs": {"9": {"latent_stats": [{"sha256": "a"}]}}}
+    assert verdict.judge(step, ran, two) == {"result": "refused", "kind": "resident_out_of_range",
+                                             "when": "queued"}
+    wrong = {**ran, "outputs": {"9": {"latent_stats": [{"sha256": "c"}]}}}
+    assert verdict.judge(step, wrong, two)["kind"] == "output_differs"
+    assert verdict.judge({**step, "allowed_refusals": []}, ran, two)["kind"] == "rejected"
 
 
 def test_bounded_differential_campaign(tmp_path):

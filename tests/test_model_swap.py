@@ -154,6 +154,21 @@ def test_swap_with_layerwise_offload_is_identical(comfy):
     assert encode_sha(both) == encode_sha(plain)
 
 
+def test_swap_over_a_kept_layerwise_pack_holds_the_blocks_once(comfy):
+    """An earlier workflow streamed the model and its pack is kept; Model-Level Swap on the same
+    model leaves the blocks in that pack (its master holds the rest), and nothing changes."""
+    comfy.free()
+    plain = comfy.run(with_text_encode(sample_workflow("wan21"), swap=False))
+    comfy.run(sample_workflow("wan21", layerwise={"resident_blocks": 0, "prefetch": 1}))
+    swapped = comfy.run(with_text_encode(sample_workflow("wan21"), swap=True))
+    assert latent_sha(swapped) == latent_sha(plain) and encode_sha(swapped) == encode_sha(plain)
+    dit = members(comfy)["WAN21"]
+    lw = next(m for m in comfy.get("/offload/layerwise")["models"] if m["model_class"] == "WanModel")
+    assert dit["in_layerwise_pack"] > 0
+    assert dit["bytes"]["master"] <= lw["rest_bytes"] + 64 * 1024  # the rest, not the blocks again
+    comfy.free()
+
+
 def test_two_samplers_with_swap_are_identical(comfy):
     """Wan 2.2 style high/low experts, each under Model-Level Swap with the same encoder."""
     from test_layerwise_nodes import two_stage_workflow

@@ -4,9 +4,11 @@ A saved UI workflow stores each node's widget values by position and its links b
 API prompt names inputs. Both keep working only if every node keeps its id, its inputs (names,
 order, types, defaults, ranges, tooltips), its outputs, category and display name.
 tests/fixtures/node_interfaces.json holds what the nodes served as V1 nodes, before the move to
-V3 (taken from /object_info of both ComfyUI versions, which agreed), with Apply Layerwise Offload's
-auto defaults since (prefetch and disk_workers 0, granularity "auto", each with its tooltip; every
-value a saved workflow can hold is still in range); the Tiered loaders must serve
+V3 (taken from /object_info of both ComfyUI versions, which agreed), plus the inputs added since,
+each optional and last (`share_host_memory`), which keeps every saved widget value in its place,
+and Apply Layerwise Offload's auto defaults (prefetch and disk_workers 0, granularity "auto", each
+with its tooltip; every value a saved workflow can hold is still in range); the Tiered loaders
+must serve
 exactly the inputs, outputs and description of the core loader each one mirrors, on the same
 server (the file lists and a loader's options differ between ComfyUI versions).
 
@@ -97,11 +99,12 @@ def test_a_tiered_loader_refuses_a_file_its_folder_lacks_when_queued(comfy):
 
 def test_a_spill_folder_the_node_would_refuse_is_refused_when_queued(comfy, tmp_path):
     """Apply Layerwise Offload's validate_inputs: a spill_dir outside the allowed folders, or one
-    that does not exist, is refused at queue time with the node's own message, once, on that
-    input; nothing runs, and the server keeps serving."""
+    that does not exist, is refused at queue time with the node's own message, once (on the
+    `model` input, the one its check names: it also refuses compiles, docs/torch-compile.md);
+    nothing runs, and the server keeps serving."""
     outside = sample_workflow("wan21", layerwise={"host_cache_gb": 0.01, "spill_dir": str(tmp_path)})
     details = comfy.refused(outside, "offload")
-    assert details.startswith("spill_dir - Apply Layerwise Offload: spill_dir"), details
+    assert details.startswith("model - Apply Layerwise Offload: spill_dir"), details
     assert "is outside the folders a spill file may go to" in details and details.count(" - ") == 1
     missing = sample_workflow("wan21", layerwise={"spill_dir": str(comfy.base / "temp" / "no such folder")})
     assert "is not an existing folder" in comfy.refused(missing, "offload")
@@ -127,3 +130,16 @@ def test_a_ram_reserve_larger_than_the_machine_is_refused_when_queued(comfy):
     wf["tm"]["inputs"]["ram_reserve_gb"] = float("nan")
     assert "not NaN" in comfy.refused(wf, "tm")
     assert comfy.get("/offload/tiers")["budgets"] == before
+
+
+def test_the_readme_picture_shows_the_inputs_the_nodes_serve(object_info):
+    """web/screenshot.json records the pack's nodes as the README's picture shows them
+    (tools/screenshot.py; tests/unit/test_screenshot_sidecar.py checks it against the recorded
+    interfaces): the server under test serves those inputs, no more, no fewer."""
+    record = json.loads((Path(__file__).resolve().parent.parent / "web" / "screenshot.json")
+                        .read_text(encoding="utf-8"))
+    assert record["nodes"], record
+    for node, shown in record["nodes"].items():
+        served = {name for section in ("required", "optional")
+                  for name in object_info[node]["input"].get(section, {})}
+        assert set(shown["inputs"]) == served, f"{node}: the README's picture is stale, run make screenshot"

@@ -24,7 +24,7 @@ from pathlib import Path
 DEVELOPMENT = ("tests/", "bench/", "tools/", ".ci/", "Makefile", ".gitignore", ".comfyignore")
 REQUIRED = ("__init__.py", "LICENSE", "README.md", "ARCHITECTURE.md", "pyproject.toml", "requirements.txt")
 SHIPPED_FOLDERS = ("nodes/", "offload_core/", "web/", "locales/", "example_workflows/", "docs/")
-NOT_RUN = ("web/screenshot.png",)   # the README's picture: the frontend never loads it
+NOT_RUN = ("web/screenshot.png", "web/screenshot.json")   # the README's picture and its record: the frontend never loads them
 LANGUAGES = ("en", "zh")
 LOCALE_FILES = ("main.json", "nodeDefs.json", "settings.json", "commands.json")
 JS_IMPORT = re.compile(r"""(?:\bfrom\s*|\bimport\s*\(\s*|\bimport\s+|new URL\(\s*)["'](\.{1,2}/[^"']+)["']""")
@@ -98,9 +98,22 @@ def _binds(package: list[str], attribute: str, files: dict[str, bytes]) -> bool:
             return True
         if isinstance(node, (ast.Assign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            if any(isinstance(t, ast.Name) and t.id == attribute for t in targets):
+            if attribute in _bound_names(targets):
                 return True
     return False
+
+
+def _bound_names(targets: list[ast.expr]) -> set[str]:
+    """The names an assignment binds, unpacking included (`A, B = ...`, `A, *B = ...`)."""
+    names = set()
+    for target in targets:
+        if isinstance(target, ast.Name):
+            names.add(target.id)
+        elif isinstance(target, ast.Starred):
+            names |= _bound_names([target.value])
+        elif isinstance(target, (ast.Tuple, ast.List)):
+            names |= _bound_names(target.elts)
+    return names
 
 
 def web_directory(files: dict[str, bytes]) -> str:
@@ -153,8 +166,10 @@ def main(argv: list[str]) -> int:
         return 2
     with zipfile.ZipFile(argv[1]) as archive:
         files = {n: archive.read(n) for n in archive.namelist() if not n.endswith("/")}
-    tracked = subprocess.run(["git", "ls-files"], capture_output=True, text=True, check=True,
-                             cwd=Path(__file__).resolve().parent.parent).stdout.split()
+    # One name per NUL: a name may hold spaces (the example workflows' do), as comfy-cli reads it.
+    tracked = [name for name in subprocess.run(
+        ["git", "ls-files", "-z"], capture_output=True, text=True, check=True,
+        cwd=Path(__file__).resolve().parent.parent).stdout.split("\0") if name]
     found = problems(files, tracked)
     for line in found:
         print(f"pack archive: {line}", file=sys.stderr)

@@ -2,24 +2,28 @@
 workflow through /prompt, and the way to open it in the UI.
 
 The server is a user's: core's nodes and the pack's, none of the test suite's. It serves on
-127.0.0.1:8188 until Ctrl-C; DEMO_EXIT=1 (or --exit) stops it right after the workflow, for
-scripts. The demo base directory is .demo/ in the repository. The workflow is the one the pack
-ships in example_workflows/ (tools/example_workflows.py builds both).
+127.0.0.1:8188 until Ctrl-C; --port (or DEMO_PORT) picks another port, for a machine that already
+runs a ComfyUI on 8188: `make demo DEMO_ARGS="--port 8189"`. A port in use is refused before
+anything starts (the demo must never queue its workflow on someone else's server). DEMO_EXIT=1
+(or --exit) stops it right after the workflow, for scripts. The demo base directory is .demo/ in
+the repository. The workflow is the one the pack ships in example_workflows/
+(tools/example_workflows.py builds both).
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
 import os
+import socket
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "tools"), str(REPO / "tests")]
-
-import example_workflows  # noqa: E402
-from comfy_server import PACK_LINK_NAME, ComfyServer  # noqa: E402
+if TYPE_CHECKING:
+    from comfy_server import ComfyServer
 
 MiB = 2**20
 
@@ -57,13 +61,34 @@ def print_loaded(server: ComfyServer) -> None:
               + (f", {', '.join(what)}" if what else ""))
 
 
+def port_in_use(port: int) -> bool:
+    """Whether something already listens on 127.0.0.1:`port` (or it cannot be bound). Bound as
+    the server binds (SO_REUSEADDR), so a port left in TIME_WAIT by an earlier demo counts free."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--exit", action="store_true", default=os.environ.get("DEMO_EXIT") == "1",
                     help="stop the server after the workflow (also DEMO_EXIT=1)")
-    ap.add_argument("--port", type=int, default=int(os.environ.get("DEMO_PORT", "8188")))
+    ap.add_argument("--port", type=int, default=int(os.environ.get("DEMO_PORT", "8188")),
+                    help="the port to serve on (default 8188; also DEMO_PORT)")
     ap.add_argument("--base", type=Path, default=REPO / ".demo", help="ComfyUI base directory")
     args = ap.parse_args()
+    if port_in_use(args.port):
+        print(f"port {args.port} is in use on 127.0.0.1 (a ComfyUI already running?): run the demo "
+              f"on another port, e.g. make demo DEMO_ARGS=\"--port {args.port + 1}\"",
+              file=sys.stderr)
+        return 2
+    # Imported once the port is known free: they load torch, which takes seconds.
+    import example_workflows
+    from comfy_server import PACK_LINK_NAME, ComfyServer
 
     base = args.base.resolve()
     for path in example_workflows.write_models(base):
@@ -76,6 +101,10 @@ def main() -> int:
         failed = [line for line in server.log_text().splitlines() if "IMPORT FAILED" in line]
         for line in failed:
             print(f"warning: ComfyUI could not import a module: {line.strip()}")
+        # The panel's picture of the run is recorded only while a panel asks for it; the user opens
+        # the panel after this run, and ComfyUI would not run the unchanged workflow again: record
+        # this one, so its picture is there when the panel opens.
+        server.post("/offload/timeline", {"enabled": True})
         t0 = time.time()
         outputs = server.run(example_workflows.demo())
         latent = outputs["7"]["latents"][0]
@@ -84,10 +113,13 @@ def main() -> int:
               f"sha256 {latent_sha256(path)}")
         print_layerwise(server)
         print_loaded(server)
+        for picture in server.get("/offload/timeline")["timelines"]:
+            print(f"picture of the run recorded for {picture['model_class']}: {len(picture['units'])} "
+                  f"streamed units, a pass of {picture['pass_ms']:.1f} ms; the Offload panel shows it")
         print(f"\nComfyUI is served at {server.url}/ . To open the demo workflow there: "
               f"Workflow menu → Browse Templates, then '{PACK_LINK_NAME}' under EXTENSIONS on the "
-              f"left, then 'tiered_offload_demo'. The Offload tab in the left sidebar (the server "
-              f"icon) lists the models this run loaded.")
+              f"left, then '{example_workflows.DEMO}'. The Offload tab in the left sidebar (the "
+              f"server icon) lists the models this run loaded.")
         if args.exit:
             return 0
         print("serving until Ctrl-C")

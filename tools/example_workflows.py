@@ -6,43 +6,65 @@ from the weights (768, CLIP-L's), and a random-weight CLIP-L text encoder loaded
 CLIPLoader. (A Wan needs 4096-wide umt5-xxl conditioning: ComfyUI fixes Wan's text width, and no
 encoder of that width is small enough to write here.)
 
-`python tools/example_workflows.py` rewrites `example_workflows/*.json`, the graph (UI) files
-ComfyUI's template browser lists for this pack, from the API graphs below: it starts a server
-with the pack, lets the frontend build each graph in headless Chromium and saves what the
-frontend serializes, so the files are what a user would get by saving the workflow.
+`python tools/example_workflows.py` rewrites `example_workflows/api/*.json`, the API form of each
+workflow (what POST /prompt takes, as "Export (API)" saves it), and `example_workflows/*.json`,
+the graph (UI) files ComfyUI's template browser lists for this pack: it starts a server with the
+pack, lets the frontend build each graph in headless Chromium and saves what the frontend
+serializes, so the files are what a user would get by saving the workflow. `--api-only` writes
+the API forms alone (no server, no browser).
+
+The template browser shows a pack's workflow by its file name only (as its title, and again as
+its caption), so each file is named for what the workflow shows.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "fixtures")]
 import tiny_models  # noqa: E402
 
 EXAMPLES_DIR = REPO / "example_workflows"
+API_DIR = EXAMPLES_DIR / "api"
 DIT_FILE = "demo_hunyuan_video_12blocks.safetensors"
 CLIP_FILE = tiny_models.CLIP_L_FILENAME
 DIT_SHAPE = {"double_blocks": 4, "single_blocks": 8, "hidden": 128, "text_dim": 768, "seed": 0}
+DIT_BLOCKS = DIT_SHAPE["double_blocks"] + DIT_SHAPE["single_blocks"]
+LAYERWISE_RESIDENT = 4   # the blocks the Apply Layerwise Offload example keeps: it streams the rest
 PROMPT = "a lighthouse on a cliff at dusk, waves below"
 NEGATIVE = "blurry"
 
 
-def write_models(base: Path) -> list[Path]:
-    """Write the demo's DiT and text encoder under base/models where core's loaders look."""
-    dit = base / "models" / "diffusion_models" / DIT_FILE
-    clip = base / "models" / "text_encoders" / CLIP_FILE
+# The models every example loads: (models/ subfolder, file name) -> what it is.
+MODELS = {
+    ("diffusion_models", DIT_FILE): f"a random-weight HunyuanVideo-shaped diffusion model of {DIT_BLOCKS} "
+                                    "blocks",
+    ("text_encoders", CLIP_FILE): "a random-weight CLIP-L text encoder",
+}
+
+
+def write_models_into(models_dir: Path) -> list[Path]:
+    """Write the demo's models into a ComfyUI models folder where core's loaders look (MODELS);
+    a file already there is kept. Returns the files written."""
+    writers = {DIT_FILE: lambda path: tiny_models.write_tiny_hunyuan_video(path, **DIT_SHAPE),
+               CLIP_FILE: tiny_models.write_random_clip_l}
     written = []
-    if not dit.exists():
-        tiny_models.write_tiny_hunyuan_video(dit, **DIT_SHAPE)
-        written.append(dit)
-    if not clip.exists():
-        tiny_models.write_random_clip_l(clip)
-        written.append(clip)
+    for folder, name in MODELS:
+        path = models_dir / folder / name
+        if not path.exists():
+            writers[name](path)
+            written.append(path)
     return written
+
+
+def write_models(base: Path) -> list[Path]:
+    """Write the demo's models under a ComfyUI base directory's models/ (see write_models_into)."""
+    return write_models_into(base / "models")
 
 
 def _base(unet: str = "UNETLoader", clip: str = "CLIPLoader") -> dict[str, dict]:
@@ -64,25 +86,32 @@ def _base(unet: str = "UNETLoader", clip: str = "CLIPLoader") -> dict[str, dict]
     }
 
 
+def _layerwise_inputs(**chosen) -> dict:
+    """Apply Layerwise Offload over the loader's model: every input written out (the template
+    shows each widget's value), the node's defaults but for what an example chooses."""
+    inputs = {"model": ["1", 0], "resident_blocks": -1, "vram_budget_gb": 0.0, "prefetch": 2,
+              "pin": True, "mode": "auto", "host_cache_gb": 0.0, "disk_workers": 2,
+              "granularity": "block", "spill_dir": "", "compile_per_block": False, "share_host_memory": True}
+    inputs.update(chosen)
+    return inputs
+
+
 def demo() -> dict[str, dict]:
     """`make demo`: core's loaders, the DiT streamed by Apply Layerwise Offload (2 blocks resident)."""
     wf = _base()
-    wf["8"] = {"class_type": "ApplyLayerwiseOffload", "inputs": {
-        "model": ["1", 0], "resident_blocks": 2, "vram_budget_gb": 12.0, "prefetch": 2, "pin": True,
-        "mode": "auto", "host_cache_gb": 0.0, "disk_workers": 2,
-        "granularity": "block", "spill_dir": ""}}
+    wf["8"] = {"class_type": "ApplyLayerwiseOffload",
+               "inputs": _layerwise_inputs(resident_blocks=2, vram_budget_gb=12.0)}
     wf["6"]["inputs"]["model"] = ["8", 0]
     wf["7"]["inputs"]["filename_prefix"] = "latents/tiered_offload_demo"
     return wf
 
 
 def layerwise() -> dict[str, dict]:
-    """Apply Layerwise Offload as most users set it: resident blocks from a VRAM budget in GiB."""
+    """Apply Layerwise Offload keeping a count of blocks on the device: it streams the rest on any
+    machine (a budget in GiB would keep the whole small demo model on a large card, or on a CPU)."""
     wf = _base()
-    wf["8"] = {"class_type": "ApplyLayerwiseOffload", "inputs": {
-        "model": ["1", 0], "resident_blocks": -1, "vram_budget_gb": 12.0, "prefetch": 2, "pin": True,
-        "mode": "auto", "host_cache_gb": 0.0, "disk_workers": 2,
-        "granularity": "block", "spill_dir": ""}}
+    wf["8"] = {"class_type": "ApplyLayerwiseOffload",
+               "inputs": _layerwise_inputs(resident_blocks=LAYERWISE_RESIDENT, vram_budget_gb=0.0)}
     wf["6"]["inputs"]["model"] = ["8", 0]
     return wf
 
@@ -90,7 +119,8 @@ def layerwise() -> dict[str, dict]:
 def swap() -> dict[str, dict]:
     """Model-Level Swap: the DiT and the text encoder take turns on the GPU."""
     wf = _base()
-    wf["8"] = {"class_type": "ModelLevelSwap", "inputs": {"model": ["1", 0], "clip": ["2", 0]}}
+    wf["8"] = {"class_type": "ModelLevelSwap",
+               "inputs": {"model": ["1", 0], "clip": ["2", 0], "share_host_memory": True}}
     wf["6"]["inputs"]["model"] = ["8", 0]
     for node in ("3", "4"):
         wf[node]["inputs"]["clip"] = ["8", 1]
@@ -109,36 +139,70 @@ def tiered() -> dict[str, dict]:
     return wf
 
 
-# file stem -> (API graph, the note shown on the canvas)
-EXAMPLES: dict[str, tuple[Callable[[], dict], str]] = {
-    "tiered_offload_demo": (demo, (
-        "The demo of comfyui-tiered-offload (make demo). Apply Layerwise Offload streams the "
-        "diffusion model's blocks from pinned RAM: 2 of its 12 blocks stay on the GPU, the rest "
-        "are copied in while earlier blocks compute. The result is bit-identical to the same "
-        "workflow without the node. Open the Offload tab in the sidebar after a run: every "
-        "loaded model, its blocks and the run's figures. The models are random-weight demo "
-        "files that make demo writes; pick your own in the loaders.")),
-    "apply_layerwise_offload": (layerwise, (
-        "Apply Layerwise Offload between the model loader (and any LoRA) and the sampler. With "
-        "resident_blocks -1, vram_budget_gb (GiB) decides how many blocks stay on the GPU; the "
-        "rest stream from pinned RAM. 12 GiB suits a 24 GiB card running a 14B video model; the "
-        "small demo model fits whole in it, so nothing streams here (the demo workflow keeps 2 "
-        "blocks resident to show streaming).")),
-    "model_level_swap": (swap, (
-        "Model-Level Swap after the loaders: the diffusion model is parked while text is "
+_MODELS_NOTE = (f"Models: {DIT_FILE} (in models/diffusion_models) and {CLIP_FILE} (in "
+                "models/text_encoders), random-weight demo files: make demo writes them, and so "
+                "does python tools/demo_models.py YOUR_COMFYUI_FOLDER from a clone of the pack. "
+                "Or pick your own models in the loaders.")
+
+
+class Example(NamedTuple):
+    build: Callable[[], dict]
+    note: str   # shown on the canvas
+
+
+# The file stem -> the example. The template browser shows the stem as the title (cut at about 25
+# characters: the node comes first) and again as the caption (two lines, about 60 characters, with
+# "-" and "_" turned into spaces): it says what the workflow shows. A stem is a file name on every
+# system: none of / \ : * ? " < > | (Windows refuses them).
+DEMO = "Demo, a model streamed from RAM, seen in the Offload panel"
+EXAMPLES: dict[str, Example] = {
+    DEMO: Example(demo, (
+        f"The demo of comfyui-tiered-offload (make demo). Apply Layerwise Offload streams the "
+        f"diffusion model's blocks from pinned RAM: 2 of its {DIT_BLOCKS} blocks stay on the GPU, "
+        f"the other {DIT_BLOCKS - 2} are copied in while earlier blocks compute. The result is "
+        f"bit-identical to the same workflow without the node. Open the Offload tab in the "
+        f"sidebar before a run: every loaded model, where its blocks are, and a picture of the "
+        f"run. " + _MODELS_NOTE)),
+    f"Apply Layerwise Offload, {DIT_BLOCKS - LAYERWISE_RESIDENT} of {DIT_BLOCKS} blocks streamed from RAM":
+    Example(layerwise, (
+        f"Apply Layerwise Offload between the model loader (and any LoRA) and the sampler. "
+        f"resident_blocks {LAYERWISE_RESIDENT}: that many of the model's blocks stay on the GPU, "
+        f"the rest ({DIT_BLOCKS - LAYERWISE_RESIDENT} of the demo model's {DIT_BLOCKS}) are "
+        f"streamed from pinned RAM, on any machine. For your own model, set resident_blocks to -1 "
+        f"and vram_budget_gb to the GiB the blocks may take on your card (for example 12 on a "
+        f"24 GiB card running a 14B video model), or to 0 to let the node take what the card has "
+        f"free. " + _MODELS_NOTE)),
+    "Model-Level Swap, model and text encoder share the GPU": Example(swap, (
+        "Model-Level Swap after the loaders: the diffusion model is parked in RAM while text is "
         "encoded, the text encoder while sampling. Both move from pinned RAM masters: a few "
-        "large copies in, nothing copied back.")),
-    "tiered_loaders_and_manager": (tiered, (
-        "The Tiered loaders are drop-in twins of core's loaders whose models the tier manager "
-        "keeps across workflows (VRAM, RAM, disk). The VRAM Tier Manager sets the budgets (GiB) "
+        "large copies in, nothing copied back. " + _MODELS_NOTE)),
+    "Tiered loaders, models kept in RAM between workflows": Example(tiered, (
+        "The Tiered loaders load what core's loaders load, and the tier manager keeps their "
+        "models across workflows (VRAM, RAM, disk). The VRAM Tier Manager sets the budgets (GiB) "
         "and this model's policy: keep in RAM, priority 10. Run another workflow, then this one "
         "again: its models come back from RAM, not from disk. The Offload tab edits the same "
-        "budgets and policy.")),
+        "budgets and policy. " + _MODELS_NOTE)),
 }
 
 
 def api_graphs() -> dict[str, dict]:
-    return {stem: build() for stem, (build, _) in EXAMPLES.items()}
+    return {stem: example.build() for stem, example in EXAMPLES.items()}
+
+
+def api_text(graph: dict) -> str:
+    """An API graph as the shipped file holds it."""
+    return json.dumps(graph, indent=1) + "\n"
+
+
+def write_api_files(out_dir: Path) -> list[Path]:
+    """The API form of every example, as `<stem>.json` in `out_dir`: what POST /prompt takes."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for stem, graph in api_graphs().items():
+        path = out_dir / f"{stem}.json"
+        path.write_text(api_text(graph), encoding="utf-8")
+        written.append(path)
+    return written
 
 
 # Runs in the page: the frontend builds the graph from the API form, lays it out, adds the note
@@ -172,8 +236,8 @@ def build_ui_files(url: str, out_dir: Path, chromium: str) -> list[Path]:
         page.goto(url, wait_until="domcontentloaded")
         page.wait_for_function("() => window.app && window.app.graph && window.LiteGraph",
                                timeout=120_000)
-        for stem, (build, note) in EXAMPLES.items():
-            graph = json.loads(page.evaluate(_BUILD_JS, [build(), note, stem]))
+        for stem, example in EXAMPLES.items():
+            graph = json.loads(page.evaluate(_BUILD_JS, [example.build(), example.note, stem]))
             path = out_dir / f"{stem}.json"
             path.write_text(json.dumps(graph, indent=1) + "\n")
             page.evaluate("app.extensionManager.command.execute('Comfy.Canvas.FitView')")
@@ -185,7 +249,14 @@ def build_ui_files(url: str, out_dir: Path, chromium: str) -> list[Path]:
     return written
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--api-only", action="store_true", help="write the API forms only")
+    args = ap.parse_args(argv)
+    for path in write_api_files(API_DIR):
+        print(f"wrote {path.relative_to(REPO)}")
+    if args.api_only:
+        return 0
     from browser import chromium_path
     from comfy_server import ComfyServer
 
@@ -206,4 +277,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -5,14 +5,25 @@
 
 import { tr } from "./i18n.js";
 import { esc, legend, num } from "./html.js";
-import { compactTimelineHtml, fitMarks } from "./timeline.js";
+import { compactTimelineHtml, fitPicture } from "./timeline.js";
 import { planHtml } from "./plan.js";
 import { View } from "./view.js";
 
 const TIER_LABEL = { vram: "VRAM", ram: "RAM", disk: "DISK" };
+// A tier's badge: [class, text, title key]. Without a GPU the top tier is the CPU's own memory:
+// a model ComfyUI loaded there is in RAM, so its badge says CPU, never VRAM.
+function tierBadge(tier, cpu) {
+  if (tier === "vram" && cpu) return ["cpu", "CPU", "card.badgeTitle.cpu"];
+  return [tier, TIER_LABEL[tier], `card.badgeTitle.${tier}`];
+}
+function badgeHtml(tier, cpu) {
+  const [cls, text, title] = tierBadge(tier, cpu);
+  return `<span class="to-badge to-badge-${cls}" data-role="tier" title="${esc(tr(title))}">${text}</span>`;
+}
+// `cpuTitle`: the button's title where the device is the CPU (no VRAM to load into or drop).
 const TIER_ACTIONS = [
-  { action: "load", icon: "pi-upload", off: (m) => m.tier === "vram" },
-  { action: "park", icon: "pi-download", off: (m) => m.tier === "ram" },
+  { action: "load", icon: "pi-upload", off: (m) => m.tier === "vram", cpuTitle: "actions.load.titleCpu" },
+  { action: "park", icon: "pi-download", off: (m) => m.tier === "ram", cpuTitle: "actions.park.titleCpu" },
   { action: "evict", icon: "pi-trash", off: (m) => m.tier === "disk" },
 ];
 const BLOCK_STATES = ["resident", "streamed", "in_flight", "cached", "disk"];
@@ -20,7 +31,7 @@ const CORE_STATES = ["resident", "partial", "streamed"];
 const BUDGET_FIELDS = [
   { key: "ram_budget_gb", bytes: "ram_budget_bytes", label: "ramBudget", empty: true },
   { key: "ram_reserve_gb", bytes: "ram_reserve_bytes", label: "ramReserve" },
-  { key: "vram_reserve_gb", bytes: "vram_reserve_bytes", label: "vramReserve" },
+  { key: "vram_reserve_gb", bytes: "vram_reserve_bytes", label: "vramReserve", gpu: true },
 ];
 const GIB = 2 ** 30;
 const UNITS = ["B", "KiB", "MiB", "GiB", "TiB"];
@@ -80,21 +91,29 @@ export function placement(total, device, ram, cpu) {
   return { total, device: dev, ram: host, disk: total - dev - host };
 }
 
-function placementHtml(p, cpu) {
-  const vram = tr("placement.vram", { size: fmtBytes(p.device) });
-  const ram = tr("placement.ram", { size: fmtBytes(p.ram) });
-  const disk = tr("placement.disk", { size: fmtBytes(p.disk) });
+// The bar of a model's bytes and its legend: each part that holds bytes, and the total where
+// there are two parts or more (a whole model in one place reads "RAM: all 236 MiB", no repeat).
+// `parts` {blocks, rest}: what a streamed model's total counts, said under the legend.
+function placementHtml(p, cpu, parts = null) {
+  const shown = [
+    !cpu && ["vram", "to-c-vram", p.device],
+    ["ram", "to-c-ram", p.ram],
+    ["disk", "to-c-disk", p.disk],
+  ].filter((x) => x && x[2] > 0);
+  const words = (where, bytes) => tr(`placement.${where}`, { size: fmtBytes(bytes) });
+  const items = shown.length === 1
+    ? [[shown[0][1], tr(`placement.${shown[0][0]}All`, { size: fmtBytes(p.total) })]]
+    : [...shown.map(([where, cls, bytes]) => [cls, words(where, bytes)]),
+       ["", tr("placement.total", { size: fmtBytes(p.total) })]];
+  const counted = parts && typeof parts.blocks === "number" && typeof parts.rest === "number"
+    ? `<div class="to-muted to-sub" data-role="parts">${esc(tr("placement.parts", { blocks: fmtBytes(parts.blocks), rest: fmtBytes(parts.rest) }))}</div>`
+    : "";
   return `${bar([
-      { cls: "to-c-vram", bytes: p.device, title: vram },
-      { cls: "to-c-ram", bytes: p.ram, title: ram },
-      { cls: "to-c-disk", bytes: p.disk, title: disk },
+      { cls: "to-c-vram", bytes: p.device, title: words("vram", p.device) },
+      { cls: "to-c-ram", bytes: p.ram, title: words("ram", p.ram) },
+      { cls: "to-c-disk", bytes: p.disk, title: words("disk", p.disk) },
     ], p.total, { cls: "to-bar-thin" })}
-    ${legend([
-      !cpu && ["to-c-vram", vram],
-      ["to-c-ram", ram],
-      p.disk > 0 && ["to-c-disk", disk],
-      ["", tr("placement.total", { size: fmtBytes(p.total) })],
-    ], "figures")}`;
+    ${legend(items, "figures")}${counted}`;
 }
 
 function isCpu(payload) {
@@ -107,7 +126,13 @@ function devicesHtml(payload) {
   const vram = payload.devices?.vram;
   const ram = payload.devices?.ram;
   const out = [];
-  if (vram) {
+  if (vram && isCpu(payload)) {
+    // No GPU: the device is the CPU, and there is no VRAM tier to draw.
+    out.push(`<div class="to-dev" data-dev="device">
+      <div class="to-dev-head"><b>${esc(tr("devices.device"))}</b>
+        <span class="to-right">${esc(tr("devices.cpuOnly"))}</span></div>
+    </div>`);
+  } else if (vram) {
     const total = num(vram.total), used = num(vram.used), reserved = num(vram.reserved);
     const free = vram.free ?? Math.max(0, total - used);
     const usedText = tr("devices.used", { size: b(used) });
@@ -115,13 +140,13 @@ function devicesHtml(payload) {
     const reservedText = tr("devices.reserved", { size: b(reserved) });
     out.push(`<div class="to-dev" data-dev="vram">
       <div class="to-dev-head"><b>${esc(tr("devices.vram"))}</b><span class="to-muted to-ellipsis" title="${esc(vram.device ?? "")}">${esc(vram.device ?? "")}</span>
-        <span class="to-right">${esc(total > 0 ? tr("devices.usedOfTotal", { used: b(used), total: b(total) }) : tr("devices.noGpu"))}</span></div>
-      ${total > 0 ? `${bar([
+        <span class="to-right">${esc(tr("devices.usedOfTotal", { used: b(used), total: b(total) }))}</span></div>
+      ${bar([
         { cls: "to-c-used", bytes: used, title: usedText },
         { cls: "to-c-free", bytes: Math.max(0, free - reserved), title: freeText },
         { cls: "to-c-reserved", bytes: Math.min(reserved, free), title: reservedText },
       ], total)}
-      ${legend([["to-c-used", usedText], ["to-c-free", freeText], ["to-c-reserved", reservedText]])}` : ""}
+      ${legend([["to-c-used", usedText], ["to-c-free", freeText], ["to-c-reserved", reservedText]])}
     </div>`);
   }
   if (ram) {
@@ -130,11 +155,15 @@ function devicesHtml(payload) {
     const unpinnedModels = Math.max(0, models - pinned);
     const other = Math.max(0, total - avail - pinned - unpinnedModels);
     const pinnedText = tr("devices.pinnedSize", { size: b(pinned) });
+    // Pinned RAM only speeds up copies to a GPU: without one nothing is pinned, and no bar says so.
+    const cpu = isCpu(payload);
+    const pinnedHead = cpu && pinned === 0 ? tr("devices.pinnedNoGpu")
+      : budget > 0 ? tr("devices.pinnedOfBudget", { pinned: b(pinned), budget: b(budget) })
+        : tr("devices.pinnedNoBudget", { pinned: b(pinned) });
     out.push(`<div class="to-dev" data-dev="pinned">
       <div class="to-dev-head"><b>${esc(tr("devices.pinned"))}</b>
-        <span class="to-right">${esc(budget > 0 ? tr("devices.pinnedOfBudget", { pinned: b(pinned), budget: b(budget) })
-          : tr("devices.pinnedNoBudget", { pinned: b(pinned) }))}</span></div>
-      ${bar([{ cls: "to-c-pinned", bytes: pinned, title: pinnedText }],
+        <span class="to-right">${esc(pinnedHead)}</span></div>
+      ${cpu && pinned === 0 ? "" : bar([{ cls: "to-c-pinned", bytes: pinned, title: pinnedText }],
             budget > 0 ? budget : Math.max(pinned, 1), { cls: pinned > budget && budget > 0 ? "to-over" : "" })}
     </div>
     <div class="to-dev" data-dev="ram">
@@ -145,7 +174,7 @@ function devicesHtml(payload) {
         { cls: "to-c-ram", bytes: unpinnedModels, title: tr("devices.managedUnpinnedTitle", { size: b(unpinnedModels) }) },
         { cls: "to-c-other", bytes: other, title: tr("devices.otherTitle", { size: b(other) }) },
       ], total, budget > 0 ? { marker: { bytes: budget, title: tr("devices.ramBudgetMarker", { size: b(budget) }) } } : {})}
-      ${legend([["to-c-pinned", pinnedText],
+      ${legend([(!cpu || pinned > 0) && ["to-c-pinned", pinnedText],
                 unpinnedModels > 0 && ["to-c-ram", tr("devices.managedSize", { size: b(unpinnedModels) })],
                 ["to-c-other", tr("devices.otherSize", { size: b(other) })],
                 ["to-c-free", tr("devices.availableSize", { size: b(avail) })]])}
@@ -157,7 +186,9 @@ function devicesHtml(payload) {
 // Where a block's weights are: on the device, in a device slot, in the host cache, on disk only,
 // or packed in host RAM. A model core streams with Dynamic VRAM: where comfy-aimdo holds each
 // block (read from its VBAR after the last run), or the node's plan where that cannot be read.
-function stripHtml(lw, place = "blocks.place", states = BLOCK_STATES) {
+// `cpu`: the device is the CPU, whose buffers are RAM too: the words say resident or streamed,
+// not on the device or in VRAM.
+function stripHtml(lw, cpu, place = cpu ? "blocks.placeCpu" : "blocks.place", states = BLOCK_STATES) {
   const shownStates = Array.isArray(lw.block_states) && lw.block_states.length
     ? lw.block_states
     : Array.from({ length: num(lw.blocks) }, (_, i) =>
@@ -167,7 +198,7 @@ function stripHtml(lw, place = "blocks.place", states = BLOCK_STATES) {
   const cells = shownStates.map((s, i) =>
     `<span class="to-blk to-blk-${esc(s)}" title="${esc(tr("blocks.cell", { index: i, place: where(s) }))}"></span>`);
   const shown = new Set(shownStates);
-  const legendKey = place === "blocks.place" ? "blocks.legend" : place;
+  const legendKey = { "blocks.place": "blocks.legend", "blocks.placeCpu": "blocks.legendCpu" }[place] ?? place;
   return `<div class="to-strip" aria-label="${esc(tr("blocks.strip"))}">${cells.join("")}</div>
     ${legend(states.filter((s) => shown.has(s) || s === "resident" || s === "streamed")
       .map((s) => [`to-blk-${s}`, tr(`${legendKey}.${s}`)]), "strip-legend")}`;
@@ -176,7 +207,10 @@ function stripHtml(lw, place = "blocks.place", states = BLOCK_STATES) {
 // Every telemetry field is optional; older/newer engines name a few of them differently.
 const pick = (t, ...keys) => keys.map((k) => t[k]).find((v) => typeof v === "number" && Number.isFinite(v)) ?? null;
 
-function telemetryHtml(raw) {
+// The last run's figures. `cpu`: the device is the CPU (its buffers are RAM). Compute waited is
+// counted as the picture of a pass counts it (offload_core/device/telemetry.py compute_wait_s),
+// and both say what share of their time it was.
+function telemetryHtml(raw, cpu) {
   if (!raw) return `<div class="to-muted">${esc(tr("stats.noRun"))}</div>`;
   const seconds = pick(raw, "seconds");
   const copied = pick(raw, "bytes_copied");
@@ -184,21 +218,26 @@ function telemetryHtml(raw) {
   const fallbacks = pick(raw, "fallbacks", "sync_fallbacks");
   const eff = typeof raw.overlap_efficiency === "number"
     ? (raw.overlap_efficiency <= 1 ? raw.overlap_efficiency * 100 : raw.overlap_efficiency) : null;
-  const stat = (name, v, cls = "") =>
-    `<div class="to-stat ${cls}" title="${esc(tr(`stats.${name}Title`))}"><span>${esc(tr(`stats.${name}`))}</span><b>${esc(v)}</b></div>`;
+  // `sub`: a second, smaller line under the value (a share of the run).
+  const stat = (name, v, cls = "", key = name, sub = "") =>
+    `<div class="to-stat ${cls}" data-stat="${name}" title="${esc(tr(`stats.${key}Title`))}"><span>${esc(tr(`stats.${key}`))}</span><b>${esc(v)}</b>${
+      sub ? `<small>${esc(sub)}</small>` : ""}</div>`;
   const secs = (s) => tr("stats.seconds", { value: s.toFixed(2) });
-  const share = (s) => (seconds > 0 ? ` (${((100 * s) / seconds).toFixed(0)}%)` : "");
+  const share = (s) => (seconds > 0 ? tr("stats.shareOfRun", { share: ((100 * s) / seconds).toFixed(0) }) : "");
   const rows = [];
-  if (copied !== null && seconds > 0) rows.push(stat("copyRate", `${fmtBytes(copied / seconds)}/s`));
-  if (wait !== null) rows.push(stat("computeWaited", `${secs(wait)}${share(wait)}`));
+  if (wait !== null) rows.push(stat("computeWaited", secs(wait), "", "computeWaited", share(wait)));
   const host = pick(raw, "host_wait_s");
-  if (host !== null) rows.push(stat("engineOnHost", `${secs(host)}${share(host)}`));
+  if (host !== null) rows.push(stat("engineOnHost", secs(host), "", "engineOnHost", share(host)));
   if (eff !== null) rows.push(stat("overlap", `${eff.toFixed(0)}%`));
   if (seconds !== null) rows.push(stat("run", secs(seconds)));
   if (copied !== null) {
-    rows.push(stat("copied", `${fmtBytes(copied)}${typeof raw.copies === "number" ? ` · ${raw.copies}×` : ""}`));
+    rows.push(stat("copied", `${fmtBytes(copied)}${typeof raw.copies === "number" ? ` · ${raw.copies}×` : ""}`,
+      "", cpu ? "copiedCpu" : "copied"));
   }
-  if (typeof raw.peak_materialized_bytes === "number") rows.push(stat("peak", fmtBytes(raw.peak_materialized_bytes)));
+  if (copied !== null && seconds > 0) rows.push(stat("copiedPerSecond", `${fmtBytes(copied / seconds)}/s`));
+  if (typeof raw.peak_materialized_bytes === "number") {
+    rows.push(stat("peak", fmtBytes(raw.peak_materialized_bytes), "", cpu ? "peakCpu" : "peak"));
+  }
   if (num(fallbacks) > 0) rows.push(stat("fallbacks", String(fallbacks), "to-warn"));
   if (num(raw.order_misses) > 0) rows.push(stat("orderMisses", String(raw.order_misses), "to-warn"));
   // Disk streaming: how fast the disk delivered while reading, what the RAM cache saved, and
@@ -235,7 +274,7 @@ function dynamicOrderHtml(lw, showStrip) {
       <span class="to-muted" data-role="lw-summary">${esc(tr("dynamic.summary", { blocks: num(lw.blocks), kept, streamed }))}
       ${esc(tr(fromVbar ? "dynamic.afterRun" : "dynamic.planned"))}</span></div>
     ${order}
-    ${showStrip ? stripHtml(lw, "blocks.corePlace", CORE_STATES) : ""}
+    ${showStrip ? stripHtml(lw, false, "blocks.corePlace", CORE_STATES) : ""}
     <div class="to-muted" data-role="lw-streaming">${esc(dv.streaming ?? "")}</div>
   </div>`;
 }
@@ -247,40 +286,61 @@ function streamedPill(lw) {
     : `<span class="to-pill">${esc(tr("layerwise.pill"))}</span>`;
 }
 
-// `open`: {card, offered}, the card's id and whether the full view of its picture can be opened.
-function layerwiseHtml(lw, showStrip, open) {
+// `open`: {card, offered}, the card's id and whether the full view of its picture can be opened;
+// `cpu`: the device is the CPU.
+function layerwiseHtml(lw, showStrip, open, cpu) {
   if (!lw) return "";
   if (lw.dynamic_vram?.path === "core streams") return dynamicOrderHtml(lw, showStrip);
   // Resident and streamed counts are in units: blocks, or phases of blocks.
   const parts = [
-    tr("layerwise.blocks", { n: num(lw.blocks) }) +
+    tr(num(lw.blocks) === 1 ? "layerwise.blocksOne" : "layerwise.blocks", { n: num(lw.blocks) }) +
       (lw.granularity === "phase" ? ` ${tr("layerwise.asPhases", { n: num(lw.units?.length) })}` : ""),
     tr("layerwise.counts", { resident: lw.resident_indices?.length ?? 0, streamed: lw.streamed_indices?.length ?? 0 }),
-    typeof lw.bound_bytes === "number" && tr("layerwise.bound", { size: fmtBytes(lw.bound_bytes) }),
+    typeof lw.bound_bytes === "number" && tr(cpu ? "layerwise.boundCpu" : "layerwise.bound", { size: fmtBytes(lw.bound_bytes) }),
     lw.disk?.active && tr("layerwise.fromDisk", { size: fmtBytes(num(lw.disk.cache_bytes)) }),
   ].filter(Boolean);
   return `<div class="to-lw" data-role="layerwise">
     <div class="to-lw-head"><b>${esc(tr("layerwise.head"))}</b>
       <span class="to-muted" data-role="lw-summary">${esc(parts.join(" · "))}</span></div>
     ${lw.dynamic_vram?.cost ? `<div class="to-muted" data-role="lw-cost">${esc(tr("layerwise.cost", { cost: lw.dynamic_vram.cost }))}</div>` : ""}
+    ${hostStoreHtml(lw.host_store)}
     ${planHtml(lw)}
-    ${showStrip ? stripHtml(lw) : ""}
-    ${telemetryHtml(lw.telemetry)}
-    ${compactTimelineHtml(lw.timeline, !!lw.telemetry && num(lw.streamed_indices?.length) > 0, open)}
+    ${showStrip ? stripHtml(lw, cpu) : ""}
+    ${telemetryHtml(lw.telemetry, cpu)}
+    ${compactTimelineHtml(lw, !!lw.telemetry && num(lw.streamed_indices?.length) > 0, open)}
   </div>`;
 }
 
+// Where a model's host copy lives: a store every process loading the same file maps (with how
+// many others), or this process's own memory and why.
+function hostStoreHtml(st) {
+  if (!st) return "";
+  if (!st.shared) return `<div class="to-muted" data-role="host-store">${esc(tr("hostStore.private", { why: st.why ?? "" }))}</div>`;
+  const others = typeof st.users === "number" ? Math.max(0, st.users - 1) : null;
+  const withText = others === null ? tr("hostStore.sharedUnknown") : others === 0 ? tr("hostStore.sharedAlone")
+    : others === 1 ? tr("hostStore.sharedWithOne") : tr("hostStore.sharedWith", { n: others });
+  const where = tr(st.kind === "disk" ? "hostStore.sharedDisk" : "hostStore.sharedMemory", { size: fmtBytes(num(st.bytes)) });
+  return `<div class="to-muted" data-role="host-store" data-users="${esc(st.users ?? "")}" title="${esc(`${st.folder}/${st.file}`)}">${esc(`${where} · ${withText}`)}</div>`;
+}
+
+// Model-Level Swap's figures (its "swapped" pill stands with the card's other pills).
 function swapHtml(sw) {
   if (!sw) return "";
   const master = sw.bytes && typeof sw.bytes.master === "number"
     ? ` · ${tr("swap.master", { size: fmtBytes(sw.bytes.master) })}` : "";
-  return `<div class="to-meta" data-role="swap"><span class="to-pill">${esc(tr("swap.pill"))}</span>
-    <span>${esc(tr("swap.turns", { turns: num(sw.turns), parks: num(sw.parks) }) + master)}</span></div>`;
+  const count = (n, one, many) => tr(n === 1 ? one : many, { n });
+  const turns = count(num(sw.turns), "swap.turnsOne", "swap.turnsMany");
+  const parks = count(num(sw.parks), "swap.parksOne", "swap.parksMany");
+  return `<div class="to-meta" data-role="swap"><span>${esc(tr("swap.figures", { turns, parks }) + master)}</span></div>
+    ${hostStoreHtml(sw.host_store)}`;
 }
 
-function button(action, icon, { disabled = false, busy = false } = {}) {
+const swapPill = (sw) => (sw ? `<span class="to-pill" data-role="swap-pill">${esc(tr("swap.pill"))}</span>` : "");
+
+// `title`: the key of the button's title, where it is not the action's own.
+function button(action, icon, { disabled = false, busy = false, title = null } = {}) {
   const label = tr(`actions.${action}.label`);
-  return `<button class="to-btn" data-action="${action}" title="${esc(tr(`actions.${action}.title`))}" aria-label="${esc(label)}"${disabled ? " disabled" : ""}>
+  return `<button class="to-btn" data-action="${action}" title="${esc(tr(title || `actions.${action}.title`))}" aria-label="${esc(label)}"${disabled ? " disabled" : ""}>
     <i class="pi ${busy ? "pi-spin pi-spinner" : icon}"></i><span class="to-label">${esc(label)}</span></button>`;
 }
 
@@ -330,14 +390,15 @@ function managedHtml(m, parts, ctx) {
   const pills = [
     `<span class="to-pill to-pill-tier" title="${esc(tr("card.tierManagedTitle"))}">${esc(tr("card.tierManaged"))}</span>`,
     streamedPill(lw),
+    swapPill(sw),
     users > 0 ? `<span class="to-pill to-pill-busy" title="${esc(tr("card.inUseTitle", { n: users }))}">${esc(tr("card.inUse"))}${users > 1 ? ` ×${users}` : ""}</span>` : "",
   ].join("");
   const buttons = TIER_ACTIONS.map((a) => button(a.action, a.icon,
-    { disabled: !!busy || a.off(m), busy: busy === a.action }));
+    { disabled: !!busy || a.off(m), busy: busy === a.action, title: cpu && a.cpuTitle }));
   const loads = { n: num(m.load_count), disk: num(m.loads_from_disk), ram: num(m.loads_from_ram) };
   return `<div class="to-model" data-model-id="${esc(m.id)}" data-tier="${tier}" data-card="managed">
     <div class="to-model-head">
-      <span class="to-badge to-badge-${tier}" data-role="tier">${TIER_LABEL[tier]}</span>
+      ${badgeHtml(tier, cpu)}
       ${nameHtml(m.name ?? m.id, m.id)}
     </div>
     ${parts.length ? `<div class="to-muted to-sub" data-role="class">${esc(partsLine(parts))}</div>` : ""}
@@ -354,7 +415,7 @@ function managedHtml(m, parts, ctx) {
       <label title="${esc(tr("card.priorityTitle"))}">${esc(tr("card.priority"))}
         <input type="number" min="-100" max="100" step="1" value="${num(pol.priority)}" data-policy="priority" data-key="prio-${esc(m.id)}"${busy ? " disabled" : ""}></label>
     </div>
-    ${layerwiseHtml(lw, strips, { card: m.id, offered: ctx.fullView })}
+    ${layerwiseHtml(lw, strips, { card: m.id, offered: ctx.fullView }, cpu)}
     ${swapHtml(sw)}
     <div class="to-actions">${buttons.join("")}</div>
     ${notice?.model_id === m.id ? noticeHtml(notice) : ""}
@@ -367,37 +428,41 @@ export function coreOnly(card) {
 }
 
 // A model core loaded through any loader, or one the pack still holds after core let go of it.
+// Every card offers Unload: core's own for a model core holds; for one core let go of, the pack
+// lets go of what it holds (its pinned master or pack).
 function coreHtml(l, ctx) {
   const { strips, pending, notice, cpu } = ctx;
   const title = l.file ?? l.class;
   const sub = [l.class, l.network && l.network !== l.class ? l.network : null, l.kind && kindText(l.kind)]
     .filter(Boolean).join(" · ");
   let figures;
-  let badge;
+  let tier;
   if (l.core && l.bytes) {
-    figures = placementHtml(placement(l.bytes.total, l.bytes.device, l.bytes.ram, cpu), cpu);
-    badge = cpu ? ["ram", "RAM"] : num(l.bytes.device) > 0 ? ["vram", "VRAM"] : ["ram", "RAM"];
+    const p = placement(l.bytes.total, l.bytes.device, l.bytes.ram, cpu);
+    figures = placementHtml(p, cpu, l.bytes);
+    tier = cpu || num(l.bytes.device) > 0 ? "vram" : "ram";  // core loaded it on the compute device
   } else {
     figures = `<div class="to-muted">${esc(tr("card.notLoaded"))}</div>`;
-    badge = ["ram", "RAM"];
+    tier = "ram";
   }
   const busy = pending[l.id];
   const pills = [
     l.core ? `<span class="to-pill" title="${esc(tr("card.coreTitle", { device: l.device }))}">${esc(tr("card.core", { device: l.device }))}</span>` : "",
     streamedPill(l.layerwise),
-    l.swap ? `<span class="to-pill">${esc(tr("swap.pill"))}</span>` : "",
+    swapPill(l.swap),
   ].join("");
-  return `<div class="to-model" data-loaded-id="${esc(l.id)}" data-tier="${badge[0]}" data-card="core">
+  const unload = button("unload", "pi-eject", { disabled: !!busy, busy: !!busy, title: l.core ? null : "actions.unload.titleHeld" });
+  return `<div class="to-model" data-loaded-id="${esc(l.id)}" data-tier="${tier}" data-card="core">
     <div class="to-model-head">
-      <span class="to-badge to-badge-${badge[0]}" data-role="tier">${badge[1]}</span>
+      ${badgeHtml(tier, cpu)}
       ${nameHtml(title, l.file ? l.class : null)}
     </div>
     <div class="to-muted to-sub" data-role="class">${esc(sub)}${l.file ? "" : ` · ${esc(tr("card.fileNotRecorded"))}`}</div>
     <div class="to-meta">${pills}</div>
     ${figures}
-    ${layerwiseHtml(l.layerwise, strips, { card: l.id, offered: ctx.fullView })}
+    ${layerwiseHtml(l.layerwise, strips, { card: l.id, offered: ctx.fullView }, cpu)}
     ${swapHtml(l.swap)}
-    ${l.core ? `<div class="to-actions to-actions-1">${button("unload", "pi-eject", { disabled: !!busy, busy: !!busy })}</div>` : ""}
+    <div class="to-actions to-actions-1">${unload}</div>
     ${notice?.model_id === l.id ? noticeHtml(notice) : ""}
   </div>`;
 }
@@ -408,14 +473,15 @@ function noticeHtml(n) {
     <button class="to-icon-btn" data-role="dismiss" title="${esc(tr("panel.dismiss"))}"><i class="pi pi-times"></i></button></div>`;
 }
 
-function budgetsHtml(bud, ram, editing) {
+// The budgets line; without a GPU (`cpu`) it leaves out the VRAM reserve, which has nothing to keep.
+function budgetsHtml(bud, ram, editing, cpu) {
   const b = fmtBytes;
   const budget = typeof bud.ram_budget_bytes === "number" ? b(bud.ram_budget_bytes)
     : num(ram?.budget) > 0 ? tr("budgets.autoOf", { size: b(ram.budget) }) : tr("budgets.auto");
   const shown = [
     tr("budgets.shownBudget", { size: budget }),
     typeof bud.ram_reserve_bytes === "number" && tr("budgets.shownRamReserve", { size: b(bud.ram_reserve_bytes) }),
-    typeof bud.vram_reserve_bytes === "number" && tr("budgets.shownVramReserve", { size: b(bud.vram_reserve_bytes) }),
+    !cpu && typeof bud.vram_reserve_bytes === "number" && tr("budgets.shownVramReserve", { size: b(bud.vram_reserve_bytes) }),
     typeof bud.disk_tier === "boolean" && tr(bud.disk_tier ? "budgets.diskOn" : "budgets.diskOff"),
   ].filter(Boolean);
   const head = `<div class="to-budgets" data-role="budgets"><span class="to-muted">${esc(shown.join(" · "))}</span>
@@ -423,8 +489,8 @@ function budgetsHtml(bud, ram, editing) {
   return head + (editing ? `<div data-role="budget-editor-slot"></div>` : "");
 }
 
-function budgetEditor(bud, err) {
-  const rows = BUDGET_FIELDS.map((f) => `<label title="${esc(tr(`budgets.${f.label}Title`))}"><span>${esc(tr(`budgets.${f.label}`))}</span>
+function budgetEditor(bud, err, cpu) {
+  const rows = BUDGET_FIELDS.filter((f) => !(cpu && f.gpu)).map((f) => `<label title="${esc(tr(`budgets.${f.label}Title`))}"><span>${esc(tr(`budgets.${f.label}`))}</span>
       <input type="number" min="0" step="0.25" name="${f.key}" value="${esc(gib(bud[f.bytes]))}"
         placeholder="${esc(f.empty ? tr("budgets.auto") : "")}"><span class="to-muted">GiB</span></label>`);
   rows.push(`<label title="${esc(tr("budgets.diskTierTitle"))}"><span>${esc(tr("budgets.diskTier"))}</span>
@@ -437,10 +503,12 @@ function budgetEditor(bud, err) {
     </div></form>`;
 }
 
-// The body of a budgets POST from the form, or an error text.
+// The body of a budgets POST from the form, or an error text. A field the form leaves out (the
+// VRAM reserve without a GPU) keeps its value.
 export function budgetBody(form) {
   const body = {};
   for (const f of BUDGET_FIELDS) {
+    if (!form.elements[f.key]) continue;
     const raw = form.elements[f.key].value.trim();
     if (raw === "" && f.empty) { body[f.key] = null; continue; }
     const v = Number(raw);
@@ -518,7 +586,7 @@ export class Panel extends View {
   openEditor() {
     const bud = this.state.payload?.budgets ?? {};
     const holder = document.createElement("div");
-    holder.innerHTML = budgetEditor(bud, null);
+    holder.innerHTML = budgetEditor(bud, null, isCpu(this.state.payload));
     this.editor = holder.firstElementChild;
     this.update();
   }
@@ -570,7 +638,8 @@ export class Panel extends View {
     } else if (!p) {
       body = `<div class="to-empty" data-role="status">${esc(tr("panel.loading"))}</div>`;
     } else {
-      const ctx = { strips, pending: state.pending, notice: state.notice, cpu: isCpu(p), fullView: !!fullView };
+      const cpu = isCpu(p);
+      const ctx = { strips, pending: state.pending, notice: state.notice, cpu, fullView: !!fullView };
       const cards = [
         ...managed.map((m) => managedHtml(m, loaded.filter((l) => l.tier_id === m.id), ctx)),
         ...shown.map((l) => coreHtml(l, ctx)),
@@ -579,7 +648,7 @@ export class Panel extends View {
         ? `<div class="to-muted" data-role="hidden-core">${esc(tr("panel.hiddenCore", { n: hidden }))}</div>` : "";
       body = `
         ${state.status === "error" ? `<div class="to-notice to-notice-error">${esc(state.error)}</div>` : ""}
-        <section class="to-devices">${devicesHtml(p)}${budgetsHtml(p.budgets ?? {}, p.devices?.ram, !!this.editor)}</section>
+        <section class="to-devices">${devicesHtml(p)}${budgetsHtml(p.budgets ?? {}, p.devices?.ram, !!this.editor, cpu)}</section>
         <div class="to-section-head"><b>${esc(tr("panel.models"))}</b><span class="to-muted" data-role="count">${cards.length}</span></div>
         ${hiddenNote}
         <section class="to-models">${cards.length ? cards.join("")
@@ -588,7 +657,7 @@ export class Panel extends View {
     const active = this.root.contains(document.activeElement) ? document.activeElement : null;
     this.rendering = true;  // removing a focused input is no commit
     this.root.innerHTML = head + notice + body;
-    fitMarks(this.root);
+    fitPicture(this.root);
     const slot = this.root.querySelector('[data-role="budget-editor-slot"]');
     if (slot && this.editor) slot.replaceWith(this.editor);
     if (active?.dataset?.key) {

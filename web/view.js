@@ -6,7 +6,7 @@
 const CSS_URL = new URL("./panel.css", import.meta.url).href;
 
 // Resolves once the stylesheet has loaded (or failed to): a view draws again then, since what
-// it measures after drawing (web/timeline.js fitMarks) depends on the styles.
+// it measures after drawing (web/timeline.js fitPicture) depends on the styles.
 let stylesReady = null;
 function loadStyles() {
   stylesReady ??= new Promise((resolve) => {
@@ -30,6 +30,8 @@ export class View {
     this.dirty = true;
     this.frame = 0;
     this.observer = null;
+    this.resizes = null;
+    this.width = 0;  // the root's width when it was last drawn
   }
 
   mount(el) {
@@ -47,8 +49,15 @@ export class View {
       if (entries.some((x) => x.isIntersecting) && this.dirty) this.update();
     });
     this.observer.observe(root);
+    // What is fitted to the width after drawing (labels, tick numbers, marks) is fitted again when
+    // the width changes: a window resized, the sidebar dragged wider.
+    this.resizes = new ResizeObserver(() => {
+      if (this.root && Math.abs(this.root.clientWidth - this.width) >= 1) this.update();
+    });
+    this.resizes.observe(root);
     this.dirty = true;
     this.render();
+    this.width = root.clientWidth;
   }
 
   unmount() {
@@ -56,6 +65,8 @@ export class View {
     this.tearDown();
     this.observer?.disconnect();
     this.observer = null;
+    this.resizes?.disconnect();
+    this.resizes = null;
     this.frame = 0;
     this.root = null;
   }
@@ -72,7 +83,11 @@ export class View {
   update() {
     this.dirty = true;
     if (!this.isOpen() || this.frame) return;
-    this.frame = requestAnimationFrame(() => { this.frame = 0; this.render(); });
+    this.frame = requestAnimationFrame(() => {
+      this.frame = 0;
+      this.render();
+      if (this.root) this.width = this.root.clientWidth;
+    });
   }
 
   setUp(_root) {}

@@ -25,6 +25,16 @@ def unload_from_core(module: torch.nn.Module) -> None:
             comfy.model_management.current_loaded_models.remove(lm)
 
 
+def dynamic_vram_on() -> bool:
+    """Whether this ComfyUI runs models with Dynamic VRAM at all (0.15 and later on NVIDIA:
+    `comfy.memory_management.aimdo_enabled`); False on a tree without it."""
+    try:
+        import comfy.memory_management
+    except ImportError:
+        return False
+    return bool(getattr(comfy.memory_management, "aimdo_enabled", False))
+
+
 def is_dynamic(patcher) -> bool:
     """Whether core runs this patcher with Dynamic VRAM (`is_dynamic()` exists from 0.15 on)."""
     probe = getattr(patcher, "is_dynamic", None)

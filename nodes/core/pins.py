@@ -69,6 +69,10 @@ def install() -> bool:
     if mm.MAX_PINNED_MEMORY > 0:
         log.info("tiered offload: engine pins share core's pinned-memory cap of %.2f GiB",
                  mm.MAX_PINNED_MEMORY / GIB)
+    elif mm.get_torch_device().type == "cpu":
+        log.info("tiered offload: models run on the CPU, so nothing is pinned (pinned RAM only "
+                 "speeds up copies to a GPU)")
     else:
-        log.info("tiered offload: core pins no memory here; the engine keeps its own pinned-memory cap")
+        log.info("tiered offload: ComfyUI pins no memory on this machine (--disable-pinned-memory, "
+                 "or a GPU it does not pin for); the engine keeps its own pinned-memory cap")
     return True

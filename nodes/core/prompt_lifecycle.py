@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 _end_listeners: list[Callable[[str | None], None]] = []
 _start_listeners: list[Callable[[str, dict], None]] = []
 _lock = threading.Lock()
-_running: dict[str, Any] = {"prompt_id": None}
+_running: dict[str, Any] = {"prompt_id": None, "graph": None}
 
 
 class PromptRunningError(TierError):
@@ -108,6 +108,12 @@ def current_prompt_id() -> str | None:
     return getattr(PromptServer.instance, "last_prompt_id", None)
 
 
+def current_prompt_graph() -> dict | None:
+    """The graph (API form) of the prompt the worker is running now, None between prompts."""
+    graph = _running["graph"]
+    return graph if isinstance(graph, dict) else None
+
+
 def _notify(listeners: list[Callable], *args) -> None:
     with _lock:
         listeners = list(listeners)
@@ -121,6 +127,7 @@ def _notify(listeners: list[Callable], *args) -> None:
 def _started(prompt_id: str | None, graph: Any) -> None:
     _GATE.prompt_started()
     _running["prompt_id"] = prompt_id
+    _running["graph"] = graph
     if prompt_id is not None and isinstance(graph, dict):
         _notify(_start_listeners, prompt_id, graph)
 
@@ -130,6 +137,7 @@ def _ended(prompt_id: str | None) -> None:
         _notify(_end_listeners, prompt_id)
     finally:
         _running["prompt_id"] = None
+        _running["graph"] = None
         _GATE.prompt_ended()
 
 

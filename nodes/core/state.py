@@ -2,8 +2,8 @@
 
 What outlives one node call and is shared between the nodes, the routes and the tier manager's
 backend lives here and nowhere else: the engine objects bound to models (layerwise sessions,
-Dynamic VRAM cooperations and twins, Model-Level Swap masters), the tier manager, which prompt
-holds which of its models, and the keys the pack registers its wrappers and callbacks under in
+Dynamic VRAM cooperations and twins, Model-Level Swap masters), the file each model was read
+from, the tier manager, which prompt holds which of its models, and the keys the pack registers its wrappers and callbacks under in
 core (`comfy.patcher_extension` keys, `host_moves` keys). Node modules never import each other's
 registries, so no import circle can form around them.
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -87,6 +88,12 @@ class LayerwiseRegistry:
         session = self.sessions.get(diffusion_model) if diffusion_model is not None else None
         return session.disk_bytes() if session is not None else 0
 
+    def host_store(self, diffusion_model: torch.nn.Module | None) -> dict[str, Any] | None:
+        """Whether this model's blocks are in a shared host store (its bytes, how many processes
+        map it), None without a session."""
+        session = self.sessions.get(diffusion_model) if diffusion_model is not None else None
+        return session.host_store() if session is not None else None
+
     def is_active(self, diffusion_model: torch.nn.Module) -> bool:
         """Whether the engine holds this model's blocks right now (a sampling run is on)."""
         session = self.sessions.get(diffusion_model)
@@ -133,6 +140,9 @@ class PromptHolds:
 
 
 LAYERWISE = LayerwiseRegistry()
+# A model's nn.Module -> the file core read it from, with the file's version and the loader's
+# options (model_files.py): what names its shared host store. Weak: it goes with the model.
+MODEL_FILES: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, Any]] = weakref.WeakKeyDictionary()
 SWAP_MEMBERS: PerModule[Any] = PerModule()  # root nn.Module -> Model-Level Swap's master
 # The dynamic model's nn.Module -> the classic model the engine mode runs on (a twin, or core's
 # reloaded copy), kept for every later clone of it.

@@ -376,6 +376,27 @@ def hand_over_from_core(patcher, block_prefixes: Sequence[str],
         if any(t.device != cpu for t in [*block.parameters(), *block.buffers()]):
             block.to(cpu)
     _attach_ggml_patches(patcher, block_prefixes, blocks)
+    _settle_requires_grad(patcher, block_prefixes, blocks)
+
+
+def _settle_requires_grad(patcher, block_prefixes: Sequence[str],
+                          blocks: Sequence[torch.nn.Module]) -> None:
+    """Give each block weight that has a patch the `requires_grad` core's own load gives it.
+
+    Core's load puts every weight it merges a patch into back as a new
+    `Parameter(requires_grad=False)` (and so does its unpatch), unless the patcher updates
+    weights in place; weights it never patched keep the `requires_grad=True` they were built
+    with. The engine merges into its device copies and keeps the parameter objects, so without
+    this they would keep `True` where core's are `False`. No result depends on it (sampling
+    runs under inference mode), but torch.compile guards on it: a compiled block whose weights
+    differ from core's in it compiles graphs of its own (docs/torch-compile.md#recompiles).
+    """
+    if getattr(patcher, "weight_inplace_update", False):
+        return
+    for prefix, block in zip(block_prefixes, blocks):
+        for name, weight in block.named_parameters():
+            if weight.requires_grad and f"{prefix}.{name}" in patcher.patches:
+                weight.requires_grad_(False)
 
 
 def _restore_base_weights(patcher, block_prefixes: Sequence[str],

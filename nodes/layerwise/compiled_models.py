@@ -2,12 +2,13 @@
 may stream (docs/torch-compile.md).
 
 The engine's hooks run outside any compiled graph (offload_core/device/hooks.py). A compile of
-each block on its own (per-block compile nodes: core's compile wrapper with one key per block, or
-a compiled module put in for each block by an object patch) then keeps every block's graph whole,
-with the weights as graph inputs read from whichever slot the hook bound: the same bits as the
-same compiled workflow without the node, no recompile after the first pass
+each block on its own (per-block compile nodes: a wrapper under core's compile key with one
+compiled module per block, core's own or KJNodes' TorchCompileModelAdvanced's, or a compiled
+module put in for each block by an object patch) then keeps every block's graph whole, with the
+weights as graph inputs read from whichever slot the hook bound: the same bits as the same
+compiled workflow without the node, no recompile after the first pass
 (tests/test_torch_compile.py). Everything else that would compile streamed blocks is refused
-before anything moves, with what to choose instead:
+(compile_policy.py decides when, and words the messages), with what to choose instead:
 - a compile of a module that holds streamed blocks (core's TorchCompileModel compiles the whole
   diffusion model): streaming splits its graph at every streamed block, and inductor's results
   then differ in the last bits from the one graph it compiles without the node;
@@ -26,12 +27,12 @@ could not give core's result.
 from __future__ import annotations
 
 import inspect
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 import comfy.patcher_extension
+import torch
 
 from ...offload_core.blocks.discovery import uncompiled
 
@@ -40,15 +41,16 @@ from ...offload_core.blocks.discovery import uncompiled
 COMPILE_KEY = "torch.compile"
 COMPILE_KWARGS = "torch_compile_kwargs"
 COMPILED_MODULES = "compiled_module_dict"
+WHOLE_MODEL = "diffusion_model"
 # Options torch.compile takes for dynamo, not inductor: they change no graph.
 DYNAMO_OPTIONS = frozenset({"guard_filter_fn"})
 TESTED_BACKEND = "inductor"
 TESTED_MODES = (None, "default")
-PER_BLOCK = ("Compile the blocks one by one instead (a per-block compile node, such as KJNodes' "
-             "TorchCompileModelWanVideoV2 with compile_transformer_blocks_only, which uses "
-             "ComfyUI's compile wrapper with one key per block)")
-TESTED = ("Compile the blocks one by one with ComfyUI's compile wrapper (one key per block), "
-          "backend 'inductor' with mode 'default'")
+# KJNodes' current per-block compile node (TorchCompileModelWanVideoV2 is deprecated in its favour).
+PER_BLOCK_NODE = "KJNodes' TorchCompileModelAdvanced with compile_transformer_blocks_only on"
+PER_BLOCK = f"Compile the blocks one by one instead ({PER_BLOCK_NODE})"
+TESTED = (f"Compile the blocks one by one ({PER_BLOCK_NODE}), backend 'inductor' with mode "
+          "'default'")
 
 
 @dataclass(frozen=True)
@@ -83,25 +85,57 @@ def compile_setups(patcher, blocks) -> list[CompileSetup]:
     compiled in place."""
     setups = []
     for wrapper in patcher.get_wrappers(comfy.patcher_extension.WrappersMP.APPLY_MODEL, COMPILE_KEY):
-        setups.append(_core_setup(wrapper, patcher.model_options.get(COMPILE_KWARGS)))
+        setups.append(_core_setup(wrapper, patcher.model_options.get(COMPILE_KWARGS), patcher.model))
     for key, value in getattr(patcher, "object_patches", {}).items():
         if (key == "diffusion_model" or key.startswith("diffusion_model.")) and _is_compiled(value):
             setups.append(_module_setup(f"a compiled module patched in at {key}", key, value))
     if any(getattr(m, "_compiled_call_impl", None) is not None
            for m in (diffusion_module(patcher), *blocks)):
-        setups.append(CompileSetup("compiled in place with Module.compile()"))
+        setups.append(CompileSetup("a module compiled in place by Module.compile"))
     return setups
 
 
-def _core_setup(wrapper, kwargs: dict[str, Any] | None) -> CompileSetup:
-    source = "ComfyUI's compile wrapper (TorchCompileModel and the per-block compile nodes)"
+def compiled_modules(wrapper, model) -> dict[str, Any] | None:
+    """What a compile wrapper under core's key puts in while the model runs, {model path: compiled
+    module}; None where this cannot be read.
+
+    Core's wrapper holds the dict in its closure (`compiled_module_dict`). KJNodes'
+    TorchCompileModelAdvanced registers its wrapper under the same key but looks the dict up,
+    when the model runs, in a module-level mapping keyed by the model it runs: any mapping the
+    wrapper names that has such an entry for this model is read the same way."""
     try:
-        modules = inspect.getclosurevars(wrapper).nonlocals.get(COMPILED_MODULES)
+        found = inspect.getclosurevars(wrapper)
     except TypeError:  # not a plain function
-        modules = None
-    keys = tuple(modules) if isinstance(modules, dict) else None
-    if keys == ("diffusion_model",):
-        source = "ComfyUI's TorchCompileModel"
+        return None
+    modules = found.nonlocals.get(COMPILED_MODULES)
+    if _module_table(modules):
+        return modules
+    for value in found.globals.values():
+        if not isinstance(value, (dict, weakref.WeakKeyDictionary)):
+            continue
+        try:
+            entry = value.get(model)
+        except TypeError:  # keys the model cannot be compared with
+            continue
+        if _module_table(entry):
+            return entry
+    return None
+
+
+def _module_table(value: object) -> bool:
+    return isinstance(value, dict) and bool(value) and all(isinstance(k, str) for k in value)
+
+
+def _core_setup(wrapper, kwargs: dict[str, Any] | None, model=None) -> CompileSetup:
+    modules = compiled_modules(wrapper, model)
+    keys = tuple(modules) if modules is not None else None
+    return setup_from_kwargs(keys, kwargs)
+
+
+def setup_from_kwargs(keys: tuple[str, ...] | None, kwargs: dict[str, Any] | None) -> CompileSetup:
+    """A compile through core's wrapper key, from what it compiles and the torch.compile
+    settings it keeps in the model options."""
+    source = "through ComfyUI's compile wrapper"
     if not isinstance(kwargs, dict):
         return CompileSetup(source, keys)
     backend, mode = kwargs.get("backend"), kwargs.get("mode")
@@ -134,13 +168,21 @@ def _backend_name(backend: object) -> str | None:
     return getattr(backend, "__name__", type(backend).__name__)
 
 
+# Who a refusal asks to change something (compile_policy.py names that node first): the compile
+# node's settings, this node's (a whole-model compile, phases), or a global setting.
+CHANGE_COMPILE, CHANGE_OFFLOAD, CHANGE_GLOBAL = "compile", "offload", "global"
+
+
 @dataclass(frozen=True)
 class Refusal:
-    """Why the engine cannot run a setup, and what to choose instead."""
+    """Why the engine cannot run a setup, and what to choose instead. ``whole``: the module path
+    of a compile that holds streamed blocks (a whole-model compile), else None."""
 
     setup: CompileSetup
+    change: str
     why: str
     instead: str
+    whole: str | None = None
 
 
 def dropped_patches_refusal(setups: list[CompileSetup], block_paths: list[str],
@@ -153,10 +195,11 @@ def dropped_patches_refusal(setups: list[CompileSetup], block_paths: list[str],
         for key in setup.keys:
             if any(_within(patch, key) and any(_within(patch, block) for block in block_paths)
                    for patch in patch_keys):
-                return Refusal(setup, "ComfyUI applies no weight patch (LoRA) under a module an "
-                                      "object patch compiled (its weight names then pass through "
-                                      "torch.compile's wrapper), so its result leaves the LoRA out "
-                                      "of these blocks, which this node would merge",
+                return Refusal(setup, CHANGE_COMPILE,
+                               "ComfyUI applies no weight patch (LoRA) under a module an object "
+                               "patch compiled (its weight names then pass through torch.compile's "
+                               "wrapper), so its result leaves the LoRA out of these blocks, which "
+                               "Apply Layerwise Offload would merge",
                                f"{PER_BLOCK}: ComfyUI applies the LoRA under it")
     return None
 
@@ -178,54 +221,60 @@ def _within(path: str, root: str) -> bool:
 
 def _refusal(setup: CompileSetup, streamed: list[str], granularity: str) -> Refusal | None:
     if setup.keys is None or setup.backend is None:
-        return Refusal(setup, "this node cannot read what it compiles or how, so it cannot tell "
-                              "whether its graphs follow weights that move between GPU slots",
-                       TESTED)
+        return Refusal(setup, CHANGE_COMPILE,
+                       "Apply Layerwise Offload cannot read what it compiles or how, so it cannot "
+                       "tell whether its graphs follow weights that move between GPU slots", TESTED)
     keys = [k for k in setup.keys if any(_within(k, s) or _within(s, k) for s in streamed)]
     if not keys:
         return None  # it compiles nothing that streams
     holder = next((k for k in keys if not any(k == s for s in streamed) and
                    any(_within(s, k) for s in streamed)), None)
     if holder is not None:
-        return Refusal(setup, f"it compiles {holder}, which holds streamed blocks: streaming splits "
-                              "its graph at every streamed block (the engine's hooks run between "
-                              "blocks, outside any graph), and inductor's results then differ in "
-                              "the last bits from the one graph it compiles without this node",
-                       PER_BLOCK)
+        return Refusal(setup, CHANGE_OFFLOAD,
+                       "streaming splits that graph at every streamed block (the engine's hooks "
+                       "run between blocks, outside any graph), and inductor's results then differ "
+                       "in the last bits from the one graph it compiles without streaming",
+                       PER_BLOCK, whole=holder)
     inside = next((k for k in keys if k not in streamed), None)
     if inside is not None:
-        return Refusal(setup, f"it compiles {inside}, a part of a streamed block, which has not "
-                              "been tested with streamed blocks", TESTED)
-    return _settings_refusal(setup, granularity)
+        return Refusal(setup, CHANGE_COMPILE, f"it compiles {inside}, a part of a streamed block, "
+                                              "which has not been tested with streamed blocks",
+                       TESTED)
+    return settings_refusal(setup, granularity)
 
 
-def _settings_refusal(setup: CompileSetup, granularity: str) -> Refusal | None:
+def settings_refusal(setup: CompileSetup, granularity: str) -> Refusal | None:
+    """What in a compile of each streamed block on its own the engine cannot keep, if anything."""
     cuda_graphs = _cuda_graphs(setup)
     if cuda_graphs:
-        return Refusal(setup, f"{cuda_graphs} captures CUDA graphs, which keep reading a streamed "
-                              "block's weights at the GPU slot it was captured with",
+        change = CHANGE_GLOBAL if cuda_graphs.startswith("inductor's global") else CHANGE_COMPILE
+        return Refusal(setup, change, f"{cuda_graphs} captures CUDA graphs, which keep reading a "
+                                      "streamed block's weights at the GPU slot it was captured with",
                        "Choose backend 'inductor' with mode 'default' (no CUDA graphs)")
     if setup.backend != TESTED_BACKEND:
-        return Refusal(setup, f"backend '{setup.backend}' has not been tested with streamed blocks",
+        return Refusal(setup, CHANGE_COMPILE,
+                       f"backend '{setup.backend}' has not been tested with streamed blocks",
                        "Choose backend 'inductor' with mode 'default'")
     if setup.options:
         mode = f" (mode '{setup.mode}')" if setup.mode else ""
-        return Refusal(setup, f"inductor options {', '.join(sorted(setup.options))}{mode} have not "
-                              "been tested with streamed blocks",
-                       "Choose backend 'inductor' with mode 'default'")
+        return Refusal(setup, CHANGE_COMPILE,
+                       f"inductor options {', '.join(sorted(setup.options))}{mode} have not been "
+                       "tested with streamed blocks", "Choose backend 'inductor' with mode 'default'")
     if setup.fullgraph is None:
-        return Refusal(setup, "this node cannot read whether it asks for one whole graph", TESTED)
+        return Refusal(setup, CHANGE_COMPILE, "Apply Layerwise Offload cannot read whether it asks "
+                                              "for one whole graph", TESTED)
     if setup.dynamic not in (None, False):
-        return Refusal(setup, "dynamic=True has not been tested with streamed blocks",
+        return Refusal(setup, CHANGE_COMPILE, "dynamic=True has not been tested with streamed blocks",
                        "Compile with dynamic off (None or False)")
     if granularity != "block":
-        return Refusal(setup, f"granularity '{granularity}' splits each streamed block's compiled "
-                              "graph at its phases, and inductor's results then differ in the last "
-                              "bits from the same compiled model without this node",
-                       "Use granularity 'block'")
+        return Refusal(setup, CHANGE_OFFLOAD,
+                       f"granularity '{granularity}' splits each streamed block's compiled graph at "
+                       "its phases, and inductor's results then differ in the last bits from the "
+                       "same compiled model without Apply Layerwise Offload", "Use granularity 'block'")
     if _inductor_config("freezing"):
-        return Refusal(setup, "inductor's global config sets freezing, which makes the weights "
-                              "constants of the graph", "Turn inductor's freezing off")
+        return Refusal(setup, CHANGE_GLOBAL, "inductor's global config sets freezing, which makes "
+                                             "the weights constants of the graph",
+                       "Turn inductor's freezing off")
     return None
 
 

@@ -20,7 +20,8 @@ from comfy_api.v0_0_2 import io
 
 from ..core.models import is_dynamic
 from ..core.state import LAYERWISE, LAYERWISE_KEY, SWAP_KEY, SWAP_MEMBERS
-from . import compiled_models, dynamic_cooperation, dynamic_vram, spill_folder
+from . import (compile_policy, compile_prompt, compiled_models, dynamic_cooperation, dynamic_vram,
+               spill_folder)
 from .session import LayerwiseSession
 from .settings import (GRANULARITY_CHOICES, MAX_DISK_WORKERS, MAX_HOST_CACHE_GB, MAX_PREFETCH,
                        MAX_RESIDENT_BLOCKS, MAX_VRAM_BUDGET_GB, LayerwiseSettings)
@@ -56,6 +57,28 @@ def _classic_patcher(model, settings: LayerwiseSettings):
     if not is_dynamic(model):
         return model.clone()
     return dynamic_vram.classic_delegate(model, settings.streamer_kwargs())
+
+
+_SAMPLING_WRAPPERS = (comfy.patcher_extension.WrappersMP.OUTER_SAMPLE,
+                      comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING)
+
+
+def _hide_sampling_wrappers(model_options: dict | None) -> None:
+    """Take this node's two wrappers out of a sampling run's model options once core has read
+    them (it copies the options and the patcher's wrappers for each run, and reads those two
+    wrapper types only where the run starts), so the model sees core's `transformer_options`.
+    torch.compile guards on what a compiled graph reads of them: without this, a graph compiled
+    in a run with the node fails its guard on the wrapper table in the same prompt without it,
+    and compiles again (docs/torch-compile.md#recompiles)."""
+    wrappers = ((model_options or {}).get("transformer_options") or {}).get("wrappers")
+    if not isinstance(wrappers, dict):
+        return
+    for wrapper_type in _SAMPLING_WRAPPERS:
+        by_key = wrappers.get(wrapper_type)
+        if isinstance(by_key, dict):
+            by_key.pop(LAYERWISE_KEY, None)
+            if not by_key:  # as core's run has it without the node (its table stays, empty)
+                del wrappers[wrapper_type]
 
 
 class ApplyLayerwiseOffload(io.ComfyNode):
@@ -127,30 +150,56 @@ class ApplyLayerwiseOffload(io.ComfyNode):
                     tooltip="Folder for the spill file that blocks are streamed from when they "
                             "do not fit host_cache_gb: as large as the streamed blocks, written "
                             "once, gone with the engine. Empty: ComfyUI's temp folder."),
+                io.Boolean.Input(
+                    "compile_per_block", default=False, optional=True,
+                    tooltip="When the model comes compiled whole (ComfyUI's TorchCompileModel), "
+                            "compile each block on its own instead, with the same settings, "
+                            "streamed or not: the workflow then runs the same on any day, and its "
+                            "result is that of a per-block compile, which differs from a whole-"
+                            "model compile's in the last bits. Off: a whole-model compile runs "
+                            "only with every block resident (resident_blocks set to the block "
+                            "count), and is refused when blocks may stream."),
+                io.Boolean.Input(
+                    "share_host_memory", default=True, optional=True,
+                    tooltip="Share the blocks' host copy with every other ComfyUI process on this "
+                            "machine that streams the same model file (workers of a multi-GPU "
+                            "setup): one copy in shared memory instead of one per process. Off: "
+                            "this process keeps its own copy."),
             ],
             outputs=[io.Model.Output()],
+            hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
-    def validate_inputs(cls, spill_dir: str | None = None) -> bool | str:
-        """Refuse at queue time, before anything loads, a spill folder the node would refuse at
-        run: outside the allowed folders, missing, or not writable. Only `spill_dir` is named:
-        ComfyUI repeats a refusal once per input the method names, and checks the other inputs'
-        ranges itself. A value that comes through a link is None here and is checked at run."""
-        if spill_dir is None:
+    def validate_inputs(cls, model=None) -> bool | str:
+        """Refuse at queue time, before anything loads, what the node would refuse at run and the
+        posted prompt shows: a spill folder outside the allowed folders, missing or not writable,
+        and a torch.compile its settings cannot keep (compile_policy.py). Only `model` is named,
+        which is always there: ComfyUI repeats a refusal once per input the method names, and
+        checks the other inputs' ranges itself. The node's own inputs are read from the posted
+        prompt; a value that comes through a link, or a prompt that was not kept, is checked at
+        run."""
+        graph = compile_prompt.posted_graph()
+        node = (graph or {}).get(cls.hidden.unique_id) if cls.hidden is not None else None
+        if not isinstance(node, dict):
             return True
-        try:
-            spill_folder.spill_folder(spill_dir)
-        except ValueError as e:
-            return str(e)
-        return True
+        spill_dir = node.get("inputs", {}).get("spill_dir")
+        if isinstance(spill_dir, str):
+            try:
+                spill_folder.spill_folder(spill_dir)
+            except ValueError as e:
+                return str(e)
+        return compile_policy.queue_refusal(graph, cls.hidden.unique_id) or True
 
     @classmethod
     def execute(cls, model, resident_blocks: int, vram_budget_gb: float, prefetch: int, pin: bool,
                 mode: str = "auto", host_cache_gb: float = 0.0, disk_workers: int = 0,
-                granularity: str = "auto", spill_dir: str = "") -> io.NodeOutput:
+                granularity: str = "auto", spill_dir: str = "",
+                compile_per_block: bool = False, share_host_memory: bool = True) -> io.NodeOutput:
         settings = LayerwiseSettings(resident_blocks, vram_budget_gb, prefetch, pin, host_cache_gb,
-                                     disk_workers, granularity, spill_dir)
+                                     disk_workers, granularity, spill_dir, share_host_memory)
+        choice = compile_policy.NodeChoice(cls.hidden.unique_id if cls.hidden is not None else None,
+                                           bool(compile_per_block))
         if dynamic_vram.check_mode(mode) == "auto" and is_dynamic(model):
             return io.NodeOutput(dynamic_cooperation.cooperate(model, settings.streamer_kwargs()))
         # Checked on the input (clones carry its wrappers), so a refusal costs no copy.
@@ -186,13 +235,13 @@ class ApplyLayerwiseOffload(io.ComfyNode):
             live = session_for(model_patcher, settings)
             if not live.run_pending:  # not inside this node's sampling run
                 return executor(model_patcher, noise_shape, conds, *args, **kwargs)
-            live.begin(model_patcher, noise_shape, conds, kwargs.get("model_options"))
+            live.begin(model_patcher, noise_shape, conds, kwargs.get("model_options"), choice)
+            _hide_sampling_wrappers(kwargs.get("model_options"))
             result = executor(model_patcher, noise_shape, conds, *args, **kwargs)
             live.account(model_patcher)
             return result
 
-        for wrapper_type in (comfy.patcher_extension.WrappersMP.OUTER_SAMPLE,
-                             comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING):
+        for wrapper_type in _SAMPLING_WRAPPERS:
             patcher.remove_wrappers_with_key(wrapper_type, LAYERWISE_KEY)
         patcher.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.OUTER_SAMPLE,
                                      LAYERWISE_KEY, outer_sample)

@@ -37,12 +37,14 @@ from ...offload_core.blocks.discovery import find_blocks
 from ...offload_core.device.telemetry import overlap_efficiency
 from ...offload_core.disk.host_cache import CacheTooSmallError
 from ...offload_core.disk.tier import DiskOptions
+from ...offload_core.host.shared_packing import HostShare
 from ...offload_core.layerwise.streamer import LayerwiseStreamer
 from ...offload_core.layerwise.tuning import AUTO
 from ...offload_core.units import size_text
-from ..core import host_moves
+from ..core import host_moves, host_sharing
 from ..core.state import LAYERWISE, LAYERWISE_KEY
-from . import block_budget, comfy_weights, compiled_models, dynamic_vram, granularity, spill_folder
+from . import (block_budget, comfy_weights, compile_policy, compiled_models, dynamic_vram, granularity,
+               spill_folder)
 from .settings import AUTO_DISK_WORKERS, GIB, LayerwiseSettings
 
 log = logging.getLogger(__name__)
@@ -68,8 +70,14 @@ class LayerwiseSession:
         self.rest_bytes = max(0, comfy.model_management.module_size(patcher.model) - self.block_bytes)
         self.device = patcher.load_device
         self.settings = settings
+        # One host copy per machine: the pack maps the store of this file's blocks that another
+        # ComfyUI process made, or makes it for them (core/host_sharing.py).
+        # Disk streaming reads its own spill file, not a store: nothing to share, nothing to refuse.
+        spill_dir = spill_folder.spill_folder(settings.spill_dir) if settings.spill_dir.strip() else None
+        self.share, self.share_why = (None, "the blocks stream from disk") if settings.host_cache_gb > 0 \
+            else host_sharing.share_for(patcher.model, settings.share_host_memory, spill_dir=spill_dir)
         self.granularity, self.granularity_why = granularity.choose(self.blocks, settings)
-        self.streamer = make_streamer(self.blocks, self.device, self.settings, self.granularity)
+        self.streamer = make_streamer(self.blocks, self.device, self.settings, self.granularity, self.share)
         least, _ = self.streamer.bound_range()
         requested = settings.requested_budget
         if settings.resident_blocks < 0 and requested is not None and requested < least:
@@ -101,11 +109,14 @@ class LayerwiseSession:
         for module in self._watched():
             host_moves.watch(module, LAYERWISE_KEY, self._reclaim_before_host_move)
 
-    def begin(self, patcher, noise_shape=None, conds=None, model_options=None) -> None:
+    def begin(self, patcher, noise_shape=None, conds=None, model_options=None,
+              choice: compile_policy.NodeChoice = compile_policy.NodeChoice()) -> None:
         """Plan, hand the blocks over from core, pack and attach. Called before core's load; if
-        anything here raises, `end()` (from the sampler's OUTER_SAMPLE) gives core its model back."""
+        anything here raises, `end()` (from the sampler's OUTER_SAMPLE) gives core its model back.
+        ``choice``: what the node that set up this run chose about compiles."""
         self.run_pending = False
         self._close_block_patches()
+        host_sharing.check_unchanged(self.share, "Apply Layerwise Offload")
         touched = any(key in patcher.patches for prefix, block in zip(self.prefixes, self.blocks)
                       for key in comfy_weights.block_keys(prefix, block))
         merge_bytes = 0
@@ -117,7 +128,14 @@ class LayerwiseSession:
             merge_bytes = self.block_patches.device_bytes + comfy_weights.merge_workspace_bytes(
                 patcher, self.prefixes, self.blocks)
         self._plan(patcher, noise_shape, conds, model_options, merge_bytes)
-        compiled = self._refuse_compiled(patcher)
+        # A compile this run cannot keep is refused here, before anything moves
+        # (compile_policy.py says which and why); resident blocks may be compiled any way.
+        streamed = sorted({self.streamer.units[i].block for i in self.streamer.streamed_indices})
+        compiled = compile_policy.settle(
+            patcher, model_options, choice, model_class=self.model_class, blocks=list(self.blocks),
+            prefixes=list(self.prefixes), streamed=streamed,
+            resident_blocks=self.settings.resident_blocks, granularity=self.granularity,
+            device=self.device)
         self.begun = True
         if hasattr(patcher, "size"):
             # While core loads, the model it sees is the part outside the blocks, which it loads.
@@ -138,7 +156,7 @@ class LayerwiseSession:
                                  compiled=compiled, root=compiled_models.diffusion_module(patcher))
         except CacheTooSmallError as e:
             remedies = "Raise host_cache_gb or lower prefetch"
-            if self.settings.granularity != "phase":
+            if self.granularity != "phase":
                 remedies += ", or use granularity 'phase' (smaller units)"
             raise ValueError(
                 f"Apply Layerwise Offload: host_cache_gb={self.settings.host_cache_gb:g} GiB is too "
@@ -149,31 +167,6 @@ class LayerwiseSession:
         self.active = True
         self.attach_seconds = time.perf_counter() - start
         self.started = time.perf_counter()
-
-    def _refuse_compiled(self, patcher) -> bool:
-        """Refuse, before anything moves, a torch.compile setup the engine cannot run with core's
-        result (compiled_models.py says which and why): one that streamed blocks do not allow, or
-        one under which core drops a LoRA that the engine would merge. Resident blocks stay put
-        for the run and may otherwise be compiled any way. True when the run compiles: the
-        engine then keeps its hooks outside the compiled graphs."""
-        setups = compiled_models.compile_setups(patcher, self.blocks)
-        if not setups:
-            return False
-        refusal = compiled_models.dropped_patches_refusal(setups, list(self.prefixes), patcher.patches)
-        if refusal is not None:
-            raise ValueError(f"Apply Layerwise Offload: {self.model_class} is compiled with "
-                             f"torch.compile ({refusal.setup.source}): {refusal.why}. "
-                             f"{refusal.instead}.")
-        streamed = sorted({self.streamer.units[i].block for i in self.streamer.streamed_indices})
-        refusal = compiled_models.streaming_refusal(setups, [self.prefixes[b] for b in streamed],
-                                                    self.granularity)
-        if refusal is not None:
-            raise ValueError(
-                f"Apply Layerwise Offload: {self.model_class} is compiled with torch.compile "
-                f"({refusal.setup.source}), and {len(streamed)} of its {len(self.blocks)} blocks "
-                f"are streamed: {refusal.why}. {refusal.instead}, or keep every block resident "
-                f"(resident_blocks = {len(self.blocks)}, or a vram_budget_gb that holds them all).")
-        return True
 
     def _plan(self, patcher, noise_shape, conds, model_options, merge_bytes: int) -> None:
         """Resident blocks for this run: the node's count, or the most its budget (or, in auto,
@@ -206,7 +199,7 @@ class LayerwiseSession:
                  chosen, why)
         self.streamer.close()
         self.granularity, self.granularity_why = chosen, why
-        self.streamer = make_streamer(self.blocks, self.device, self.settings, self.granularity)
+        self.streamer = make_streamer(self.blocks, self.device, self.settings, self.granularity, self.share)
         return True
 
     def account(self, patcher) -> None:
@@ -322,6 +315,7 @@ class LayerwiseSession:
             "units": self.streamer.describe_units(),
             "unit_states": self.streamer.unit_states(),
             "host": self.streamer.host_bytes(),
+            "host_store": self.host_store(),
             "disk": self.streamer.disk_figures(),
             "active": self.active,
             "runs": self.runs,
@@ -331,13 +325,20 @@ class LayerwiseSession:
             "timeline": self.last_timeline,
         }
 
+    def host_store(self) -> dict[str, Any] | None:
+        """Whether the blocks' host copy is shared with other processes (where, with how many) or
+        why not; None before the first pack of a shared one, or while the blocks stream from disk."""
+        if self.share is None:
+            return {"shared": False, "why": self.share_why}
+        return self.streamer.host_store()
+
     def disk_bytes(self) -> int:
         """Bytes of the model's blocks that are only on disk now (disk streaming), else 0."""
         return self.streamer.host_bytes().get("disk", 0)
 
 
-def make_streamer(blocks, device: torch.device, settings: LayerwiseSettings,
-                  granularity_: str) -> LayerwiseStreamer:
+def make_streamer(blocks, device: torch.device, settings: LayerwiseSettings, granularity_: str,
+                  share: HostShare | None = None) -> LayerwiseStreamer:
     """The engine for the node's settings at ``granularity_``; settings left to auto go to its
     tuner, and under auto the disk tier's readers read as far ahead as the tuner says."""
     disk = None
@@ -350,7 +351,7 @@ def make_streamer(blocks, device: torch.device, settings: LayerwiseSettings,
     return LayerwiseStreamer(list(blocks), device,
                              resident=settings.resident_blocks if settings.resident_blocks >= 0 else AUTO,
                              prefetch=AUTO if settings.auto_prefetch else settings.prefetch,
-                             pin=settings.pin, granularity=granularity_, disk=disk)
+                             pin=settings.pin, granularity=granularity_, disk=disk, share=share)
 
 
 def run_figures(snapshot: dict[str, Any], seconds: float, attach_seconds: float,
@@ -360,7 +361,7 @@ def run_figures(snapshot: dict[str, Any], seconds: float, attach_seconds: float,
     `seconds` is sampling time only (from the end of the attach to the end of the run), so
     `gibps` (streamed GiB over that time) and `overlap_efficiency` are not flattered by packing
     and pinning, which `attach_seconds` shows on its own. Overlap is the share of the run in
-    which neither the GPU waited for a copy (`compute_wait_s`) nor the sampling thread sat in the
+    which neither compute waited for a copy (`compute_wait_s`) nor the sampling thread sat in the
     engine (`host_wait_s`: a host that waits queues no compute, which the GPU's own waits do
     not show). On CPU copies are synchronous and part of the compute, so overlap is left out
     there rather than shown as a meaningless figure.

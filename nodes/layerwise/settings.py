@@ -34,6 +34,7 @@ class LayerwiseSettings:
     disk_workers: int = 0  # 0: auto
     granularity: str = AUTO
     spill_dir: str = ""
+    share_host_memory: bool = True  # one host copy per machine (core/host_sharing.py)
 
     def __post_init__(self) -> None:
         """Refuse, naming the input and its range, a value no setting means: another type, NaN,
@@ -52,6 +53,8 @@ class LayerwiseSettings:
                 raise ValueError(f"granularity must be one of {', '.join(GRANULARITY_CHOICES)}")
             if not isinstance(self.spill_dir, str):
                 raise ValueError("spill_dir must be a folder path, or empty")
+            if not isinstance(self.share_host_memory, bool):
+                raise ValueError("share_host_memory must be true or false")
         except ValueError as e:
             raise ValueError(f"Apply Layerwise Offload: {e}") from None
 

@@ -10,7 +10,9 @@ too, so no pinned byte is hidden.
 
 Core's unload (`LoadedModel.model_unload`, what core itself does to make room) is offered only
 between prompts: the check and the unload run under the prompt queue's lock, so no prompt can
-start in between.
+start in between. A card of a model core let go of is acted on the same way: its unload has the
+pack let go of what it still holds (the swap master, the layerwise pack), so every card listed
+can be unloaded, and a prompt that runs refuses every one of them alike.
 """
 from __future__ import annotations
 
@@ -87,9 +89,7 @@ def _card(lm, layerwise: dict[int, dict], tier_names: dict[str, str],
         return None
     module = patcher.model
     diffusion_model = getattr(module, "diffusion_model", None)
-    total = lm.model_memory()
-    loaded = min(lm.model_loaded_memory(), total)
-    on_device = 0 if lm.device.type == "cpu" else loaded
+    lw = layerwise.pop(id(diffusion_model), None) if diffusion_model is not None else None
     tier_id = key_of(patcher)
     swap = SWAP_MEMBERS.get(module)
     swapped.append(swap)
@@ -101,13 +101,32 @@ def _card(lm, layerwise: dict[int, dict], tier_names: dict[str, str],
         "file": tier_names.get(tier_id) or _file_of(patcher),
         "device": str(lm.device),
         "core": True,
-        # device + ram == total. With a CPU compute device (--cpu) what core "loaded" is in RAM.
-        "bytes": {"total": total, "device": on_device, "ram": total - on_device,
-                  "loaded_by_core": loaded},
+        "bytes": _bytes(lm, lw),
         "tier_id": tier_id,
-        "layerwise": layerwise.pop(id(diffusion_model), None) if diffusion_model is not None else None,
+        "layerwise": lw,
         "swap": swap.report() if swap is not None else None,
     }
+
+
+def _bytes(lm, lw: dict | None) -> dict[str, int]:
+    """Where the model's bytes are: device + ram + disk == total. With a CPU compute device
+    (--cpu) what core "loaded" is in RAM.
+
+    A model the engine streams is counted as its blocks (the engine's pack, in RAM or on disk
+    only) and the rest core holds: core's own figure then counts the rest and whatever its
+    module's tensors point at between runs (views of the pack, the slots), not the model."""
+    total = lm.model_memory()
+    loaded = min(lm.model_loaded_memory(), total)
+    on_gpu = lm.device.type != "cpu"
+    if lw is None or (lw.get("dynamic_vram") or {}).get("path") == "core streams":
+        device = loaded if on_gpu else 0
+        return {"total": total, "device": device, "ram": total - device, "disk": 0,
+                "loaded_by_core": loaded}
+    blocks, rest = int(lw["block_bytes"]), int(lw["rest_bytes"])
+    disk = min(int((lw.get("host") or {}).get("disk", 0)), blocks)
+    device = min(loaded, rest) if on_gpu else 0
+    return {"total": blocks + rest, "device": device, "ram": blocks + rest - device - disk,
+            "disk": disk, "loaded_by_core": loaded, "blocks": blocks, "rest": rest}
 
 
 def report() -> list[dict[str, Any]]:
@@ -127,22 +146,42 @@ def report() -> list[dict[str, Any]]:
                       "layerwise": lw, "swap": None})
     for member in SWAP_MEMBERS.values():
         if member not in swapped and not member.closed:
-            cards.append({"id": f"swap-{id(member):x}", "class": member.name, "network": None,
-                          "kind": "model", "file": None, "device": "cpu",  # a master lives in host RAM
+            cards.append({"id": _swap_card_id(member), "class": member.name, "network": None,
+                          "kind": member.kind, "file": None, "device": "cpu",  # a master lives in host RAM
                           "core": False, "bytes": None, "tier_id": None, "layerwise": None,
                           "swap": member.report()})
     return cards
 
 
+def _swap_card_id(member) -> str:
+    return f"swap-{id(member):x}"
+
+
+def _held_by_pack(card_id: str) -> tuple[Any, torch.nn.Module, str] | None:
+    """(registry, module, class name) of a card that lists what the pack holds of a model core
+    let go of: its Model-Level Swap master or its layerwise pack; None for any other id."""
+    if card_id not in {card["id"] for card in report() if not card["core"]}:
+        return None
+    for module, member in SWAP_MEMBERS.items():
+        if _swap_card_id(member) == card_id:
+            return SWAP_MEMBERS, module, member.name
+    for module, session in LAYERWISE.sessions.items():
+        if f"layerwise-{id(module):x}" == card_id:
+            return LAYERWISE.sessions, module, session.model_class
+    return None
+
+
 def unload(card_id: str) -> dict[str, Any]:
-    """Core's own unload of one loaded model, between prompts only.
+    """Unload one card of the loaded list, between prompts only: core's own unload of a model
+    core holds; for a model core let go of, the pack lets go of what it holds (its pinned master
+    or pack is freed, and the model's tensors become ordinary ones again).
 
     Raises LookupError (unknown id, whether a prompt runs or not) or TierError (a prompt runs:
     PromptRunningError; or the tier manager owns the model).
     """
-    if not _find(card_id):
+    if not _find(card_id) and _held_by_pack(card_id) is None:
         raise LookupError(card_id)
-    with prompt_lifecycle.between_prompts("core's unload"):
+    with prompt_lifecycle.between_prompts("an unload"):
         for lm in _find(card_id):
             patcher = lm.model
             if patcher is None:
@@ -153,4 +192,11 @@ def unload(card_id: str) -> dict[str, Any]:
             unload_from_core(patcher.model)
             log.info("tiered offload: %s unloaded through core's unload (panel request)", name)
             return {"id": card_id, "class": name}
-    raise LookupError(card_id)
+        held = _held_by_pack(card_id)
+        if held is None:
+            raise LookupError(card_id)
+        registry, module, name = held
+        registry.discard(module)
+        log.info("tiered offload: %s: the pack let go of what it held after ComfyUI unloaded it "
+                 "(panel request)", name)
+        return {"id": card_id, "class": name}

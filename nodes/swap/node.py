@@ -18,6 +18,12 @@ also for a clone of an already loaded encoder, where ON_LOAD does not fire) unlo
 model through core. Unloading through core (`LoadedModel.model_unload`) keeps
 `current_loaded_models` and core's free-memory figures true.
 
+One host copy: a master is kept in the machine's shared store of its file's bytes where sharing is
+on (core/host_sharing.py), so every ComfyUI process that swaps the same model maps one copy; and a
+diffusion model whose blocks already live in Apply Layerwise Offload's kept pack (an earlier
+workflow streamed it) leaves them there: its master holds the rest, and the pack, which takes the
+blocks back when core moves the model out, stays valid.
+
 Not given a master: a model with Apply Layerwise Offload before this node (the engine already
 keeps its blocks in pinned RAM; the other order is refused by that node, since the blocks would be
 held twice); a model that newer ComfyUI runs with Dynamic VRAM (core keeps it in host memory
@@ -37,7 +43,7 @@ import comfy.patcher_extension
 from comfy_api.v0_0_2 import io
 
 from ...offload_core.models.swap import ModuleSwap
-from ..core import host_moves
+from ..core import host_moves, host_sharing
 from ..core.models import is_dynamic, loaded_entries, unload_from_core
 from ..core.state import LAYERWISE, LAYERWISE_KEY, SWAP_KEY, SWAP_MEMBERS
 
@@ -52,7 +58,7 @@ def _patched_keys(patcher) -> list[str]:
 class SwapMember:
     """One model's base-weight master and the guard on its root module's `.to()`."""
 
-    def __init__(self, patcher, name: str) -> None:
+    def __init__(self, patcher, name: str, kind: str, share_host_memory: bool = True) -> None:
         module = patcher.model
         # Core restores every base weight from its backup when it unloads the model: only then
         # does the module hold what the master must hold.
@@ -62,7 +68,10 @@ class SwapMember:
                 f"Model-Level Swap: {name} still holds merged weights after ComfyUI unloaded it "
                 f"({len(_patched_keys(patcher))} keys); refusing to take it as a master")
         self.name = name
-        self.swap = ModuleSwap(module)
+        self.kind = kind  # "diffusion model" or "text encoder": the words the panel's cards use
+        self.share, self.share_why = host_sharing.share_for(module, share_host_memory)
+        host_sharing.check_unchanged(self.share, "Model-Level Swap")
+        self.swap = ModuleSwap(module, share=self.share, skip=_kept_pack_test(module))
         # Core copies from the master on the model's load device (ComfyUI's partial load does it
         # asynchronously, per layer): the master waits for that device before it goes.
         self.swap.note_reader(patcher.load_device)
@@ -105,14 +114,25 @@ class SwapMember:
     def report(self) -> dict[str, Any]:
         module = self._module_ref()
         on_device = module is not None and bool(loaded_entries(module))
-        return {"name": self.name, "loaded_by_core": on_device, "turns": self.turns,
+        store = self.swap.host_store() if self.share is not None else {"shared": False, "why": self.share_why}
+        return {"name": self.name, "kind": self.kind, "loaded_by_core": on_device, "turns": self.turns,
                 "parks": self.parks, "tensors_taken_back": self.tensors_taken_back,
+                "in_layerwise_pack": self.swap.skipped, "host_store": store,
                 "bytes": {"master": self.swap.nbytes, **self.swap.bytes_by_tier()}}
 
 
-def _member(patcher) -> SwapMember:
+def _kept_pack_test(module: torch.nn.Module):
+    """Whether a tensor of ``module`` lives in Apply Layerwise Offload's kept pack of its blocks
+    (None without one): the master leaves those where they are instead of holding them twice."""
+    diffusion_model = getattr(module, "diffusion_model", None)
+    session = LAYERWISE.sessions.get(diffusion_model) if diffusion_model is not None else None
+    return session.streamer.shows_kept_pack if session is not None else None
+
+
+def _member(patcher, kind: str, share_host_memory: bool) -> SwapMember:
     module = patcher.model
-    return SWAP_MEMBERS.get_or_create(module, lambda: SwapMember(patcher, type(module).__name__))
+    return SWAP_MEMBERS.get_or_create(
+        module, lambda: SwapMember(patcher, type(module).__name__, kind, share_host_memory))
 
 
 def layerwise_active(module: torch.nn.Module) -> bool:
@@ -139,9 +159,11 @@ class _Turns:
     def _take_turn(incoming: torch.nn.Module | None, outgoing: torch.nn.Module | None) -> None:
         """Unload the outgoing model through core (copy-free where it has a master); core then
         loads the incoming one, from its master where it has one."""
+        member = SWAP_MEMBERS.get(incoming) if incoming is not None else None
+        if member is not None:  # a shared master of a file that changed is refused before anything moves
+            host_sharing.check_unchanged(member.share, "Model-Level Swap")
         if outgoing is not None:
             unload_from_core(outgoing)
-        member = SWAP_MEMBERS.get(incoming) if incoming is not None else None
         if member is not None:
             member.turns += 1
 
@@ -170,12 +192,18 @@ class ModelLevelSwap(io.ComfyNode):
             inputs=[
                 io.Model.Input("model", tooltip="The diffusion model; it is parked while text is encoded."),
                 io.Clip.Input("clip", tooltip="The text encoder(s); parked while sampling."),
+                io.Boolean.Input(
+                    "share_host_memory", default=True, optional=True,
+                    tooltip="Share each master with every other ComfyUI process on this machine "
+                            "that loads the same model file (workers of a multi-GPU setup): one "
+                            "copy in shared memory instead of one per process. Off: this process "
+                            "keeps its own."),
             ],
             outputs=[io.Model.Output(), io.Clip.Output()],
         )
 
     @classmethod
-    def execute(cls, model, clip) -> io.NodeOutput:
+    def execute(cls, model, clip, share_host_memory: bool = True) -> io.NodeOutput:
         model = model.clone()
         clip = clip.clone()
         # A layerwise-offloaded model already keeps its blocks in pinned RAM; a second, whole-
@@ -189,7 +217,7 @@ class ModelLevelSwap(io.ComfyNode):
             if why is not None:
                 log.info("Model-Level Swap: the %s gets no pinned master: it %s", name, why)
             elif wanted:
-                _member(patcher)
+                _member(patcher, name, share_host_memory)
         turns = _Turns(model.model, clip.patcher.model)
 
         def prepare_sampling(executor, patcher, *args, **kwargs):

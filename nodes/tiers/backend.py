@@ -63,6 +63,22 @@ def _release_engines(module: torch.nn.Module) -> None:
         state.LAYERWISE.discard(diffusion_model)
 
 
+def _counted_elsewhere(module: torch.nn.Module) -> int:
+    """Bytes of a model's host copy that other processes count too: a shared host store (of its
+    blocks, or of its Model-Level Swap master) is counted once per machine, each of the N
+    processes that map it counting 1/N of it."""
+    stores = [state.LAYERWISE.host_store(getattr(module, "diffusion_model", None))]
+    member = state.SWAP_MEMBERS.get(module)
+    if member is not None:
+        stores.append(member.swap.host_store())
+    excess = 0
+    for store in stores:
+        users = (store or {}).get("users") or 1
+        if store and store.get("shared") and users > 1:
+            excess += store["bytes"] - store["bytes"] // users
+    return excess
+
+
 @dataclass(frozen=True)
 class Source:
     """A loader's file as registered: its manager id, source key, path, version and size."""
@@ -166,7 +182,8 @@ class ComfyModelBackend:
 
     def bytes_by_tier(self) -> dict[str, int]:
         """Each byte once: on the compute device ("vram"), in host memory ("ram"), or, for blocks
-        that Apply Layerwise Offload streams from disk, only on disk ("disk")."""
+        that Apply Layerwise Offload streams from disk, only on disk ("disk"). Host bytes in a
+        store shared with other processes count this process's share (``_counted_elsewhere``)."""
         if self.outputs is None:
             return {"vram": 0, "ram": 0}
         vram = 0
@@ -176,14 +193,15 @@ class ComfyModelBackend:
             size = patcher.model_size()
             on_disk = min(size, state.LAYERWISE.disk_bytes(getattr(patcher.model, "diffusion_model", None)))
             disk += on_disk
+            elsewhere = _counted_elsewhere(patcher.model)
             if patcher.load_device.type == "cpu":
                 # --cpu: a model core "loaded" still sits in RAM and counts against its budget.
-                host += size - on_disk
+                host += max(0, size - on_disk - elsewhere)
                 continue
             loaded = max((lm.model_loaded_memory() for lm in loaded_entries(patcher.model)),
                          default=0)
             vram += loaded
-            host += max(0, size - loaded - on_disk)
+            host += max(0, size - loaded - on_disk - elsewhere)
         return {"vram": vram, "ram": host, "disk": disk} if disk else {"vram": vram, "ram": host}
 
     def current_tier(self) -> Tier:

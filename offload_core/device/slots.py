@@ -25,6 +25,7 @@ a scheduling mistake fails loudly on a CPU instead of racing on a GPU.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Hashable
 
 import torch
@@ -108,12 +109,18 @@ class SlotRing:
             stream, ordering = self.stream, self._ordering
             with ordering.on(stream):
                 stream.wait_event(self._free[slot])  # no-op until the slot has had a reader
-                if self._timeline is None:
+                if self._timeline is not None:
+                    self._recorded_copy(dst, host, tag, prepare)
+                elif ordering.asynchronous:
                     ordering.copy(dst, host)
                     if prepare is not None:
                         prepare(dst)
-                else:
-                    self._recorded_copy(dst, host, tag, prepare)
+                else:  # on this thread: compute waits for all of it
+                    start = time.perf_counter()
+                    ordering.copy(dst, host)
+                    if prepare is not None:
+                        prepare(dst)
+                    self._tel.copied_on_this_thread(time.perf_counter() - start)
                 self._ready[slot].record(stream)
         self.holds[slot], self._state[slot] = tag, _LOADED
         self._tel.record_copy(n)
@@ -126,15 +133,18 @@ class SlotRing:
 
     def _recorded_copy(self, dst: torch.Tensor, host: torch.Tensor, tag: Hashable,
                        prepare: Callable[[torch.Tensor], None] | None) -> None:
-        """The copy and its ``prepare`` between two marks on the copy stream (on a plain CPU, on
-        this thread, which compute then waits for)."""
+        """The copy (and its ``prepare`` step) between two marks on the copy stream (on a plain
+        CPU, on this thread, which compute then waits for)."""
         timeline = self._timeline
         start = timeline.mark(self.stream)
         self._ordering.copy(dst, host)
         if prepare is not None:
             prepare(dst)
-        timeline.copied(tag, start, timeline.mark(self.stream), host.numel(),
-                        blocking=not self._ordering.asynchronous)
+        end = timeline.mark(self.stream)
+        blocking = not self._ordering.asynchronous
+        timeline.copied(tag, start, end, host.numel(), blocking=blocking)
+        if blocking:
+            self._tel.copied_on_this_thread(start.elapsed_time(end) / 1000.0)
 
     def wait_ready(self, slot: int) -> None:
         """Make the compute stream wait (GPU-side) for the slot's last copy; the slot is then being read."""
@@ -149,12 +159,7 @@ class SlotRing:
             except BaseException:
                 self.holds[slot], self._state[slot] = None, _EMPTY
                 raise
-        compute = self._current_stream()
-        stalls = self._tel.stalls
-        pair = stalls.begin(compute) if stalls is not None else None
-        compute.wait_event(self._ready[slot])
-        if pair is not None:
-            stalls.end(pair, compute)
+        self._current_stream().wait_event(self._ready[slot])
         self._state[slot] = _READING
 
     def mark_free(self, slot: int) -> None:

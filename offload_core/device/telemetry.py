@@ -18,15 +18,17 @@ from .timeline import Timeline
 
 
 class StallTimer:
-    """Times how long the compute stream sat waiting for copies, via event pairs of ``ordering``
-    (a device whose copies are asynchronous).
+    """Times how long compute waited for each streamed unit, where copies are asynchronous: the
+    compute stream's time between two events of ``ordering`` around the unit's wait, or the
+    sampling thread's time in that wait where it was longer (a host that waits leaves the device
+    without queued work). The picture of a pass counts a wait the same way (``timeline.verdict``).
 
     Locked because a UI thread may read it while the sampling thread records.
     """
 
     def __init__(self, ordering: Ordering) -> None:
         self._ordering = ordering
-        self._pending: list[tuple[Event, Event]] = []
+        self._pending: list[tuple[Event, Event, float]] = []
         self._spare: list[tuple[Event, Event]] = []
         self._lock = threading.Lock()
         self.total_s = 0.0
@@ -39,10 +41,11 @@ class StallTimer:
         pair[0].record(stream)
         return pair
 
-    def end(self, pair: tuple[Event, Event], stream: Stream) -> None:
+    def end(self, pair: tuple[Event, Event], stream: Stream, host_s: float) -> None:
+        """The wait begun with ``pair`` ended; the sampling thread spent ``host_s`` in it."""
         pair[1].record(stream)
         with self._lock:
-            self._pending.append(pair)
+            self._pending.append((pair[0], pair[1], host_s))
             backlog = len(self._pending) > 64
         if backlog:
             self.collect(wait=False)
@@ -51,13 +54,13 @@ class StallTimer:
         """Fold finished pairs into ``total_s``; with ``wait`` also the unfinished ones."""
         with self._lock:
             keep = []
-            for start, end in self._pending:
+            for start, end, host_s in self._pending:
                 if wait:
                     end.synchronize()
                 elif not end.query():
-                    keep.append((start, end))
+                    keep.append((start, end, host_s))
                     continue
-                self.total_s += start.elapsed_time(end) / 1000.0
+                self.total_s += max(start.elapsed_time(end) / 1000.0, host_s)
                 self._spare.append((start, end))
             self._pending = keep
 
@@ -71,6 +74,9 @@ class Telemetry:
         self.materialized_bytes = 0
         self.device_alloc_bytes = 0
         self.stalls: StallTimer | None = None
+        # Where copies are synchronous (a plain CPU): whether the sampling thread is inside a
+        # unit's wait now, so a copy it makes there is not counted twice.
+        self.in_wait = False
         # The picture of a pass, only while someone asked for it: the hot path checks this one
         # attribute and does nothing more while it is None.
         self.timeline: Timeline | None = None
@@ -90,8 +96,12 @@ class Telemetry:
         self.staging_waits = 0
         # Time the sampling thread spent in the engine's block hooks: issuing copies and merges,
         # and waiting wherever the host has to (a copy from pageable memory, a staged or disk
-        # copy not yet issued). The GPU's own waits are compute_wait_s; this is the host's side.
+        # copy not yet issued). Compute's own waits are compute_wait_s; this is the host's side.
         self.host_wait_s = 0.0
+        # Where copies are synchronous: the waits' time and that of the copies the sampling thread
+        # made outside them (compute waits for all of each). See ``compute_wait_s``.
+        self.sync_wait_s = 0.0
+        self.wait_host_s = 0.0  # the part of host_wait_s spent in units' waits
         self.peak_materialized_bytes = self.materialized_bytes
         self.peak_device_alloc_bytes = self.device_alloc_bytes
         self.peak_bound_bytes = self.bound_bytes
@@ -113,9 +123,20 @@ class Telemetry:
         if self.device_alloc_bytes > self.peak_device_alloc_bytes:
             self.peak_device_alloc_bytes = self.device_alloc_bytes
 
+    def copied_on_this_thread(self, seconds: float) -> None:
+        """A synchronous copy took ``seconds`` of the sampling thread: compute waited for it,
+        unless it ran inside a wait, which is counted whole."""
+        if not self.in_wait:
+            self.sync_wait_s += seconds
+
     @property
     def compute_wait_s(self) -> float:
-        return self.stalls.total_s if self.stalls is not None else 0.0
+        """Time compute waited for streamed units' bytes, by one rule wherever it is shown (the
+        panel's card and the picture of a pass, ``timeline.verdict``): each unit's wait (on a
+        device with asynchronous copies, the compute stream's or the sampling thread's,
+        whichever was longer) plus every copy the sampling thread made itself outside a wait (a
+        plain CPU's copies)."""
+        return (self.stalls.total_s if self.stalls is not None else 0.0) + self.sync_wait_s
 
     def snapshot(self, wait: bool = False) -> dict[str, Any]:
         """Current counters.  ``wait=True`` first resolves in-flight stall timings (host sync)."""
@@ -132,6 +153,7 @@ class Telemetry:
             "staging_waits": self.staging_waits,
             "compute_wait_s": self.compute_wait_s,
             "host_wait_s": self.host_wait_s,
+            "wait_host_s": self.wait_host_s,
             "materialized_bytes": self.materialized_bytes,
             "peak_materialized_bytes": self.peak_materialized_bytes,
             "device_alloc_bytes": self.device_alloc_bytes,
@@ -142,9 +164,11 @@ class Telemetry:
 
 
 def overlap_efficiency(snapshot: dict[str, Any], seconds: float) -> float:
-    """Share of a run of ``seconds`` in which neither the GPU waited for a copy nor the sampling
+    """Share of a run of ``seconds`` in which neither compute waited for a copy nor the sampling
     thread sat in the engine (a host that waits queues no compute, and the GPU's own waits do
-    not show that)."""
+    not show that). The sampling thread's time in the waits is part of both figures: counted
+    once."""
     if seconds <= 0:
         return 0.0
-    return max(0.0, 1.0 - (snapshot["compute_wait_s"] + snapshot["host_wait_s"]) / seconds)
+    busy = snapshot["compute_wait_s"] + snapshot["host_wait_s"] - snapshot.get("wait_host_s", 0.0)
+    return max(0.0, 1.0 - busy / seconds)

@@ -240,18 +240,21 @@ def verdict(spans: Sequence[dict]) -> dict[str, Any]:
     """What bound the pass, from its spans: totals per kind and ``bound_by``.
 
     Compute waited for the link when it waited on a copy (a wait, or a copy that ran on the
-    sampling thread), for the disk when the unit's read was still running as the wait began
-    (a wait measured on the GPU is the GPU's; a host that waited is counted where it waited
-    longer). A pass whose waits are under a tenth of its compute time is bound by compute.
+    sampling thread outside a wait, which counts whole), for the disk when the unit's read was
+    still running as the wait began (a wait measured on the GPU is the GPU's; a host that waited
+    is counted where it waited longer). The run's ``Telemetry.compute_wait_s`` counts by the
+    same rule. A pass whose waits are under a tenth of its compute time is bound by compute.
     """
     compute = sum(s["end_ms"] - s["start_ms"] for s in spans if s["kind"] == "compute")
     copy_busy = _busy([s for s in spans if s["kind"] == "copy"])
     disk_busy = _busy([s for s in spans if s["kind"] == "disk"])
     read_end = {s["unit"]: s["end_ms"] for s in spans if s["kind"] == "disk"}
+    waits = [(s["start_ms"], s["end_ms"]) for s in spans if s["kind"] == "wait"]
     link_wait = disk_wait = 0.0
     for s in spans:
         if s["kind"] == "copy" and s.get("blocking"):
-            link_wait += s["end_ms"] - s["start_ms"]
+            if not any(start <= s["start_ms"] and s["end_ms"] <= end for start, end in waits):
+                link_wait += s["end_ms"] - s["start_ms"]
         elif s["kind"] == "wait":
             waited = max(s["end_ms"] - s["start_ms"], s["host_ms"])
             if read_end.get(s["unit"], float("-inf")) > s["host_start_ms"]:

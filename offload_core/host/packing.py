@@ -81,16 +81,28 @@ class PackedBlock:
 
     def pack(self, host: torch.Tensor) -> None:
         """Write the original values into ``host`` and let the pack stand in for every dense original."""
-        if host.device.type != "cpu":
-            raise ValueError(f"block {self.index}: the host pack must live on the CPU, got {host.device}")
-        self.layout.check_buffer(host)
-        if self.layout.keep_address_phase and host.data_ptr() % PHASE:
+        self.write(host)
+        self.take_host(host)
+
+    def write(self, buf: torch.Tensor) -> None:
+        """Write the original values into ``buf``, pointing nothing at it and keeping the originals:
+        a shared host store's bytes are written through one mapping and taken through another
+        (``take_host``), read-only."""
+        if buf.device.type != "cpu":
+            raise ValueError(f"block {self.index}: the host pack must live on the CPU, got {buf.device}")
+        self.layout.check_buffer(buf)
+        if self.layout.keep_address_phase and buf.data_ptr() % PHASE:
             raise ValueError(f"block {self.index}: a host pack that keeps address phases must start on a "
                              f"{PHASE}-byte boundary")
         with torch.no_grad(), torch.inference_mode(False):
-            regions = [e.view_in(host) for e in self.entries]  # writable views
-            for e, region in zip(self.entries, regions):
-                region.copy_(e.original)
+            for e in self.entries:
+                e.view_in(buf).copy_(e.original)
+
+    def take_host(self, host: torch.Tensor) -> None:
+        """Let ``host``, which holds the block's values already (written by ``write``, here or in
+        another process), stand in for every dense original: the originals go, nothing is copied."""
+        self.layout.check_buffer(host)
+        with torch.no_grad(), torch.inference_mode(False):
             for e in self.entries:  # written in full: only now may originals go
                 if e.dense:
                     e.original = None

@@ -33,6 +33,7 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import psutil
 import torch
@@ -158,8 +159,8 @@ def _clear_cuda_error() -> None:
         pass  # that is the error being dropped; the failed call already reported it
 
 
-def _register(registrar: HostRegistrar, ptr: int, nbytes: int, label: str) -> bool:
-    if registrar.register(ptr, nbytes, label) == 0:
+def _register(registrar: HostRegistrar, ptr: int, nbytes: int, label: str, read_only: bool) -> bool:
+    if registrar.register(ptr, nbytes, label, read_only=read_only) == 0:
         return True
     _clear_cuda_error()
     return False
@@ -214,6 +215,20 @@ def return_freed_ram() -> bool:
     return True
 
 
+class ChunkBacking(Protocol):
+    """Where a storage's chunks live instead of fresh private memory: a shared host store's file.
+
+    ``map_chunk(index, span)`` returns a uint8 tensor of ``span`` bytes whose storage starts at a
+    page-aligned mapping of its own (pinning asks about a storage's base pointer), and is called
+    once per chunk, on its first use. ``read_only``: the mapping refuses writes, and page-locking
+    must not ask to write. Mapping takes no new memory (whoever made the bytes kept the reserve).
+    """
+
+    read_only: bool
+
+    def map_chunk(self, index: int, span: int) -> torch.Tensor: ...
+
+
 @dataclass
 class _Chunk:
     items: list[int]  # indices of the items that live in this chunk
@@ -254,7 +269,8 @@ class HostStorage:
     cap when one is shared (``set_pin_accounting``); beyond it chunks stay pageable.
     ``reserve_bytes`` of RAM are always left free: a chunk that would eat into them
     is refused with ``MemoryError`` before anything is allocated.  ``label`` says what
-    the storage holds, where a checker of device ordering names its memory.
+    the storage holds, where a checker of device ordering names its memory.  ``backing``: the
+    chunks are mappings of a shared host store's file (``shared_store``) instead of fresh memory.
     """
 
     def __init__(
@@ -266,6 +282,7 @@ class HostStorage:
         reserve_bytes: int = DEFAULT_RESERVE_BYTES,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         label: str = "host storage",
+        backing: ChunkBacking | None = None,
     ) -> None:
         if any(s < 0 for s in sizes):
             raise ValueError("item sizes must be >= 0")
@@ -275,6 +292,7 @@ class HostStorage:
             raise ValueError(f"ram_budget_bytes must be >= 0, got {ram_budget_bytes}")
         self._pin = pin
         self._label = label
+        self._backing = backing
         self._cap = ram_budget_bytes
         self._reserve = reserve_bytes
         self._pinned_here = 0
@@ -298,6 +316,23 @@ class HostStorage:
         self._finalizer.atexit = False  # at exit the process frees everything; CUDA may be gone
 
     @property
+    def num_items(self) -> int:
+        return len(self._sizes)
+
+    def chunk_of(self, i: int) -> int:
+        """The chunk item ``i`` lives in."""
+        return self._where[i][0]
+
+    def item_span(self, i: int) -> tuple[int, int]:
+        """Where item ``i`` sits in its chunk: (offset, bytes)."""
+        return self._where[i][1], self._sizes[i]
+
+    @property
+    def chunk_spans(self) -> list[int]:
+        """Each chunk's bytes rounded up to a page: what it maps."""
+        return [_align_up(c.nbytes, PAGE) for c in self._chunks]
+
+    @property
     def total_bytes(self) -> int:
         """Bytes of all chunks, allocated or not."""
         return sum(c.nbytes for c in self._chunks)
@@ -315,6 +350,16 @@ class HostStorage:
     def pageable_bytes(self) -> int:
         return sum(c.nbytes for c in self._chunks if c.data is not None and not c.pinned_len)
 
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s bytes lie in this storage (a view of one of its buffers)."""
+        if t.device.type != "cpu" or not t.numel():
+            return False
+        ptr = t.data_ptr()
+        for c in self._chunks:
+            if c.data is not None and c.data.numel() and c.data.data_ptr() <= ptr < c.data.data_ptr() + c.nbytes:
+                return True
+        return False
+
     def is_pinned(self, i: int) -> bool:
         return bool(self._chunks[self._where[i][0]].pinned_len)
 
@@ -330,8 +375,9 @@ class HostStorage:
     def _allocate(self, ci: int, chunk: _Chunk) -> None:
         n = chunk.nbytes
         span = _align_up(n, PAGE)
+        backing = self._backing
         headroom = available_ram_bytes() - self._reserve
-        if span > headroom:
+        if span > headroom and backing is None:
             raise MemoryError(
                 f"host storage chunk {ci} needs {size_text(span)} but only {size_text(max(headroom, 0))} "
                 f"are available after keeping {size_text(self._reserve)} in reserve; refusing to allocate"
@@ -341,10 +387,11 @@ class HostStorage:
             with torch.inference_mode(False):
                 chunk.data = torch.empty(0, dtype=torch.uint8)
             return
-        chunk.data = _map(span)[:n]
+        chunk.data = (_map(span) if backing is None else backing.map_chunk(ci, span))[:n]
         registrar = self._pin_registrar(span)
         if registrar is not None:
-            if _register(registrar, chunk.data.data_ptr(), span, f"{self._label}, chunk {ci}"):
+            read_only = backing is not None and backing.read_only
+            if _register(registrar, chunk.data.data_ptr(), span, f"{self._label}, chunk {ci}", read_only):
                 chunk.pinned_len = span
                 chunk.registrar = registrar
                 self._pinned_here += span
@@ -357,8 +404,9 @@ class HostStorage:
         if not self._pin or self._pin_refused:
             return None
         registrar = host_registrar()
-        if registrar is None:
-            self._refuse_pin("CUDA is not available", logging.INFO)  # nothing to speed up: not a problem
+        if registrar is None:  # no GPU: there is no copy to a GPU to speed up, nothing to say
+            self._pin_refused = True
+            log.debug("host storage: no CUDA device, so nothing is pinned")
             return None
         cap = pin_cap(self._cap)
         if pinned_bytes() + span > cap:

@@ -6,6 +6,7 @@ the plan, the pack store and the counters when it is asked for.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ..blocks.phases import Unit
@@ -172,6 +173,15 @@ class StreamerFigures:
         """Host master size, the tensors in it without alignment padding, how much of it is
         page-locked; with disk streaming, what the host cache holds and what lives on disk."""
         return host_bytes(self._plan, self._store)
+
+    def shows_kept_pack(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` shows this streamer's kept host pack while detached: another host master of
+        the same module need not copy it."""
+        return not self._attached and self._store.holds(t)
+
+    def host_store(self) -> dict | None:
+        """Whether the host pack is in a shared store, or why not (``PackStore.host_store``)."""
+        return self._store.host_store()
 
     def disk_figures(self) -> dict | None:
         """The disk tier's settings and sizes, None without one."""

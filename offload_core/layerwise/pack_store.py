@@ -1,8 +1,9 @@
 """Where the streamer's packs live between attaches: host RAM, or the disk tier.
 
 A pack is made once and kept (``detach(keep_pack=True)``): in one host storage, pinned up to the
-cap, or, when the disk tier's RAM cap is smaller than the model, in the engine's spill file
-behind a host cache. On a GPU a small pinned staging buffer comes with a host pack that is not all
+cap (the machine's one shared store of the same bytes where the caller asks to share:
+``host/shared_packing.py``), or, when the disk tier's RAM cap is smaller than the model, in the
+engine's spill file behind a host cache. On a GPU a small pinned staging buffer comes with a host pack that is not all
 pinned. Why stage at all: a copy from pageable memory returns only once the driver has staged all
 of it, so it would hold the sampling thread at every block exit. Why not refuse ``pin=False`` on
 CUDA instead: the pack also turns pageable when pinning would exceed the cap, and a model that
@@ -20,7 +21,9 @@ from ..device.telemetry import Telemetry
 from ..disk.tier import DiskOptions, DiskTier
 from ..host.packing import PackedBlock
 from ..host.pinned import HostStorage, return_freed_ram
+from ..host.shared_packing import HostPack, HostShare, pack_host
 from ..host.staging import PIECE_BYTES
+from ..host.subclass import flatten, is_wrapper
 from ..ordering import for_device
 from .plan import StreamPlan
 
@@ -34,9 +37,14 @@ class PackStore:
     streamer's packs. Packs are counted in ``telemetry.blocks_packed``."""
 
     def __init__(self, device: torch.device, *, pin: bool, ram_budget_bytes: int | None,
-                 chunk_bytes: int, disk: DiskOptions | None, telemetry: Telemetry) -> None:
+                 chunk_bytes: int, disk: DiskOptions | None, telemetry: Telemetry,
+                 share: HostShare | None = None) -> None:
+        if share is not None and not isinstance(share, HostShare):
+            raise ValueError(f"share must be None or HostShare, got {share!r}")
         self.device = device
         self._pin = pin
+        self._share = share
+        self._packed: HostPack | None = None  # the host pack's storage and, where shared, its store
         self._ram_budget = ram_budget_bytes
         self._chunk_bytes = chunk_bytes
         self._telemetry = telemetry
@@ -82,20 +90,12 @@ class PackStore:
             self.bounce = HostStorage([2 * PIECE_BYTES], pin=True, ram_budget_bytes=self._ram_budget,
                                       label="staging bounce buffer")
             self.bounce.buffer(0)
-        self.host = HostStorage(
-            [p.nbytes for p in packs],
-            pin=self._pin and asynchronous,  # page-locking only speeds up asynchronous H2D copies
-            ram_budget_bytes=self._ram_budget,
-            chunk_bytes=self._chunk_bytes,
-            label="host pack",
-        )  # fmt: skip
-        count = 0
-        for i, p in enumerate(packs):
-            p.pack(self.host.buffer(i))
-            count += bool(p.entries)
-            if progress is not None:
-                progress(i + 1, len(packs))
-        return_freed_ram()  # the originals just given up may sit in the C heap: hand them to the OS
+        self._packed = pack_host(packs, pin=self._pin and asynchronous,  # locking speeds up async copies only
+                                 ram_budget_bytes=self._ram_budget, chunk_bytes=self._chunk_bytes,
+                                 label="host pack", share=self._share, progress=progress)
+        self.host = self._packed.storage
+        store = self._packed.store
+        count = sum(bool(p.entries) for p in packs) if store is None or store.created else 0
         if asynchronous:
             self._settle_bounce(plan)
         self._telemetry.blocks_packed += count
@@ -163,11 +163,27 @@ class PackStore:
                 self.host.release_item(i)
         self.release()
 
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` (a wrapper: each of its inner tensors) lies in the kept host pack."""
+        if self.host is None:
+            return False
+        inner = flatten(t).inner if is_wrapper(t) else (t,)
+        return bool(inner) and all(self.host.holds(x) for x in inner)
+
+    def host_store(self) -> dict | None:
+        """Whether the host pack is in a shared store (its folder, file, bytes and how many processes
+        map it) or why not (``shared``: False, ``why``); None without a host pack or a wish to share."""
+        if self._packed is None or (self._share is None and self._packed.store is None):
+            return None
+        return self._packed.status()
+
     def release(self) -> None:
-        """Free the host storage and staging buffer, and close the disk tier."""
-        for storage in (self.host, self.bounce):
-            if storage is not None:
-                storage.release()
+        """Free the host storage (let a shared store go) and staging buffer, and close the disk tier."""
+        packed, self._packed = self._packed, None
+        if packed is not None:
+            packed.release()
+        if self.bounce is not None:
+            self.bounce.release()
         self.host = self.bounce = None
         if self.disk is not None:
             self.disk.close()  # the modules keep copy-on-write maps of their bytes on disk

@@ -138,7 +138,8 @@ class DeviceSchedule:
         hooks = (window.enter, window.exit, window.block_enter, window.block_exit)
         if timeline is not None:  # chosen once per attach: while off, no hook looks for it
             hooks = self._recording(window, timeline)
-        enter, leave, block_enter, block_exit = (self._timed(h) for h in hooks)
+        enter = self._timed_wait(hooks[0], window)
+        leave, block_enter, block_exit = (self._timed(h) for h in hooks[1:])
         eager = self._compiled
         if plan.granularity == "block":
             self._streamed_hooks.append(
@@ -170,6 +171,40 @@ class DeviceSchedule:
                 tel.host_wait_s += time.perf_counter() - start
 
         return timed
+
+    def _timed_wait(self, hook: Callable[[int], None], window: StreamWindow) -> Callable[[int], None]:
+        """The enter hook, timed like the others, and the unit's wait measured for
+        ``Telemetry.compute_wait_s``: between two events on the compute stream (with the
+        sampling thread's time beside it) where copies are asynchronous, else the sampling
+        thread's time, copies made inside it included. Another module of the phase that runs
+        waits for nothing, as the picture of a pass counts it; nor does a CUDA graph's capture,
+        which the hook refuses."""
+        tel, stalls = self.telemetry, self.telemetry.stalls
+        ordering = for_device(self.device)
+        current, synchronous, cuda = ordering.current_stream, not ordering.asynchronous, self.device.type == "cuda"
+
+        def enter(i: int) -> None:
+            if torch.compiler.is_compiling():
+                self._refuse_trace(i)
+            waits = window.running != i and not (cuda and torch.cuda.is_current_stream_capturing())
+            start = time.perf_counter()
+            stream = current() if waits and stalls is not None else None  # compute's, for the hook
+            pair = stalls.begin(stream) if stream is not None else None
+            tel.in_wait = waits and synchronous
+            try:
+                hook(i)
+            finally:
+                tel.in_wait = False
+                host = time.perf_counter() - start
+                tel.host_wait_s += host
+                if waits:
+                    tel.wait_host_s += host
+                    if pair is not None:
+                        stalls.end(pair, stream, host)
+                    elif synchronous:
+                        tel.sync_wait_s += host
+
+        return enter
 
     def _recording(self, window: StreamWindow, timeline: Timeline) -> tuple[Callable[[int], None], ...]:
         """The window's four steps, each telling ``timeline`` where a unit's wait and compute begin

@@ -36,6 +36,7 @@ from ..device.timeline import Timeline
 from ..disk.tier import DiskOptions, DiskTier
 from ..host.packing import PackedBlock
 from ..host.pinned import DEFAULT_CHUNK_BYTES
+from ..host.shared_packing import HostShare
 from ..host.tensor_refs import tables_under
 from ..host.transform import Transform
 from ..ordering import for_device
@@ -97,7 +98,10 @@ class LayerwiseStreamer(StreamerFigures):
         timing: bool = True,
         granularity: str = "block",
         disk: DiskOptions | None = None,
+        share: HostShare | None = None,
     ) -> None:
+        """``share``: keep the host pack in the machine's one shared store of these bytes, which
+        every process streaming the same model maps (``host/shared_packing.py``)."""
         blocks = check_blocks(blocks)
         self.device = resolve_device(device)
         units = stream_units(blocks, granularity)
@@ -113,7 +117,8 @@ class LayerwiseStreamer(StreamerFigures):
         if self._ordering.asynchronous and timing:
             self.telemetry.stalls = StallTimer(self._ordering)
         self._store = PackStore(self.device, pin=pin, ram_budget_bytes=ram_budget_bytes,
-                                chunk_bytes=host_chunk_bytes, disk=disk, telemetry=self.telemetry)
+                                chunk_bytes=host_chunk_bytes, disk=disk, telemetry=self.telemetry,
+                                share=share)
         self._schedule: DeviceSchedule | None = None
         self._schedule_args: tuple = ()
         self._timeline_wanted = False
@@ -185,7 +190,8 @@ class LayerwiseStreamer(StreamerFigures):
             disk = store.disk
             start = tuner.attach_setting(plan.settings["vram_budget_bytes"], transform is not None,
                                          disk.options.cap_bytes if disk else None, _start_read_ahead(disk))
-            plan.apply(start.resident, start.prefetch, start.read_ahead or None)
+            if not compiled:  # under a compile the plan the caller checked it against stands
+                plan.apply(start.resident, start.prefetch, start.read_ahead or None)
         adopted = store.adopt(plan)  # a re-wrap of the same memory leaves the kept pack valid
         if adopted:
             log.info("%d block tensors were re-wrapped over the kept pack; it stays valid", adopted)

@@ -9,18 +9,26 @@ the tensors at the master, so nothing is ever copied device-to-host.
 The master must hold the module's *base* weights: build it only while the module's owner has no
 computed weights (merged LoRA and the like) in it.  ``park`` never touches a slot that holds
 something other than the master's values, so an owner's merged weights are safe from it.
+
+Two more ways to hold the bytes once: ``share`` keeps the master in the machine's one shared store
+of them (``host/shared_packing.py``), which every process loading the same file maps; ``skip``
+leaves alone tensors that already live in another host master of this process (a layerwise
+streamer's kept pack), so the blocks are not copied a second time.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..host.layout import alias_key, check_packable
 from ..host.packing import PackedBlock
-from ..host.pinned import DEFAULT_CHUNK_BYTES, HostStorage, return_freed_ram
+from ..host.pinned import DEFAULT_CHUNK_BYTES, HostStorage
+from ..host.shared_packing import HostShare, pack_host
 from ..host.subclass import tensor_nbytes
 from ..host.tensor_refs import tensor_refs
 
@@ -31,7 +39,8 @@ class ModuleSwap:
     """Keeps ``module``'s weights as a host master that the module's tensors point into.
 
     Construction packs the module: its tensors then live in the host pack (on CPU).  Tensors that
-    are not dense (e.g. expanded views) keep their original memory and are never re-pointed.
+    are not dense (e.g. expanded views) keep their original memory and are never re-pointed, and
+    neither are tensors ``skip`` names (they live in another master already).
     """
 
     def __init__(
@@ -41,10 +50,18 @@ class ModuleSwap:
         pin: bool = True,
         ram_budget_bytes: int | None = None,
         part_bytes: int = DEFAULT_CHUNK_BYTES,
+        share: HostShare | None = None,
+        skip: Callable[[torch.Tensor], bool] | None = None,
     ) -> None:
         if isinstance(part_bytes, bool) or not isinstance(part_bytes, int) or part_bytes < 1:
             raise ValueError(f"part_bytes must be an int >= 1, got {part_bytes!r}")
         refs = tensor_refs(module)
+        if skip is not None:
+            kept = [(ref, t) for ref, t in refs if not skip(t)]
+            self.skipped = len(refs) - len(kept)
+            refs = kept
+        else:
+            self.skipped = 0
         for ref, t in refs:
             check_packable(t, ref.label)
         # Where the model runs on the CPU, core computes from the master itself, so its tensors
@@ -52,15 +69,13 @@ class ModuleSwap:
         # elsewhere core copies each tensor to the device and the phase costs only padding.
         self._packs = [PackedBlock(items, index=i, keep_address_phase=True)
                        for i, items in enumerate(_split(refs, part_bytes))]
-        self._host: HostStorage | None = HostStorage(
-            [p.nbytes for p in self._packs], pin=pin, ram_budget_bytes=ram_budget_bytes, chunk_bytes=part_bytes
-        )
-        for i, p in enumerate(self._packs):
-            p.pack(self._host.buffer(i))
-        return_freed_ram()  # the originals just given up may sit in the C heap: hand them to the OS
+        self._packed = pack_host(self._packs, pin=pin, ram_budget_bytes=ram_budget_bytes, chunk_bytes=part_bytes,
+                                 label="module master", share=share)
+        self._host: HostStorage | None = self._packed.storage
         log.info(
-            "module packed: %.1f MiB in %d parts (%.1f MiB pinned)",
+            "module packed: %.1f MiB in %d parts (%.1f MiB pinned)%s",
             self.nbytes / 2**20, len(self._packs), self._host.pinned_bytes / 2**20,
+            f", {self.skipped} tensors left in another host master" if self.skipped else "",
         )  # fmt: skip
 
     @property
@@ -100,13 +115,20 @@ class ModuleSwap:
         for i, p in enumerate(self._packs):
             p.restore(keep_host=False)
             self._host.release_item(i)  # copy out part by part: never 2x RAM
-        self._host.release()
+        self._packed.release()
         self._host = None
 
     def _note_devices(self) -> None:
         for p in self._packs:
             for device in p.devices():
                 self._host.note_reader(device)
+
+    def host_store(self) -> dict[str, Any] | None:
+        """Whether the master is in a shared store (where, with how many processes) or why not;
+        None once closed, or without a wish to share that was met or refused."""
+        if self._host is None:
+            return None
+        return self._packed.status() if self._packed.store is not None or self._packed.why_private else None
 
     def bytes_by_tier(self) -> dict[str, int]:
         """Bytes of the master in pinned and in pageable host memory."""

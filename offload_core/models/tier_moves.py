@@ -19,12 +19,18 @@ from .tier_registry import TierRegistry
 logger = logging.getLogger(__name__)
 
 # One step down or up the ladder: the backend method that performs it and the log wording.
+# The top tier is the compute device's memory: VRAM on a GPU, RAM where models run on the CPU,
+# so the words name the device's role, not its memory.
 _STEPS = {
     (Tier.DISK, Tier.RAM): ("load_from_disk", "loaded from disk into RAM"),
-    (Tier.RAM, Tier.VRAM): ("to_vram", "moved to VRAM"),
+    (Tier.RAM, Tier.VRAM): ("to_vram", "loaded onto the compute device"),
     (Tier.VRAM, Tier.RAM): ("to_ram", "parked in RAM"),
     (Tier.RAM, Tier.DISK): ("drop", "dropped to disk"),
 }
+# A tier as the log names it: where the model is, and how it got there when ComfyUI moved it.
+WHERE = {Tier.VRAM: "loaded on the compute device", Tier.RAM: "in RAM", Tier.DISK: "on disk only"}
+MOVED_BY_CORE = {Tier.VRAM: "loaded onto the compute device", Tier.RAM: "unloaded into RAM",
+                 Tier.DISK: "freed (on disk only)"}
 
 
 class TierMoves:
@@ -60,6 +66,19 @@ class TierMoves:
         entry.tier = to
         entry.bytes_by_tier = dict(entry.backend.bytes_by_tier())
         self._registry.events.announce("tier", entry, reason=reason, old=old.value, new=to.value)
+
+    def observed(self, entry: Entry, tier: Tier) -> bool:
+        """Record ``tier`` where something outside the manager put the model (no backend move):
+        the figures re-read, a change of tier announced with reason "observed". Whether it
+        changed."""
+        if tier is entry.tier:
+            entry.bytes_by_tier = dict(entry.backend.bytes_by_tier())
+            return False
+        old = entry.tier
+        self.record(entry, tier, "observed")
+        logger.info("%s '%s' (%s) %s by ComfyUI itself (the manager had it %s)", entry.kind,
+                    entry.name, entry.id, MOVED_BY_CORE[tier], WHERE[old])
+        return True
 
     def drop_fully(self, entry: Entry, reason: str) -> None:
         """Down to disk, one tier at a time."""

@@ -12,6 +12,7 @@ Its jobs live in their own modules, each below the one that uses it:
 - tier_moves.py: one step between tiers through a backend, and a model's end (forgotten,
   superseded);
 - tier_room.py: the budgets, the idle models that go to make room, and bringing a model up;
+- tier_policy.py: a model's policy (pinned, priority), changed on request;
 - preloads.py: warming models up in the background, and waiting for it;
 - eviction.py, tier_budgets.py, tier_events.py, tier_entries.py, tier_errors.py,
   file_identity.py: the choices, figures, events, records and refusals those use.
@@ -29,7 +30,6 @@ id.
 """
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -41,10 +41,9 @@ from .tier_budgets import (DEFAULT_RAM_RESERVE_BYTES, DEFAULT_VRAM_RESERVE_BYTES
 from .tier_entries import Entry, Policy, Tier, TierBackend, as_tier, check_policy
 from .tier_errors import ModelInUseError, ModelPinnedError, SourceChangedError
 from .tier_moves import TierMoves
+from .tier_policy import TierPolicies, checked_policy
 from .tier_registry import TierRegistry
 from .tier_room import TierRoom
-
-logger = logging.getLogger(__name__)
 
 
 class TierManager:
@@ -69,6 +68,7 @@ class TierManager:
         self._registry = TierRegistry()
         self._moves = TierMoves(self._registry)
         self._room = TierRoom(self._registry, self._moves, vram_free_fn or cuda_free_bytes)
+        self._policies = TierPolicies(self._registry, self._room)
         self._preloads = Preloads()
         self.set_budgets(ram_budget_bytes=ram_budget_bytes, ram_reserve_bytes=ram_reserve_bytes,
                          vram_reserve_bytes=vram_reserve_bytes, disk_tier=disk_tier)
@@ -87,8 +87,7 @@ class TierManager:
         now if idle, else when their last use ends.
         """
         tier = as_tier(tier, (Tier.VRAM, Tier.RAM, Tier.DISK))
-        policy = Policy() if policy is None else Policy(policy.pinned, policy.priority)
-        check_policy(policy)
+        policy = checked_policy(policy)
         with self._registry.locked():
             entry = self._registry.known(key)
             if entry is not None:
@@ -202,10 +201,7 @@ class TierManager:
         """Never drop this model to disk (it may still be parked from VRAM to RAM)."""
         with self._registry.locked():
             entry = self.get(key)
-            if not entry.policy.pinned:
-                entry.policy.pinned = True
-                self._registry.events.announce("policy", entry, reason="pin")
-                logger.info("pinned '%s' (%s)", entry.name, key)
+            self._policies.pin(entry)
             return entry
 
     def unpin(self, key: str, *, drop: bool = True) -> Entry:
@@ -214,12 +210,7 @@ class TierManager:
         caller outside the host's model-management thread leaves the drop to it)."""
         with self._registry.locked():
             entry = self.get(key)
-            if entry.policy.pinned:
-                entry.policy.pinned = False
-                self._registry.events.announce("policy", entry, reason="unpin")
-                logger.info("unpinned '%s' (%s)", entry.name, key)
-            if drop:
-                self._room.drop_over_budget(0, None, strict=False)
+            self._policies.unpin(entry, drop=drop)
             return entry
 
     def set_priority(self, key: str, priority: int) -> Entry:
@@ -227,10 +218,7 @@ class TierManager:
         check_policy(Policy(priority=priority))
         with self._registry.locked():
             entry = self.get(key)
-            if entry.policy.priority != priority:
-                entry.policy.priority = priority
-                self._registry.events.announce("policy", entry, reason="priority")
-                logger.info("priority of '%s' (%s) set to %d", entry.name, key, priority)
+            self._policies.set_priority(entry, priority)
             return entry
 
     def observe(self, key: str, tier: Tier | str, *, wait: bool = True) -> bool:
@@ -247,15 +235,7 @@ class TierManager:
         with self._registry.locked(wait=wait) as held:
             if not held:
                 return False
-            entry = self.get(key)
-            if tier is entry.tier:
-                entry.bytes_by_tier = dict(entry.backend.bytes_by_tier())
-                return False
-            old = entry.tier
-            self._moves.record(entry, tier, "observed")
-            logger.info("%s '%s' (%s) observed in %s, recorded in %s", entry.kind, entry.name,
-                        key, tier.value, old.value)
-            return True
+            return self._moves.observed(self.get(key), tier)
 
     # ----------------------------------------------------------------------------------------
     # Budgets and room

@@ -5,6 +5,9 @@
   answered from ComfyUI's output cache.
 - TieredTestLatentStats: an output node that puts a latent's shape, finiteness and sha256 into
   /history, so tests compare results bit for bit.
+- TieredTestLatentBits and TieredTestImageStats: a latent's bits as an image of 0s and 1s (which
+  an 8-bit PNG carries exactly, as ComfyUI-Distributed sends a worker's images to its master),
+  and an output node with each image's sha256.
 - TieredTestBlockReplace: a `dit` block-replace patch on every block, like TeaCache-style nodes
   install; it scales each block's output slightly so its effect shows in the result.
 - TieredTestUnsupportedModel: swaps the diffusion model (through an object patch on a clone)
@@ -15,9 +18,15 @@
   sampled latent too, so it runs after sampling.
 - TieredTestCompileBlocks: torch.compile the way per-block compile nodes (KJNodes) do it:
   each block as a compiled module put in by an object patch, the whole diffusion model put in
-  that way, or core's compile wrapper with one key per block.
+  that way, core's compile wrapper with one key per block, or (registry_block_keys) a wrapper of
+  its own under core's wrapper key that finds the compiled blocks, when the model runs, in a
+  module-level table keyed by the model, with dynamo's guards on transformer_options filtered
+  out: how KJNodes' current TorchCompileModelAdvanced registers its per-block compile.
+- GET /tiered_test/dynamo_counts: dynamo's counts (graphs compiled, graph breaks met) of the whole
+  server so far, read by the differential test before and after each prompt.
 - TieredTestCompileCounts: a pass-through that records dynamo's counts (graphs compiled,
-  graph breaks met) after every model call of the sampling run that follows; its output
+  graph breaks met) after every model call of the sampling run that follows, and the wrapper
+  table (`transformer_options["wrappers"]`: types and keys) the model is called with; its output
   twin TieredTestCompileReport puts them into /history with the totals and the graphs dynamo
   holds for each block class's forward.
 
@@ -35,6 +44,7 @@ server whose log level hides every record (--verbose CRITICAL).
 import hashlib
 import os
 import sys
+import weakref
 from pathlib import Path
 
 import torch
@@ -88,6 +98,41 @@ class TieredTestLatentStats(_StatsNode):
 
     def stats(self, samples):
         return {"ui": {"latent_stats": [tensor_report(samples["samples"])]}}
+
+
+class TieredTestLatentBits:
+    """A latent's raw bits as an IMAGE of 0.0 and 1.0 (one bit per channel value, padded to a
+    square): an image that survives any 8-bit round trip exactly (ComfyUI-Distributed sends a
+    worker's images to the master as PNG), so results compare bit for bit across processes."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"samples": ("LATENT",)}}
+
+    RETURN_TYPES = ("IMAGE",)
+    FUNCTION = "bits"
+    CATEGORY = "tiered_offload/testing"
+
+    def bits(self, samples):
+        raw = samples["samples"].detach().cpu().contiguous().view(torch.uint8).reshape(-1)
+        bits = ((raw.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(-1).float()
+        side = 1
+        while side * side * 3 < bits.numel():
+            side += 1
+        image = torch.zeros(side * side * 3)
+        image[:bits.numel()] = bits
+        return (image.reshape(1, side, side, 3),)
+
+
+class TieredTestImageStats(_StatsNode):
+    """Output node: the sha256 of each image of a batch (in batch order)."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"images": ("IMAGE",)}}
+
+    def stats(self, images):
+        return {"ui": {"image_stats": [tensor_report(images[i]) for i in range(images.shape[0])]}}
 
 
 class TieredTestConditioningStats(_StatsNode):
@@ -175,12 +220,36 @@ def _torch_compile_kwargs(backend: str, mode: str, fullgraph: bool, dynamic: str
 BLOCK_LISTS = ("blocks", "joint_blocks", "double_blocks", "single_blocks")  # Wan, SD3, Flux/HunyuanVideo
 
 
+# Compiled modules by the model that runs them, for "registry_block_keys" (see below).
+_COMPILED_BY_MODEL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _registry_compile_wrapper(executor, *args, **kwargs):
+    """Puts in, while the model runs, the compiled modules registered for that model."""
+    modules = _COMPILED_BY_MODEL.get(executor.class_obj) or {}
+    import comfy.utils
+    originals = {}
+    try:
+        for key, module in modules.items():
+            originals[key] = comfy.utils.get_attr(executor.class_obj, key)
+            comfy.utils.set_attr(executor.class_obj, key, module)
+        return executor(*args, **kwargs)
+    finally:
+        for key, module in originals.items():
+            comfy.utils.set_attr(executor.class_obj, key, module)
+
+
+def _skip_transformer_options(guard_entries):
+    return [("transformer_options" not in entry.name) for entry in guard_entries]
+
+
 class TieredTestCompileBlocks:
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {
             "model": ("MODEL",),
-            "how": (["blocks_by_object_patch", "model_by_object_patch", "core_wrapper_block_keys"],),
+            "how": (["blocks_by_object_patch", "model_by_object_patch", "core_wrapper_block_keys",
+                     "registry_block_keys"],),
             "backend": (["inductor", "cudagraphs", "eager"],),
             "mode": (["default", "reduce-overhead", "max-autotune-no-cudagraphs"],),
             "fullgraph": ("BOOLEAN", {"default": False}),
@@ -201,6 +270,16 @@ class TieredTestCompileBlocks:
         if how == "core_wrapper_block_keys":
             from comfy_api.torch_helpers import set_torch_compile_wrapper
             set_torch_compile_wrapper(model=m, keys=list(blocks), **kwargs)
+        elif how == "registry_block_keys":
+            import comfy.patcher_extension
+            if kwargs["mode"] is None:
+                kwargs["options"] = {"guard_filter_fn": _skip_transformer_options}
+            m.remove_wrappers_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, "torch.compile")
+            _COMPILED_BY_MODEL[m.model] = {key: torch.compile(block, **kwargs)
+                                           for key, block in blocks.items()}
+            m.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, "torch.compile",
+                                   _registry_compile_wrapper)
+            m.model_options["torch_compile_kwargs"] = kwargs
         elif how == "model_by_object_patch":
             m.add_object_patch("diffusion_model", torch.compile(diffusion_model, **kwargs))
         else:
@@ -210,6 +289,7 @@ class TieredTestCompileBlocks:
 
 
 PASS_COUNTS: list = []  # dynamo's counts after each model call of the current sampling run
+WRAPPER_TABLES: list = []  # the wrapper table the model was called with, at each call
 
 
 def dynamo_counts() -> dict:
@@ -236,8 +316,12 @@ class TieredTestCompileCounts:
     def count(self, model):
         import comfy.patcher_extension
         PASS_COUNTS.clear()
+        WRAPPER_TABLES.clear()
 
         def after_each_call(executor, *args, **kwargs):
+            options = args[5] if len(args) > 5 else kwargs.get("transformer_options", {})
+            WRAPPER_TABLES.append({kind: sorted(table) for kind, table in
+                                   (options.get("wrappers") or {}).items()})
             try:
                 return executor(*args, **kwargs)
             finally:
@@ -257,9 +341,11 @@ class TieredTestCompileReport(_StatsNode):
     def stats(self, model, samples):
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list
         from torch._dynamo.utils import counters
-        blocks = model.get_model_object("diffusion_model").blocks
+        diffusion_model = model.get_model_object("diffusion_model")
+        blocks = [b for name in BLOCK_LISTS for b in (getattr(diffusion_model, name, None) or [])]
         classes = {type(getattr(b, "_orig_mod", b)) for b in blocks}
         report = {"passes": list(PASS_COUNTS), "total": dynamo_counts(),
+                  "wrapper_tables": [t for i, t in enumerate(WRAPPER_TABLES) if t not in WRAPPER_TABLES[:i]],
                   "break_reasons": sorted({reason.splitlines()[0] + " | " + reason.splitlines()[1]
                                            for reason in counters["unimplemented"]}),
                   "block_graphs": {cls.__name__: len(_debug_get_cache_entry_list(cls.forward.__code__))
@@ -281,6 +367,23 @@ def _force_core_weight_budget(budget: float) -> None:
     comfy.model_management.LoadedModel.model_load = model_load
 
 
+def _serve_dynamo_counts() -> None:
+    """GET /tiered_test/dynamo_counts: dynamo's counts of the whole process so far, so a harness
+    can tell how many graphs one prompt compiled on each server (tests/differential)."""
+    try:
+        from aiohttp import web
+        from server import PromptServer
+    except ImportError:  # imported outside a server
+        return
+    if getattr(PromptServer, "instance", None) is None:
+        return
+
+    @PromptServer.instance.routes.get("/tiered_test/dynamo_counts")
+    async def counts(request):
+        return web.json_response(dynamo_counts())
+
+
+_serve_dynamo_counts()
 if os.environ.get("TIERED_TEST_CORE_WEIGHT_BUDGET"):
     _force_core_weight_budget(float(os.environ["TIERED_TEST_CORE_WEIGHT_BUDGET"]))
 if os.environ.get("TIERED_TEST_FIRST_LINE"):
@@ -289,6 +392,8 @@ if os.environ.get("TIERED_TEST_FIRST_LINE"):
 
 NODE_CLASS_MAPPINGS = {
     "TieredTestConditioningStats": TieredTestConditioningStats,
+    "TieredTestLatentBits": TieredTestLatentBits,
+    "TieredTestImageStats": TieredTestImageStats,
     "TieredTestBlockReplace": TieredTestBlockReplace,
     "TieredTestUnsupportedModel": TieredTestUnsupportedModel,
     "TieredTestConditioning": TieredTestConditioning,

@@ -71,8 +71,9 @@ def write_replay(out_dir: Path, seed: int, index: int, steps: list[dict[str, Any
 def run_sequence(pair: ServerPair, seed: int, steps: list[dict[str, Any]], opts: Options,
                  cat: catalogue_mod.Catalogue, totals: collections.Counter,
                  coverage: collections.Counter, log_flags: collections.Counter,
-                 mismatches: list[dict[str, Any]]) -> None:
-    """Run one seed's steps; count into the counters and append mismatches as they happen."""
+                 mismatches: list[dict[str, Any]], graph_differences: list[dict[str, Any]]) -> None:
+    """Run one seed's steps; count into the counters and append mismatches as they happen, and
+    the prompts for which dynamo compiled another number of graphs with the pack than without."""
     since_fresh: list[dict[str, Any]] = []
     for index, step in enumerate(steps):
         record = run_step(pair, step, opts.timeout)
@@ -88,6 +89,14 @@ def run_sequence(pair: ServerPair, seed: int, steps: list[dict[str, Any]], opts:
                     and at.get("max") in (step["packing_blocks"], step["packing_blocks"] + 1):
                 coverage["interrupted_while_packing"] += 1
             totals[verdict["result"]] += 1
+            graphs = record.get("graphs")
+            if graphs:
+                totals["graphs_p"] += graphs["p"]
+                totals["graphs_q"] += graphs["q"]
+                if graphs["p"] != graphs["q"]:
+                    graph_differences.append({"seed": seed, "step": index, "graphs": graphs,
+                                              "status": [record["p"]["status"], record["q"]["status"]],
+                                              "nodes": node_list(step["p"])})
             if verdict.get("both_failed"):
                 totals["both_failed"] += 1
         else:
@@ -116,6 +125,7 @@ def run(opts: Options) -> dict[str, Any]:
     coverage: collections.Counter = collections.Counter()
     log_flags: collections.Counter = collections.Counter()
     mismatches: list[dict[str, Any]] = []
+    graph_differences: list[dict[str, Any]] = []
     excluded: dict[str, str] = {}
     stopped_early = False
     try:
@@ -127,7 +137,8 @@ def run(opts: Options) -> dict[str, Any]:
                 pair.restart()
             steps = generate(seed, opts.prompts, cat, interrupts=opts.interrupts,
                              rest_actions=opts.rest_actions, compile_share=opts.compile_share)
-            run_sequence(pair, seed, steps, opts, cat, totals, coverage, log_flags, mismatches)
+            run_sequence(pair, seed, steps, opts, cat, totals, coverage, log_flags, mismatches,
+                         graph_differences)
     except KeyboardInterrupt:  # Ctrl-C ends a long campaign early, with its summary so far
         stopped_early = True
     finally:
@@ -141,6 +152,7 @@ def run(opts: Options) -> dict[str, Any]:
         "catalogue": cat.describe(), "excluded_reasons": excluded,
         "seconds": round(time.monotonic() - started, 1), "stopped_early": stopped_early,
         "totals": dict(totals), "mismatch_count": len(mismatches),
+        "graph_differences": graph_differences,
         "signatures": dict(signatures.most_common()),
         "mismatches": mismatches, "coverage": dict(sorted(coverage.items())),
         "p_log_flags": dict(log_flags.most_common(40)),

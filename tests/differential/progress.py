@@ -44,6 +44,7 @@ async def _watch(server: ComfyServer, workflow: dict, when: Predicate, timeout: 
             if status != 200:
                 return None, {"rejected": resp}
             prompt_id = resp["prompt_id"]
+            record["node_errors"] = resp.get("node_errors") or {}
 
             async def read() -> None:
                 async for msg in ws:

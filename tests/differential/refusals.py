@@ -50,9 +50,10 @@ DOCUMENTED: dict[str, Refusal] = {
         "docs/vram-tier-manager.md: connect models loaded by the Tiered loaders",
         nodes=("VRAMTierManager",), message=r"Tiered"),
     "compile_streamed": Refusal(
-        "docs/torch-compile.md: a compile of the whole model over streamed blocks (streaming would "
-        "split its graph, which changes inductor's result)", message=r"is compiled with torch\.compile",
-        terms=("resident_blocks",)),
+        "docs/torch-compile.md: a compile of the whole model over blocks that may stream (streaming "
+        "would split its graph, which changes inductor's result), when queued or at run",
+        message=r"compiles .* whole, as one graph",
+        terms=("resident_blocks", "compile_per_block")),
     "tier_capacity": Refusal(
         "docs/tiered-loaders.md: a model in use is never evicted, so a RAM budget below "
         "what a prompt holds refuses the load", exception_suffix="TierCapacityError"),

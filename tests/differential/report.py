@@ -23,6 +23,9 @@ def step_line(step: dict[str, Any], record: dict[str, Any]) -> str:
     line = f"{step['op']} {what.strip()} [{times} s {statuses}] {verdict.get('result', '')}"
     if step.get("interrupt"):
         line += f" (interrupt {step['interrupt']} at {record['p'].get('interrupt_at')})"
+    graphs = record.get("graphs") or {}
+    if any(graphs.values()):
+        line += f" (graphs compiled P {graphs['p']} Q {graphs['q']})"
     return f"{line} {verdict.get('signature', '')}".rstrip()
 
 
@@ -71,6 +74,13 @@ def summary_text(summary: dict[str, Any]) -> str:
              f"calls; "
              f"{summary['mismatch_count']} mismatches in {len(summary['signatures'])} classes; "
              f"{summary['seconds']} s" + (" (stopped early)" if summary.get("stopped_early") else "")]
+    if t.get("graphs_p") or t.get("graphs_q"):
+        lines.append(f"dynamo graphs compiled: {t.get('graphs_p', 0)} with the pack, "
+                     f"{t.get('graphs_q', 0)} without; prompts where they differ: "
+                     f"{len(summary.get('graph_differences', []))}")
+        for d in summary.get("graph_differences", []):
+            lines.append(f"  seed {d['seed']} step {d['step']}: P {d['graphs']['p']} Q "
+                         f"{d['graphs']['q']} ({'/'.join(d['status'])}) {d['nodes']}")
     if summary["catalogue"]["excluded"]:
         lines.append(f"excluded (this ComfyUI does not load them): {summary['catalogue']['excluded']}")
     firsts: dict[str, dict[str, Any]] = {}

@@ -43,6 +43,7 @@ def run_prompt(server: ComfyServer, workflow: dict, when: progress.Predicate | N
             if status != 200:
                 return {"status": "rejected", "detail": resp}
             prompt_id = resp["prompt_id"]
+            record["node_errors"] = resp.get("node_errors") or {}
         entry = server.wait(prompt_id, timeout)
     except TimeoutError as e:  # a prompt that never ends is a finding, not a harness crash
         return {"status": "timeout", "detail": str(e)}
@@ -51,6 +52,8 @@ def run_prompt(server: ComfyServer, workflow: dict, when: progress.Predicate | N
             return {"status": "died", "detail": str(e)[:2000]}
         raise
     outcome: dict[str, Any] = {"seconds": round(time.monotonic() - started, 2)}
+    if record.get("node_errors"):  # queued with some outputs refused: ComfyUI runs the rest
+        outcome["node_errors"] = record["node_errors"]
     if record.get("requested"):
         outcome["interrupt_at"] = record.get("at")
     messages = entry["status"].get("messages", [])
@@ -97,6 +100,15 @@ def _tier_action(server: ComfyServer, action: str, name: str) -> dict[str, Any]:
             if isinstance(body, dict) else None, "detail": None if status == 200 else body}
 
 
+def _graphs(server: ComfyServer) -> int | None:
+    """Graphs dynamo has compiled in the server so far (the test nodes' count), None if unknown."""
+    try:
+        status, counts = server.request("GET", "/tiered_test/dynamo_counts")
+    except (RuntimeError, ConnectionError, OSError):
+        return None
+    return counts.get("graphs") if status == 200 and isinstance(counts, dict) else None
+
+
 def _log_flags(lines: list[str]) -> list[str]:
     return [line[:300] for line in lines if LOG_FLAG.search(line) and not LOG_NOISE.search(line)][:30]
 
@@ -119,8 +131,12 @@ def run_step(pair: ServerPair, step: dict[str, Any], timeout: float = 900) -> di
         elif step.get("interrupt") == "sampling":
             when_p = when_q = progress.first_progress
         record["index"] = step.get("index")
+        before = _both(lambda: _graphs(pair.p), lambda: _graphs(pair.q))
         record["p"], record["q"] = _both(lambda: run_prompt(pair.p, step["p"], when_p, timeout),
                                          lambda: run_prompt(pair.q, step["q"], when_q, timeout))
+        after = _both(lambda: _graphs(pair.p), lambda: _graphs(pair.q))
+        if None not in before + after:
+            record["graphs"] = {"p": after[0] - before[0], "q": after[1] - before[1]}
         record["verdict"] = judge(step, record["p"], record["q"])
     else:
         raise ValueError(f"unknown step op {op!r}")

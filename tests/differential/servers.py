@@ -6,10 +6,11 @@ bits. They start and stop together; a restart gives both fresh processes (and fr
 
 Dynamo keeps up to 64 graphs per function on both, not torch's 8 (tests/comfy_test_nodes): a
 campaign compiles many models, and past the limit a function runs eagerly. P's graphs are not all
-Q's (a graph that guards on the size of core's wrapper table compiles once more for the node's
-wrappers), so at 8 the two reached the limit at different graphs, and a later compiled prompt
-without the pack ran compiled on one and eagerly on the other (seed 57 on 0.33: a mismatch that
-went away, replayed in full, with the higher limit).
+Q's (P compiles nothing for a prompt it refuses; before docs/torch-compile.md#recompiles was
+fixed, P's streamed weights and wrapper table also failed guards Q's did not), so at 8 the two
+reached the limit at different graphs, and a later compiled prompt without the pack ran compiled
+on one and eagerly on the other (seed 57 on 0.33: a mismatch that went away, replayed in full,
+with the higher limit).
 """
 from __future__ import annotations
 

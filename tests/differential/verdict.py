@@ -49,15 +49,38 @@ def compare_outputs(p: dict[str, Any], q: dict[str, Any], workflow: dict[str, An
     return diffs
 
 
+def queue_errors(workflow: dict[str, Any], detail: Any) -> list[dict[str, Any]]:
+    """A prompt refused when queued (400), as the errors a node raises when it runs."""
+    node_errors = detail.get("node_errors", {}) if isinstance(detail, dict) else {}
+    return [{"node_id": node, "node_type": workflow.get(node, {}).get("class_type"),
+             "exception_type": "validation", "exception_message": error.get("details", "")}
+            for node, entry in node_errors.items() for error in entry.get("errors", [])]
+
+
 def judge(step: dict[str, Any], p: dict[str, Any], q: dict[str, Any]) -> dict[str, Any]:
     """The verdict on one prompt step, given both outcomes (see runner.run_prompt)."""
     ps, qs = p["status"], q["status"]
     if "died" in (ps, qs) or "timeout" in (ps, qs):
         kind = "server_died" if "died" in (ps, qs) else "timeout"
         return _mismatch(kind, step, {"p": p.get("detail"), "q": q.get("detail")}, f"P {ps}, Q {qs}")
+    if ps == "rejected" and qs in ("success", "interrupted"):
+        # Refused when queued: the node's validation names the same documented refusals.
+        for error in queue_errors(step["p"], p.get("detail")):
+            found = refusals.classify(error, step.get("allowed_refusals", []))
+            if found is not None and found[0] == "refused":
+                return {"result": "refused", "kind": found[1], "when": "queued"}
     if "rejected" in (ps, qs):
         return _mismatch("rejected", step, {"p": p.get("detail"), "q": q.get("detail")},
                          f"P {ps}, Q {qs}")
+    partial = None
+    if p.get("node_errors"):
+        # Queued with some outputs refused (ComfyUI runs the others): each refusal must be a
+        # documented one, and the outputs P ran are compared with Q's below.
+        found = [refusals.classify(error, step.get("allowed_refusals", []))
+                 for error in queue_errors(step["p"], {"node_errors": p["node_errors"]})]
+        if not all(f is not None and f[0] == "refused" for f in found):
+            return _mismatch("rejected", step, {"p": p["node_errors"]}, "P refused some outputs")
+        partial = found[0][1]
     if "interrupted" in (ps, qs) and not (ps == "error" and qs == "interrupted"):
         return {"result": "interrupted"}
     if ps == "error" and qs in ("success", "interrupted"):
@@ -81,8 +104,10 @@ def judge(step: dict[str, Any], p: dict[str, Any], q: dict[str, Any]) -> dict[st
                    if n in p.get("cached", []) or n in q.get("cached", []))
     if stale:  # the generator's job is that this never happens: a cached output proves nothing
         return _mismatch("cached_output", step, stale, "a compared output came from the cache")
-    diffs = compare_outputs(p["outputs"], q["outputs"], step["p"])
+    ran = q["outputs"] if partial is None else {n: o for n, o in q["outputs"].items() if n in p["outputs"]}
+    diffs = compare_outputs(p["outputs"], ran, step["p"])
     if diffs:
         stats = "+".join(sorted({d["stat"] for d in diffs}))
         return _mismatch("output_differs", step, diffs, stats)
-    return {"result": "match"}
+    return {"result": "match"} if partial is None else {"result": "refused", "kind": partial,
+                                                         "when": "queued"}

@@ -28,7 +28,10 @@ reports, naming the buffer, both operations and their streams:
   the memory to that stream's next allocation), or host memory unpinned while a copy may still
   read it;
 - ``host access without synchronize``: the host reads device memory, writes pinned host memory,
-  or reads an event's time, with no synchronize of the stream that last touched it before.
+  or reads an event's time, with no synchronize of the stream that last touched it before;
+- ``write of read-only memory``: anything writes host memory page-locked as read-only (a host
+  store other processes share: on a GPU machine that write would crash the process, or change
+  every process's weights).
 
 What runs: work on the default stream runs on the calling thread. Copies queued on a side stream
 run later, on that stream's worker thread, each after a seeded random delay, so a read the
@@ -87,9 +90,11 @@ class _Access:
 class _Buffer:
     """Memory the model watches: ``device`` memory made through the seam, or pinned host memory."""
 
-    def __init__(self, label: str, base: int, nbytes: int, device: bool, stream: ModelStream | None) -> None:
+    def __init__(self, label: str, base: int, nbytes: int, device: bool, stream: ModelStream | None,
+                 read_only: bool = False) -> None:
         self.label, self.base, self.nbytes, self.device = label, base, nbytes, device
         self.stream = stream  # the allocation stream of device memory
+        self.read_only = read_only  # host memory page-locked as read-only (a shared host store)
         self.accesses: list[_Access] = []
 
 
@@ -246,9 +251,9 @@ class StreamModel:
         return hit is not None and not hit[0].device
 
     # ------------------------------------------------------------------ page-locking
-    def register(self, ptr: int, nbytes: int, label: str) -> int:
+    def register(self, ptr: int, nbytes: int, label: str, read_only: bool = False) -> int:
         with self._cond:
-            self._buffers[ptr] = _Buffer(label, ptr, nbytes, device=False, stream=None)
+            self._buffers[ptr] = _Buffer(label, ptr, nbytes, device=False, stream=None, read_only=read_only)
         return 0
 
     def unregister(self, ptr: int) -> int:
@@ -475,6 +480,9 @@ class StreamModel:
         if stream is not None:
             pos = stream.vc[stream.cuda_stream] = stream.vc[stream.cuda_stream] + 1
         for buf, lo, hi, write in touches:
+            if write and buf.read_only:
+                self._report(f"write of read-only memory: {buf.label} [bytes {lo}:{hi}]: {op} writes memory "
+                             "page-locked as read-only (a shared host store)")
             for a in buf.accesses:
                 if a.hi <= lo or a.lo >= hi or not (write or a.write) or self._ordered(a, stream):
                     continue

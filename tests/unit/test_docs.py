@@ -12,6 +12,7 @@ from __future__ import annotations
 import posixpath
 import re
 import subprocess
+import tomllib
 from pathlib import Path
 from typing import Callable
 from urllib.parse import unquote
@@ -223,3 +224,75 @@ def test_a_front_page_that_hides_its_first_screen_is_found():
     without_swap = readme.replace("(docs/model-level-swap.md)", "(docs/api.md)")
     assert first_screen_problems(without_swap) == [
         "the which-node table does not link docs/model-level-swap.md"]
+
+
+def test_the_install_commands_are_the_real_ones():
+    """The install a user copies works as written: the repository URL and the registry id of
+    pyproject.toml (what `comfy node publish` and ComfyUI-Manager use), the same everywhere."""
+    project = tomllib.loads(read("pyproject.toml"))["project"]
+    url, name = project["urls"]["Repository"], project["name"]
+    for page in ("README.md", "docs/install.md"):
+        text = read(page)
+        assert f"git clone {url} custom_nodes/{name}" in text, page
+        assert f"pip install -r custom_nodes/{name}/requirements.txt" in text, page
+        assert f"comfy node install {name}" in text and "ComfyUI-Manager" in text, page
+        assert "<this repository>" not in text, page
+    for page in pages():
+        for found in re.findall(r"https?://[^\s)>`'\"]*" + re.escape(name) + r"[^\s)>`'\"]*", read(page)):
+            assert found == url or found.startswith(url + "/"), f"{page}: {found} is not {url}"
+
+
+# Words of how the pack is being built, which mean nothing to its users: what they read (the
+# README, docs/, the panel and the node help in web/, locales/, the example workflows' notes)
+# speaks of the pack ("not yet measured on a GPU"), never of sessions, issues or who builds it.
+# A file or code name that holds such a word (`bench/gpu_session.sh`, `LayerwiseSession`) is fine.
+BUILD_PROCESS_WORDS = [re.compile(p, re.I) for p in (
+    r"(?<![\w./-])sessions?(?![\w-]|\.\w)",
+    r"\bissues?\s+#?\d+",
+    r"\b(?:this|last|next|that) stop\b|\bstop's\b",
+    r"\bha(?:s|ve|d) had (?:a|any|the|one)\b",
+    r"\blent\b",
+    r"\bthe lead\b|\bworktrees?\b|\bbriefing\b|\bgive_back\b|\bengineers?\b|\bhelpers? working\b",
+    r"\bdevice (?:tool|call)s?\b",
+)]
+USER_TEXT_SUFFIXES = (".md", ".js", ".css", ".json")
+
+
+def user_text_files() -> list[str]:
+    """Every file of what users read: the README, docs/, web/, locales/, example_workflows/."""
+    return ["README.md", *sorted(
+        name for name in repository_files()
+        if name.startswith(("docs/", "web/", "locales/", "example_workflows/"))
+        and name.endswith(USER_TEXT_SUFFIXES))]
+
+
+def build_process_wording(page: str, text: str) -> list[str]:
+    return [f"{page}:{number}: '{match.group(0)}' in: {line.strip()[:120]}"
+            for number, line in enumerate(text.splitlines(), 1)
+            for pattern in BUILD_PROCESS_WORDS for match in [pattern.search(line)] if match]
+
+
+def test_what_users_read_speaks_of_the_pack_not_of_how_it_is_built():
+    checked = user_text_files()
+    assert "docs/benchmarks.md" in checked and any(n.startswith("locales/") for n in checked)
+    assert any(n.startswith("web/") and n.endswith(".js") for n in checked), checked
+    found = [p for name in checked for p in build_process_wording(name, read(name))]
+    assert found == [], "\n".join(found)
+
+
+def test_build_process_wording_is_found():
+    page = "\n".join([
+        "No session has had a GPU yet.",                    # 1: session, has had a
+        "Measured before issue 24; this stop's run.",       # 2: issue 24, this stop
+        "Some sessions are lent a GPU machine.",           # 3: sessions (lent: same line)
+        "Ask the lead.",                                   # 4
+        "The device tool sends the worktree.",             # 5
+        "See `bench/gpu_session.sh` and `session.py`: LayerwiseSession.session_for, "
+        "nodes/layerwise/session.py.",                      # file and code names: fine
+        "Not yet measured on a GPU; the copies stop when a run ends.",   # fine
+    ])
+    found = build_process_wording("page.md", page)
+    assert [f.split(" in: ", 1)[0] for f in found] == [
+        "page.md:1: 'session'", "page.md:1: 'has had a'", "page.md:2: 'issue 24'",
+        "page.md:2: 'this stop'", "page.md:3: 'sessions'", "page.md:3: 'lent'",
+        "page.md:4: 'the lead'", "page.md:5: 'worktree'", "page.md:5: 'device tool'"], found

@@ -18,13 +18,15 @@ import check_pack_archive as check  # noqa: E402
 @pytest.fixture(scope="module")
 def tracked() -> list[str]:
     try:
-        out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True)
+        out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True,
+                             check=True)
     except (OSError, subprocess.CalledProcessError):
         pytest.skip("not a git checkout")
-    # The files of this change that are not committed yet are part of the pack as well.
-    extra = subprocess.run(["git", "ls-files", "--others", "--exclude-standard"], cwd=ROOT,
-                           capture_output=True, text=True, check=True).stdout.split()
-    return sorted(set(out.stdout.split()) | set(extra))
+    # The files of this change that are not committed yet are part of the pack as well. One name
+    # per NUL: a name may hold spaces (the example workflows' do).
+    extra = subprocess.run(["git", "ls-files", "-z", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split("\0")
+    return sorted(name for name in set(out.stdout.split("\0")) | set(extra) if name)
 
 
 @pytest.fixture
@@ -90,3 +92,13 @@ def test_a_dropped_manual_page_is_found(archive, tracked):
     del archive["ARCHITECTURE.md"]
     assert check.problems(archive, tracked) == ["missing: ARCHITECTURE.md",
                                                 "tracked but not in the archive: docs/api.md"]
+
+
+def test_names_bound_by_unpacking_count_as_defined(archive, tracked):
+    """`A, B = ...` defines A and B: an import of them resolves; one of a name it lacks does not."""
+    archive["nodes/core/budgets.py"] += b"\nFIRST, (SECOND, *REST) = 1, (2, 3)\n"
+    archive["nodes/core/state.py"] += b"\nfrom .budgets import FIRST, SECOND, REST\n"
+    assert check.problems(archive, tracked) == []
+    archive["nodes/core/state.py"] += b"from .budgets import THIRD\n"
+    assert check.problems(archive, tracked) == [
+        "nodes/core/state.py imports THIRD from .budgets: not in the archive"]

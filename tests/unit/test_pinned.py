@@ -51,13 +51,15 @@ def test_chunks_are_allocated_lazily():
     assert hs.allocated_bytes == 0
 
 
-def test_pinning_impossible_falls_back_to_pageable_and_says_so(caplog):
+def test_without_a_gpu_nothing_is_pinned_and_no_log_line_says_otherwise(caplog):
+    """Without CUDA there is no copy to a GPU for pinning to speed up: the storage is pageable,
+    and no line at INFO talks of pinning or of slower copies (a CPU user would be puzzled)."""
     base = pinned_bytes()
     with caplog.at_level(logging.INFO, logger="offload_core.host.pinned"):
         hs = HostStorage([1 << 16], pin=True)
         hs.buffer(0).fill_(7)
     if not torch.cuda.is_available():
-        assert "stay pageable" in caplog.text
+        assert not caplog.records, caplog.text
         assert pinned_bytes() == base and not hs.is_pinned(0)
         assert hs.pageable_bytes == 1 << 16
     hs.release()

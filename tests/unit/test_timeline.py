@@ -5,15 +5,18 @@ streamed unit of the last complete pass, in a sane order, with the disk reads of
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from toy_models import ToyDiT, inputs
 
+from offload_core.device.slots import SlotRing
 from offload_core.device.timeline import verdict
 from offload_core.disk.tier import DiskOptions
 from offload_core.layerwise.streamer import LayerwiseStreamer
+from offload_core.ordering import Ordering
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts" / "unit-timeline"
 PAGE = 4096
@@ -220,5 +223,48 @@ def test_a_recorded_run_reuses_its_marks_from_pass_to_pass(stream_model):
         assert stream_model.events_made == made
         streamer.detach(keep_pack=True)
         _check_pass(streamer, streamer.timeline())
+    finally:
+        streamer.close()
+
+
+@pytest.mark.parametrize("recording", [False, True], ids=["plain", "recorded"])
+def test_the_run_and_the_picture_count_compute_waits_by_one_rule(monkeypatch, recording):
+    """What the panel's card shows as "compute waited" (the run's telemetry) and what the picture
+    of a pass shows (its verdict's waits) are one quantity, counted alike: over one pass the
+    run's figure grows by exactly the pass's. On a CPU that is each unit's wait and each copy,
+    which the sampling thread makes itself. A host clock that moves only inside a copy (4 ms) and
+    a unit's wait (1 ms) makes both exact, whatever the machine's load."""
+    clock = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    copy, wait_ready = Ordering.copy, SlotRing.wait_ready
+
+    def slow_copy(dst, src):
+        clock[0] += 0.004
+        return copy(dst, src)
+
+    def slow_wait(ring, slot):
+        clock[0] += 0.001
+        wait_ready(ring, slot)
+
+    monkeypatch.setattr(Ordering, "copy", staticmethod(slow_copy))
+    monkeypatch.setattr(SlotRing, "wait_ready", slow_wait)
+    model = ToyDiT(depth=5)
+    x, t = inputs()
+    streamer = LayerwiseStreamer(model.blocks, "cpu", resident=1, prefetch=1)
+    try:
+        streamer.record_timeline(recording)
+        streamer.attach()
+        with torch.no_grad():
+            model(x, t)
+            model(x, t)
+            before = streamer.telemetry.snapshot(wait=True)["compute_wait_s"]
+            model(x, t)
+            after = streamer.telemetry.snapshot(wait=True)["compute_wait_s"]
+        streamer.detach(keep_pack=True)
+        streamed = len(streamer.streamed_indices)
+        assert (after - before) * 1000 == pytest.approx(streamed * (4 + 1))
+        if recording:
+            totals = streamer.timeline()["totals"]
+            assert totals["link_wait_ms"] + totals["disk_wait_ms"] == pytest.approx((after - before) * 1000)
     finally:
         streamer.close()

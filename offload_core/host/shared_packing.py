@@ -1,0 +1,145 @@
+"""Packing blocks into host memory: into the machine's one shared store of their bytes where the
+caller asks for it and it can be had, else into memory of this process's own, saying why.
+
+The order of preference: a store in shared memory, then one in a disk folder the server's owner
+allows (``HostShare.folders``), then private memory. A private copy is never silent: the reason
+goes to the log and to the figures a panel shows (``HostPack.status``).
+
+Joining a store costs no packing: the process compares a sample of its own tensors' values with
+the one the store was written with (``store_key``), then points its blocks at the store's bytes
+and lets its own go. Writing one packs as a private pack does, block by block (each block's
+originals go as soon as its bytes are in the store, so a model is never held twice), into a
+writable mapping, and takes the block's host views from the read-only one. Whatever goes wrong
+part-way hands every block taken from the store its values back in fresh memory before the store
+is let go: nothing is lost, and a reason a private copy cures (no room) packs privately instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .packing import PackedBlock
+from .pinned import HostStorage, return_freed_ram
+from .shared_store import SharedHostStore
+from .store_folder import StoreFolder, StoreUnavailable
+from .store_key import StoreKey, content_sample, layout_signature, originals, packed
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HostShare:
+    """A caller's wish to share: where the bytes come from (``source``: the model file's identity
+    and the options it was loaded with, JSON-able) and where stores may live, in order of
+    preference (``folders``: shared memory first, then a disk folder)."""
+
+    source: Mapping[str, Any]
+    folders: tuple[StoreFolder, ...]
+
+
+@dataclass
+class HostPack:
+    """Packs in host memory: the ``storage`` their views come from, the ``store`` it maps (None:
+    private memory) and what a person reads about it (``status``)."""
+
+    storage: HostStorage
+    store: SharedHostStore | None = None
+    why_private: str | None = None  # why the packs are not in a shared store, when they were asked to be
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def status(self) -> dict[str, Any]:
+        """``shared`` (bool), and where with how many processes, or why not."""
+        store = self.store
+        if store is None:
+            return {"shared": False, "why": self.why_private}
+        users = store.users()
+        return {"shared": True, "folder": store.folder.path, "kind": store.folder.kind, "file": store.name,
+                "bytes": store.file_bytes, "users": users, "created_here": store.created}
+
+    def release(self) -> None:
+        """Free the storage; a store is let go (the last process to let go removes it)."""
+        if self.store is not None:
+            self.store.release()
+        else:
+            self.storage.release()
+
+
+def pack_host(packs: Sequence[PackedBlock], *, pin: bool, ram_budget_bytes: int | None, chunk_bytes: int,
+              label: str, share: HostShare | None,
+              progress: Callable[[int, int], None] | None = None) -> HostPack:
+    """Pack ``packs`` (item ``i`` is ``packs[i]``) into a shared store where ``share`` asks for one
+    and it can be had, else into private host storage."""
+    why = None
+    if share is not None:
+        for folder in share.folders:
+            try:
+                return _pack_shared(packs, share, folder, pin=pin, ram_budget_bytes=ram_budget_bytes,
+                                    chunk_bytes=chunk_bytes, label=label, progress=progress)
+            except StoreUnavailable as e:
+                why = str(e)
+                log.warning("%s: not in a shared store in %s: %s", label, folder.path, why)
+        if why is None:
+            why = "no folder for shared host stores"
+        log.warning("%s: packed in this process's own memory (%s)", label, why)
+    storage = HostStorage([p.nbytes for p in packs], pin=pin, ram_budget_bytes=ram_budget_bytes,
+                          chunk_bytes=chunk_bytes, label=label)
+    try:
+        for i, p in enumerate(packs):
+            p.pack(storage.buffer(i))
+            if progress is not None:
+                progress(i + 1, len(packs))
+    except BaseException:
+        _undo(packs, storage)
+        raise
+    return_freed_ram()  # the originals just given up may sit in the C heap: hand them to the OS
+    return HostPack(storage, why_private=why)
+
+
+def _pack_shared(packs: Sequence[PackedBlock], share: HostShare, folder: StoreFolder, *, pin: bool,
+                 ram_budget_bytes: int | None, chunk_bytes: int, label: str,
+                 progress: Callable[[int, int], None] | None) -> HostPack:
+    total = len(packs)
+    waiting = None if progress is None else (lambda: progress(0, total))  # an interrupt ends the wait
+    store = SharedHostStore.open(folder, lambda spans: StoreKey(share.source, layout_signature(packs, spans)),
+                                 [p.nbytes for p in packs], pin=pin, ram_budget_bytes=ram_budget_bytes,
+                                 chunk_bytes=chunk_bytes, label=label, waiting=waiting)
+    storage = store.storage
+    try:
+        if not store.writing:
+            mine = content_sample(originals(packs))
+            if mine != store.sample:
+                raise StoreUnavailable(
+                    f"the store {store.name} was written from other values than this process holds for the "
+                    "same file (another loader or ComfyUI version?)")
+        for i, p in enumerate(packs):
+            if store.writing:
+                p.write(store.writable(i))
+                store.written(i)
+            p.take_host(storage.buffer(i))
+            if progress is not None:
+                progress(i + 1, total)
+        if store.writing:
+            store.finish(content_sample(packed(packs, [storage.buffer(i) for i in range(total)])))
+    except BaseException:
+        _undo(packs, storage, store)
+        raise
+    return_freed_ram()
+    log.info("%s: %s %s in %s (%s, shared with every process of this user that loads the same file)",
+             label, "packed into" if store.created else "mapped", store.name, folder.path, folder.kind)
+    return HostPack(storage, store)
+
+
+def _undo(packs: Sequence[PackedBlock], storage: HostStorage, store: SharedHostStore | None = None) -> None:
+    """Give every block packed so far its values back in fresh memory, then free what held them."""
+    try:
+        for p in packs:
+            if p.host is not None:
+                p.restore(keep_host=False)
+    finally:
+        if store is not None:
+            store.release()
+        else:
+            storage.release()
