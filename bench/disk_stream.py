@@ -23,6 +23,10 @@ Each mode measures:
     tokens, so compute is trivial; a cache of 6 units, so nearly every block is read every pass);
   * the cache hit rate, the time compute waited for the disk, and whether the output equals
     every block resident, bit for bit.
+Read-ahead (``read_ahead`` in the JSON, its own table): cold passes over the model's own file
+through a cache of --read-ahead-units units, read ahead by 1, 2 and 4 workers (each reads one unit
+ahead) and by ``auto`` (the engine's tuner chooses how far, after measuring its first passes):
+step time, cache hit rate and bytes read per step, in --read-ahead-rounds rounds.
 The page cache is dropped for both files before the measured passes (posix_fadvise DONTNEED, and
 with --drop-caches, as root, the whole cache). Prints a table, writes JSON (device, torch,
 settings) to bench/results/. ``--smoke`` runs tiny shapes on the CPU in seconds so the script never
@@ -49,6 +53,7 @@ sys.path[:0] = [str(REPO), str(REPO / "bench")]
 from layerwise import Spec, Stack, build_blocks, timed, write_result  # noqa: E402
 
 from offload_core.disk.model_file import ModelFileMap, safetensors_tensors  # noqa: E402
+from offload_core.disk.raw_io import PAGE, align_up  # noqa: E402
 from offload_core.disk.tier import DiskOptions  # noqa: E402
 from offload_core.layerwise.streamer import LayerwiseStreamer  # noqa: E402
 
@@ -198,6 +203,78 @@ def run_mode(mode: str, spec: Spec, device: torch.device, path: Path, ref: torch
     return out
 
 
+READ_AHEAD = ("1", "2", "4", "auto")  # disk_workers settings compared; auto: read-ahead planned
+AUTO_WARM_PASSES = 24  # at most: the tuner measures, plans, applies and checks within these
+
+
+def run_read_ahead(spec: Spec, device: torch.device, path: Path, args) -> dict:
+    """Cold passes through a cache of ``args.read_ahead_units`` units, read ahead by 1, 2, 4 workers
+    and by auto: step time, hit rate and bytes read per step of each. The settings run in
+    ``args.read_ahead_rounds`` rounds, every other one in reverse order, and each figure is over
+    all rounds: a host whose load drifts then weighs on every setting alike. The units are read
+    from the model's own file."""
+    stack, granularity = load_stack(spec, device, path), args.granularity
+    probe = LayerwiseStreamer(list(stack.blocks), device, resident=0, prefetch=args.prefetch, granularity=granularity)
+    units = len(probe.units)
+    entries = min(args.read_ahead_units, units - 2)  # the model must not fit the cache
+    cap = entries * align_up(max(p.nbytes for p in probe._plan.packs), PAGE)
+    del probe
+    measured: dict[str, list[tuple[float, dict]]] = {name: [] for name in READ_AHEAD}
+    tunings: dict[str, dict | None] = {}
+    for round_ in range(args.read_ahead_rounds):
+        for name in READ_AHEAD if round_ % 2 == 0 else READ_AHEAD[::-1]:
+            auto = name == "auto"
+            options = DiskOptions(cap_bytes=cap, workers=2 if auto else int(name), spill_dir=str(path.parent),
+                                  model_file=file_map(stack, path), read_ahead="auto" if auto else None)
+            st = LayerwiseStreamer(list(stack.blocks), device, resident=0, prefetch=args.prefetch,
+                                   granularity=granularity, disk=options)
+            st.attach(root=stack if auto else None)
+            try:
+                warm = 0  # warm-up passes, cold too (auto: until the tuner holds its setting)
+                while warm < 2 or auto and warm < AUTO_WARM_PASSES and st.tuning()["phase"] != "hold":
+                    st._store.disk.sources.drop_cached_pages()
+                    drop_file_cache(path, args.drop_caches)
+                    stack()
+                    warm += 1
+                for _ in range(args.passes):
+                    st._store.disk.sources.drop_cached_pages()
+                    drop_file_cache(path, args.drop_caches)
+                    st.reset_figures()
+                    step = timed(device, stack, 1)[0]
+                    measured[name].append((step, st.figures(wait=True)))
+                tunings[name] = st.tuning()
+            finally:
+                st.close()
+    out: dict = {"cache_bytes": cap, "cache_units": entries, "units": units,
+                 "rounds": args.read_ahead_rounds, "settings": {}}
+    for name, passes in measured.items():
+        requests = sum(f["cache_requests"] for _, f in passes)
+        tuning = tunings[name]
+        out["settings"][name] = {
+            "step_s": statistics.median(s for s, _ in passes),
+            "cache_hit_rate": sum(f["cache_hits"] for _, f in passes) / requests if requests else None,
+            "disk_bytes_read_per_step": sum(f["disk_bytes_read"] for _, f in passes) / len(passes),
+            "read_ahead": tuning["setting"]["read_ahead"] if name == "auto" else int(name),
+            "tuning": tuning,
+        }
+    best = min(r["step_s"] for n, r in out["settings"].items() if n != "auto")
+    out["auto_vs_best_fixed"] = out["settings"]["auto"]["step_s"] / best
+    return out
+
+
+def print_read_ahead(result: dict) -> None:
+    ra, g = result["read_ahead"], result["settings"]["granularity"]
+    head = f"{'unit':<6} {'disk_workers':<12} {'read-ahead':>10} {'step s':>8} {'hit rate':>8} {'MiB read/step':>13}"
+    print(head)
+    print("-" * len(head))
+    for name, r in ra["settings"].items():
+        hit = f"{100 * r['cache_hit_rate']:.0f}%" if r["cache_hit_rate"] is not None else "-"
+        print(f"{g:<6} {name:<12} {r['read_ahead']:>10} {r['step_s']:>8.4f} {hit:>8} "
+              f"{r['disk_bytes_read_per_step'] / (1 << 20):>13.1f}")
+    print(f"{g:<6} auto / best fixed step: {ra['auto_vs_best_fixed']:.3f} (cache of {ra['cache_units']} "
+          f"of {ra['units']} units, {ra['rounds']} rounds)")
+
+
 def specs(args) -> Spec:
     if args.smoke:
         return Spec("wan-smoke", "wan", dim=64, heads=4, tokens=16, ctx=8, blocks=8, ffn=128)
@@ -242,12 +319,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--dir", type=Path, default=None, help="folder for the model and spill files (default: a temp folder)")
     ap.add_argument("--drop-caches", action="store_true", help="also drop the whole page cache when cold (root)")
+    ap.add_argument("--read-ahead-units", type=int, default=6,
+                    help="cache size, in units, of the read-ahead comparison (1, 2, 4 workers and auto)")
+    ap.add_argument("--read-ahead-rounds", type=int, default=2,
+                    help="rounds of that comparison, every other one in reverse order")
     ap.add_argument("--out", type=Path, help="JSON path (default: bench/results/disk_stream-<device>-<time>.json)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.smoke:
         args.passes = min(args.passes, 2)
         args.cache_units = min(args.cache_units, 4)
+        args.read_ahead_rounds = 1
         torch.set_num_threads(1)
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -268,7 +350,9 @@ def main(argv: list[str] | None = None) -> dict:
         }
         for mode in args.modes.split(","):
             result["modes"][mode] = run_mode(mode, spec, device, path, ref, args)
+        result["read_ahead"] = run_read_ahead(spec, device, path, args)
     print_table(result)
+    print_read_ahead(result)
     write_result(result, "disk_stream", name, args)
     return result
 

@@ -2,7 +2,9 @@
 
 What one run measures, per model:
   * resident step time (every block on the device), the compute floor;
-  * LayerwiseStreamer step time at several (resident, prefetch) settings;
+  * LayerwiseStreamer step time at several (resident, prefetch) settings, and with ``auto`` among
+    them, with both left to the engine's tuner within the device memory of the largest of the other
+    settings (its first passes measure, plan, apply and check; the timed ones are after them);
   * a naive synchronous block swap (``block.to(dev)``, run, ``block.to("cpu")``);
   * the pinned host->device peak (one large copy) and per-block copy bandwidth;
   * efficiency = max(compute, streamed bytes / peak) / measured, i.e. how close a
@@ -335,10 +337,17 @@ class BenchLora:
 
 
 # ------------------------------------------------------------------ runs
-def parse_settings(text: str, n: int) -> list[tuple[int, int]]:
-    """"R:P,..." with R a block count or a percentage of the stack; duplicates dropped."""
-    out: list[tuple[int, int]] = []
+AUTO_WARM_PASSES = 20  # at most: the tuner leaves one out, measures, applies, leaves one out, checks
+
+
+def parse_settings(text: str, n: int) -> list[tuple[int | str, int | str]]:
+    """"R:P,..." with R a block count or a percentage of the stack, or "auto"; duplicates dropped."""
+    out: list[tuple[int | str, int | str]] = []
     for item in text.split(","):
+        if item == "auto":
+            if ("auto", "auto") not in out:
+                out.append(("auto", "auto"))
+            continue
         r, p = item.split(":")
         res = round(n * float(r[:-1]) / 100) if r.endswith("%") else int(r)
         setting = (min(max(res, 0), n), int(p))
@@ -366,14 +375,22 @@ def run_naive(stack: Stack, device: torch.device, steps: int) -> float:
     return step
 
 
-def run_streaming(stack: Stack, device: torch.device, resident: int, prefetch: int, args, ref_step: float,
-                  link: float, lora_rank: int = 0) -> dict:
-    st = LayerwiseStreamer(stack.blocks, device, resident=resident, prefetch=prefetch, pin=True)
+def run_streaming(stack: Stack, device: torch.device, resident: int | str, prefetch: int | str, args,
+                  ref_step: float, link: float, lora_rank: int = 0, budget: int | None = None) -> dict:
+    """One setting's streamed steps; "auto" leaves resident blocks and prefetch to the tuner,
+    within ``budget`` bytes of device memory."""
+    auto = resident == "auto"
+    st = LayerwiseStreamer(stack.blocks, device, resident=resident, prefetch=prefetch, pin=True,
+                           vram_budget_bytes=budget if auto else None)
     lora = BenchLora(list(stack.blocks), lora_rank, device) if lora_rank else None
     t0 = time.perf_counter()
-    st.attach(transform=lora)
+    st.attach(transform=lora, root=stack if auto else None)
     attach_s = time.perf_counter() - t0
     stack()  # warm-up pass, also wraps the prefetch around
+    for _ in range(AUTO_WARM_PASSES if auto else 0):  # auto: until the tuner holds its setting
+        if st.tuning()["phase"] == "hold":
+            break
+        stack()
     peak_memory_reset(device)
     st.telemetry.reset()
     steps = timed(device, stack, args.steps)
@@ -385,9 +402,11 @@ def run_streaming(stack: Stack, device: torch.device, resident: int, prefetch: i
     bound = max(ref_step, streamed / (link * GB))
     block_bw = copy_bandwidth(device, st._plan.packs[st.streamed_indices[0]].host, 3) if st.streamed_indices else None
     host = st.host_bytes()
+    tuning = st.tuning()
     result = {
         "resident": resident,
         "prefetch": prefetch,
+        "auto": auto,
         "lora_rank": lora_rank,
         "blocks": len(stack.blocks),
         "streamed": len(st.streamed_indices),
@@ -406,6 +425,9 @@ def run_streaming(stack: Stack, device: torch.device, resident: int, prefetch: i
         "telemetry": {k: v / len(steps) if k in ("bytes_copied", "copies", "compute_wait_s", "host_wait_s") else v
                       for k, v in tel.items()},
     }
+    if auto:  # what the tuner chose, and why
+        result.update(resident=len(tuning["setting"]["resident_blocks"]), prefetch=tuning["setting"]["prefetch"],
+                      budget_bytes=budget, tuning=tuning)
     st.close()
     if lora is not None:
         lora.close()
@@ -450,10 +472,13 @@ def bench_model(spec: Spec, device: torch.device, args: argparse.Namespace, link
     runs = [(r, p, 0) for r, p in parse_settings(args.settings, len(stack.blocks))]
     if args.lora_rank:
         runs += [(r, p, args.lora_rank) for r, p in parse_settings(args.lora_settings, len(stack.blocks))]
+    # auto's device memory: the most any other setting takes (resident blocks and slots)
+    budget = max((LayerwiseStreamer(stack.blocks, "cpu", resident=r, prefetch=p).bound_bytes()
+                  for r, p, _ in runs if r != "auto"), default=None)
     streaming = []
     for r, p, rank in runs:
-        streaming.append(run_streaming(stack, device, r, p, args, resident_step, link, rank))
-        row = {k: v for k, v in streaming[-1].items() if k not in ("step_s_all", "host", "telemetry")}
+        streaming.append(run_streaming(stack, device, r, p, args, resident_step, link, rank, budget))
+        row = {k: v for k, v in streaming[-1].items() if k not in ("step_s_all", "host", "telemetry", "tuning")}
         append_row(args.rows, {"bench": "layerwise", "row": "streaming", "model": spec.name,
                                "link_GBps": link, "resident_step_s": resident_step, **row,
                                "compute_wait_s": streaming[-1]["telemetry"]["compute_wait_s"],
@@ -499,7 +524,8 @@ def print_table(result: dict) -> None:
         for s in m["streaming"]:
             bw = f"{s['per_block_copy_GBps']:.1f}" if s["per_block_copy_GBps"] else "-"
             pin = f"{s['pinned_over_packed']:.3f}" if s["pinned_over_packed"] is not None else "-"
-            setting = f"r{s['resident']} p{s['prefetch']}" + (f" L{s['lora_rank']}" if s["lora_rank"] else "")
+            setting = (("auto " if s.get("auto") else "") + f"r{s['resident']} p{s['prefetch']}"
+                       + (f" L{s['lora_rank']}" if s["lora_rank"] else ""))
             print(f"{name:<12} {setting:<10} {s['step_s']:>9.4f} {s['bound_s']:>9.4f} "
                   f"{s['efficiency']:>6.2f} {100 * s['overhead_vs_resident']:>6.1f}% {bw:>9} "
                   f"{s['telemetry']['compute_wait_s']:>8.4f} {_gib(s['peak_vram_bytes']):>9} {pin:>8}")  # fmt: skip
@@ -518,7 +544,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--wan-blocks", type=int, default=8, help="Wan blocks to build (the full model has 40)")
     ap.add_argument("--flux-double", type=int, default=4, help="Flux double blocks (full model: 19)")
     ap.add_argument("--flux-single", type=int, default=8, help="Flux single blocks (full model: 38)")
-    ap.add_argument("--settings", default="0:1,0:2,25%:1,50%:1", help="resident:prefetch list; resident may be N%%")
+    ap.add_argument("--settings", default="0:1,0:2,25%:1,50%:1,auto",
+                    help="resident:prefetch list; resident may be N%%; auto: both left to the engine")
     ap.add_argument("--steps", type=int, default=3, help="timed passes per measurement")
     ap.add_argument("--link-bytes", type=int, default=1 << 30, help="size of the link-peak copy")
     ap.add_argument("--lora-settings", default="2:2",

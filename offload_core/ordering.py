@@ -258,6 +258,23 @@ def for_device(device: torch.device) -> Ordering:
     return _HOST
 
 
+def host_clock() -> float:
+    """Seconds on the host's clock: ``time.perf_counter``, or the installed model's. A timed model
+    (tests/unit/timed_streams.py) runs the engine's host side on the virtual clock of its device,
+    so what the engine measures there (a disk read, a wait) is what that device would have taken."""
+    model = _model
+    return time.perf_counter() if model is None else model.host_clock()
+
+
+def host_caught_up(stamp: float) -> None:
+    """The calling thread waited for something another thread did at ``stamp`` (``host_clock``):
+    a job it was handed, a read, a copy issued. A real clock is past it already; a timed model
+    moves the thread's clock there, which is how a wait between threads takes time in it."""
+    model = _model
+    if model is not None:
+        model.host_caught_up(stamp)
+
+
 def host_registrar() -> HostRegistrar | None:
     """Who page-locks host memory now: the installed model, else CUDA where it is available."""
     if _model is not None:

@@ -51,7 +51,7 @@ def test_comfy_wan_smoke(tmp_path):
     assert engine["streamed_indices"], engine
     telemetry = engine["telemetry"]
     assert telemetry["bytes_copied"] > 0 and telemetry["sync_fallbacks"] == 0
-    assert telemetry["peak_materialized_bytes"] <= telemetry["bound_bytes"]
+    assert telemetry["peak_materialized_bytes"] <= telemetry["peak_bound_bytes"]  # of every auto setting
     # The engine copied every streamed block once per model call, and some more (the upload at
     # attach, the prefetch past the last step).
     streamed = modes["layerwise"]["streamed_bytes_per_step"]

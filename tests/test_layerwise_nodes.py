@@ -47,7 +47,8 @@ def test_offload_is_bit_identical_across_settings(comfy, kind, model_class):
         if settings.get("resident_blocks", -1) == 0:
             assert state["streamed_indices"] == list(range(state["blocks"]))
             assert telemetry["copies"] > 0 and telemetry["bytes_copied"] > 0
-        assert 0 < telemetry["peak_materialized_bytes"] <= state["bound_bytes"], state
+        # (with auto settings, the most of every setting the run streamed with)
+        assert 0 < telemetry["peak_materialized_bytes"] <= telemetry["peak_bound_bytes"], state
         # Core's figures for the streamed model: its size is the model less the blocks plus the
         # engine's bound, so core never makes room for blocks it does not load.
         assert state["core_view"]["model_size"] == state["rest_bytes"] + state["bound_bytes"], state
@@ -247,9 +248,9 @@ def _numeric_case(node: str, field: str, value, linked: bool) -> dict:
     ("ApplyLayerwiseOffload", "host_cache_gb", NAN, False, ("not NaN", "0 (every block in RAM)", "4096 GiB")),
     ("ApplyLayerwiseOffload", "host_cache_gb", 5e-324, False, ("less than one byte",)),
     ("ApplyLayerwiseOffload", "host_cache_gb", 1e18, True, ("out of range", "4096 GiB")),
-    ("ApplyLayerwiseOffload", "prefetch", 1_000_000, True, ("prefetch must be a whole number from 1 to 16",)),
+    ("ApplyLayerwiseOffload", "prefetch", 1_000_000, True, ("prefetch must be a whole number from 0 to 16",)),
     ("ApplyLayerwiseOffload", "resident_blocks", -5, True, ("resident_blocks must be a whole number from -1",)),
-    ("ApplyLayerwiseOffload", "disk_workers", 0, True, ("disk_workers must be a whole number from 1 to 16",)),
+    ("ApplyLayerwiseOffload", "disk_workers", -1, True, ("disk_workers must be a whole number from 0 to 16",)),
     ("VRAMTierManager", "ram_budget_gb", 1e-300, False, ("less than one byte", "0 or null (no cap)")),
     ("VRAMTierManager", "ram_budget_gb", NAN, False, ("not NaN",)),
     ("VRAMTierManager", "ram_reserve_gb", NAN, True, ("not NaN", "0 (no reserve)")),

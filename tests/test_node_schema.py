@@ -5,8 +5,10 @@ API prompt names inputs. Both keep working only if every node keeps its id, its 
 order, types, defaults, ranges, tooltips), its outputs, category and display name.
 tests/fixtures/node_interfaces.json holds what the nodes served as V1 nodes, before the move to
 V3 (taken from /object_info of both ComfyUI versions, which agreed), plus the inputs added since,
-each optional and last (`share_host_memory`), which keeps every saved widget value in its place;
-the Tiered loaders must serve
+each optional and last (`share_host_memory`), which keeps every saved widget value in its place,
+and Apply Layerwise Offload's auto defaults (prefetch and disk_workers 0, granularity "auto", each
+with its tooltip; every value a saved workflow can hold is still in range); the Tiered loaders
+must serve
 exactly the inputs, outputs and description of the core loader each one mirrors, on the same
 server (the file lists and a loader's options differ between ComfyUI versions).
 

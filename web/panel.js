@@ -6,6 +6,7 @@
 import { tr } from "./i18n.js";
 import { esc, legend, num } from "./html.js";
 import { compactTimelineHtml, fitPicture } from "./timeline.js";
+import { planHtml } from "./plan.js";
 import { View } from "./view.js";
 
 const TIER_LABEL = { vram: "VRAM", ram: "RAM", disk: "DISK" };
@@ -335,6 +336,7 @@ function layerwiseHtml(lw, showStrip, open, cpu) {
     ${lw.dynamic_vram?.cost ? `<div class="to-muted" data-role="lw-cost">${esc(tr("layerwise.cost", { cost: lw.dynamic_vram.cost }))}</div>` : ""}
     ${hostStoreHtml(lw.host_store)}
     ${diskSourcesHtml(lw.disk)}
+    ${planHtml(lw)}
     ${showStrip ? stripHtml(lw, cpu, undefined, undefined, blockSources(lw)) : ""}
     ${telemetryHtml(lw.telemetry, cpu)}
     ${compactTimelineHtml(lw, !!lw.telemetry && num(lw.streamed_indices?.length) > 0, open)}

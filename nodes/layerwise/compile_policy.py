@@ -196,6 +196,8 @@ def queue_refusal(graph: dict | None, node_id: str | None) -> str | None:
     if not isinstance(resident, int) or not isinstance(granularity, str) or \
             not isinstance(per_block_on, bool):
         return None
+    if granularity == "auto":  # whole blocks, unless the run finds only phases fit (decided there)
+        granularity = "block"
     device = comfy.model_management.get_torch_device()
     if not (resident == 0 or may_stream(resident, 0, device.type)):
         return None

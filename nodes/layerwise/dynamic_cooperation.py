@@ -41,6 +41,8 @@ import comfy.model_management
 import comfy.patcher_extension
 
 from ...offload_core.device.residency import fit_budget, plan_residency, slot_count, spread_evenly
+from ...offload_core.layerwise.planner import DEFAULT_PREFETCH
+from ...offload_core.layerwise.tuning import AUTO
 from ..core import state
 from ..core.models import is_dynamic, loaded_entries
 from ..core.state import DYNAMIC_ORDER_KEY
@@ -64,7 +66,11 @@ class OrderSettings:
 
     @classmethod
     def from_streamer_kwargs(cls, kwargs: dict[str, Any]) -> "OrderSettings":
-        return cls(kwargs.get("resident"), kwargs.get("vram_budget_bytes"), kwargs["prefetch"])
+        """The node's settings; resident blocks left to auto are the budget's, and a prefetch left
+        to auto counts as the engine's default for the slots (core prefetches on its own)."""
+        resident, prefetch = kwargs.get("resident"), kwargs["prefetch"]
+        return cls(None if resident == AUTO else resident, kwargs.get("vram_budget_bytes"),
+                   DEFAULT_PREFETCH if prefetch == AUTO else prefetch)
 
 
 @dataclass(frozen=True)

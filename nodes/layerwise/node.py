@@ -18,14 +18,13 @@ import logging
 import comfy.patcher_extension
 from comfy_api.v0_0_2 import io
 
-from ...offload_core.blocks.phases import GRANULARITIES
 from ..core.models import is_dynamic
 from ..core.state import LAYERWISE, LAYERWISE_KEY, SWAP_KEY, SWAP_MEMBERS
 from . import (compile_policy, compile_prompt, compiled_models, dynamic_cooperation, dynamic_vram,
                model_file, spill_folder)
 from .session import LayerwiseSession
-from .settings import (MAX_DISK_WORKERS, MAX_HOST_CACHE_GB, MAX_PREFETCH, MAX_RESIDENT_BLOCKS,
-                       MAX_VRAM_BUDGET_GB, LayerwiseSettings)
+from .settings import (GRANULARITY_CHOICES, MAX_DISK_WORKERS, MAX_HOST_CACHE_GB, MAX_PREFETCH,
+                       MAX_RESIDENT_BLOCKS, MAX_VRAM_BUDGET_GB, LayerwiseSettings)
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +98,10 @@ class ApplyLayerwiseOffload(io.ComfyNode):
                 io.Model.Input("model", tooltip="The diffusion model to stream."),
                 io.Int.Input(
                     "resident_blocks", default=-1, min=-1, max=MAX_RESIDENT_BLOCKS,
-                    tooltip="Blocks kept on the GPU, spread evenly through the stack. -1 derives "
-                            "the number from vram_budget_gb."),
+                    tooltip="Blocks kept on the GPU. -1 is auto: the engine measures each run and "
+                            "keeps as many blocks as make it faster, within vram_budget_gb, and "
+                            "says why in the Offload panel. A number is kept, spread evenly through "
+                            "the stack."),
                 io.Float.Input(
                     "vram_budget_gb", default=0.0, min=0.0, max=MAX_VRAM_BUDGET_GB, step=0.25,
                     tooltip="GPU memory in GiB for the model's blocks (resident blocks plus "
@@ -109,9 +110,10 @@ class ApplyLayerwiseOffload(io.ComfyNode):
                             "(other weights, activations, its reserve). A larger budget than that "
                             "is lowered to it, with a log line."),
                 io.Int.Input(
-                    "prefetch", default=2, min=1, max=MAX_PREFETCH,
+                    "prefetch", default=0, min=0, max=MAX_PREFETCH,
                     tooltip="How many streamed blocks are copied ahead of the one computing. "
-                            "Each adds one block-sized GPU slot."),
+                            "Each adds one block-sized GPU slot. 0 is auto: the engine chooses "
+                            "from what each run measures."),
                 io.Boolean.Input(
                     "pin", default=True,
                     tooltip="Keep the block weights in pinned RAM for full-speed async copies. "
@@ -135,13 +137,17 @@ class ApplyLayerwiseOffload(io.ComfyNode):
                             "where its bytes are what was loaded, else from a spill file written "
                             "once."),
                 io.Int.Input(
-                    "disk_workers", default=2, min=1, max=MAX_DISK_WORKERS, optional=True,
-                    tooltip="Threads reading blocks from disk ahead of need (disk streaming)."),
+                    "disk_workers", default=0, min=0, max=MAX_DISK_WORKERS, optional=True,
+                    tooltip="Threads reading blocks from disk ahead of need (disk streaming), "
+                            "each reading one block ahead. 0 is auto: the engine reads as far "
+                            "ahead as keeps the disk busy, and no further, so the cache keeps "
+                            "what it can hold from step to step."),
                 io.Combo.Input(
-                    "granularity", options=list(GRANULARITIES), default="block", optional=True,
+                    "granularity", options=list(GRANULARITY_CHOICES), default="auto", optional=True,
                     tooltip="Stream whole blocks, or each block's phases (attention, cross-"
                             "attention, FFN): phases need about a third of the GPU memory per "
-                            "slot, at more and smaller copies."),
+                            "slot, at more and smaller copies. auto: whole blocks, unless only "
+                            "phases fit the GPU budget or the host cache."),
                 io.String.Input(
                     "spill_dir", default="", optional=True,
                     tooltip="Folder for the spill file of blocks that are loaded in another "
@@ -192,8 +198,8 @@ class ApplyLayerwiseOffload(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, resident_blocks: int, vram_budget_gb: float, prefetch: int, pin: bool,
-                mode: str = "auto", host_cache_gb: float = 0.0, disk_workers: int = 2,
-                granularity: str = "block", spill_dir: str = "",
+                mode: str = "auto", host_cache_gb: float = 0.0, disk_workers: int = 0,
+                granularity: str = "auto", spill_dir: str = "",
                 compile_per_block: bool = False, share_host_memory: bool = True) -> io.NodeOutput:
         settings = LayerwiseSettings(resident_blocks, vram_budget_gb, prefetch, pin, host_cache_gb,
                                      disk_workers, granularity, spill_dir, share_host_memory)

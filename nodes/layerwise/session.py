@@ -38,14 +38,17 @@ from ...offload_core.device.telemetry import overlap_efficiency
 from ...offload_core.disk.host_cache import CacheTooSmallError
 from ...offload_core.disk.model_file import ModelFileChanged
 from ...offload_core.disk.tier import DiskOptions
+from ...offload_core.disk.model_file import ModelFileMap
 from ...offload_core.host.released import released
+from ...offload_core.host.shared_packing import HostShare
 from ...offload_core.layerwise.streamer import LayerwiseStreamer
+from ...offload_core.layerwise.tuning import AUTO
 from ...offload_core.units import size_text
 from ..core import host_moves, host_sharing
 from ..core.state import LAYERWISE, LAYERWISE_KEY
 from . import (block_budget, comfy_weights, compile_policy, compiled_models, core_loads, dynamic_vram,
-               model_file, spill_folder)
-from .settings import GIB, LayerwiseSettings
+               granularity, model_file, spill_folder)
+from .settings import AUTO_DISK_WORKERS, GIB, LayerwiseSettings
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +79,6 @@ class LayerwiseSession:
                               - self.block_bytes)
         self.device = patcher.load_device
         self.settings = settings
-        resident = settings.resident_blocks if settings.resident_blocks >= 0 else None
         # One host copy per machine: the pack maps the store of this file's blocks that another
         # ComfyUI process made, or makes it for them (core/host_sharing.py).
         # Disk streaming reads the model's own file (or a spill file), not a store: nothing to
@@ -84,20 +86,19 @@ class LayerwiseSession:
         spill_dir = spill_folder.spill_folder(settings.spill_dir) if settings.spill_dir.strip() else None
         self.share, self.share_why = (None, "the blocks stream from disk") if settings.host_cache_gb > 0 \
             else host_sharing.share_for(patcher.model, settings.share_host_memory, spill_dir=spill_dir)
-        self.streamer = LayerwiseStreamer(list(self.blocks), self.device, resident=resident,
-                                          prefetch=settings.prefetch, pin=settings.pin,
-                                          granularity=settings.granularity,
-                                          disk=self._disk_options(settings, workflow_path),
-                                          share=self.share)
+        self.model_file = self._find_model_file(settings, workflow_path)
+        self.granularity, self.granularity_why = granularity.choose(self.blocks, settings)
+        self.streamer = self._make_streamer()
         least, _ = self.streamer.bound_range()
         requested = settings.requested_budget
-        if resident is None and requested is not None and requested < least:
+        if settings.resident_blocks < 0 and requested is not None and requested < least:
+            slots = "2 slots, at prefetch 1," if settings.auto_prefetch else \
+                f"prefetch + 1 = {settings.prefetch + 1} slots"
             raise ValueError(
                 f"Apply Layerwise Offload: vram_budget_gb={settings.vram_budget_gb:g} GiB is too "
                 f"small for {self.model_class}: streaming every block needs {size_text(least)} "
-                f"(prefetch + 1 = {settings.prefetch + 1} slots of its largest block), and the "
-                f"budget leaves {size_text(requested)} for them. Raise vram_budget_gb, lower "
-                "prefetch, or set 0 for auto.")
+                f"({slots} of its largest block), and the budget leaves {size_text(requested)} "
+                "for them. Raise vram_budget_gb, lower prefetch, or set 0 for auto.")
         self.module_id = id(diffusion_model)
         self.accounted_bytes = 0
         self.budget_bytes: int | None = None
@@ -119,19 +120,17 @@ class LayerwiseSession:
         for module in self._watched():
             host_moves.watch(module, LAYERWISE_KEY, self._reclaim_before_host_move)
 
-    def _disk_options(self, settings: LayerwiseSettings, workflow_path: str | None) -> DiskOptions | None:
-        """The disk tier when host_cache_gb caps the RAM for blocks, reading the model's own file
-        where it can (model_file.py finds it; core_loads.py reads the blocks back before core
-        runs the model itself)."""
-        if settings.host_cache_gb <= 0:
+    def _find_model_file(self, settings: LayerwiseSettings, workflow_path: str | None) -> ModelFileMap | None:
+        """Where disk streaming reads the blocks: the model's own file where it serves
+        (model_file.py finds it; core_loads.py reads the blocks back before core runs the model
+        itself), else None (the spill file)."""
+        if settings.host_cache_gb <= 0 or not core_loads.installed():
             return None
-        found = None
-        if core_loads.installed():
-            found = model_file.find(self.blocks, self.prefixes, workflow_path, self.model_class)
-        return DiskOptions(cap_bytes=int(settings.host_cache_gb * GIB),
-                           workers=settings.disk_workers,
-                           spill_dir=spill_folder.spill_folder(settings.spill_dir),
-                           model_file=found)
+        return model_file.find(self.blocks, self.prefixes, workflow_path, self.model_class)
+
+    def _make_streamer(self) -> LayerwiseStreamer:
+        return make_streamer(self.blocks, self.device, self.settings, self.granularity, self.share,
+                             self.model_file)
 
     def begin(self, patcher, noise_shape=None, conds=None, model_options=None,
               choice: compile_policy.NodeChoice = compile_policy.NodeChoice()) -> None:
@@ -158,7 +157,7 @@ class LayerwiseSession:
         compiled = compile_policy.settle(
             patcher, model_options, choice, model_class=self.model_class, blocks=list(self.blocks),
             prefixes=list(self.prefixes), streamed=streamed,
-            resident_blocks=self.settings.resident_blocks, granularity=self.settings.granularity,
+            resident_blocks=self.settings.resident_blocks, granularity=self.granularity,
             device=self.device)
         self.begun = True
         if hasattr(patcher, "size"):
@@ -173,12 +172,14 @@ class LayerwiseSession:
         start = time.perf_counter()
         progress = comfy.utils.ProgressBar(len(self.streamer.units) + 1)
         try:
+            # The model's call is one pass over the blocks: auto settings are measured and
+            # planned at its calls.
             self.streamer.attach(transform=transform,
                                  progress=lambda done, total: progress.update_absolute(done, total),
-                                 compiled=compiled)
+                                 compiled=compiled, root=compiled_models.diffusion_module(patcher))
         except CacheTooSmallError as e:
             remedies = "Raise host_cache_gb or lower prefetch"
-            if self.settings.granularity != "phase":
+            if self.granularity != "phase":
                 remedies += ", or use granularity 'phase' (smaller units)"
             raise ValueError(
                 f"Apply Layerwise Offload: host_cache_gb={self.settings.host_cache_gb:g} GiB is too "
@@ -201,15 +202,30 @@ class LayerwiseSession:
         least, most = self.streamer.bound_range()
         requested = self.settings.requested_budget
         if self.device.type == "cpu":
-            # The "device" is host RAM: nothing to clamp to. Auto keeps every block resident.
+            # The "device" is host RAM: nothing to clamp to. Auto may keep every block resident.
             budget = most if requested is None else requested
         else:
             wanted = most if requested is None else min(requested, most)
             room = block_budget.device_room(patcher, self.rest_bytes, wanted, noise_shape, conds,
                                             model_options, merge_bytes)
+            if self._fit_granularity(room.for_blocks):
+                least, most = self.streamer.bound_range()
             budget = block_budget.choose_budget(self.model_class, requested, room, least, most)
         self.streamer.replan(vram_budget_bytes=budget)
         self.budget_bytes = budget
+
+    def _fit_granularity(self, room: int) -> bool:
+        """Granularity auto: phases from this run on if only phases fit the room left for the
+        blocks (the pack is made again, once). Whether the granularity changed."""
+        chosen, why = granularity.choose(self.blocks, self.settings, room)
+        if chosen == self.granularity:
+            return False
+        log.info("Apply Layerwise Offload: %s streams as %s from now on (%s)", self.model_class,
+                 chosen, why)
+        self.streamer.close()
+        self.granularity, self.granularity_why = chosen, why
+        self.streamer = self._make_streamer()
+        return True
 
     def account(self, patcher) -> None:
         """Make core's figures for the model true, once core has loaded the rest.
@@ -224,6 +240,7 @@ class LayerwiseSession:
         comfy_weights.settle_after_core_load(self.blocks)
         model = patcher.model
         self.accounted_bytes = self.streamer.bound_bytes()
+        self.streamer.hold_within(self.accounted_bytes)  # a plan within the run keeps core's figures true
         model.model_loaded_weight_memory = min(model.model_loaded_weight_memory,
                                                self.rest_bytes) + self.accounted_bytes
         if hasattr(patcher, "size"):
@@ -340,6 +357,9 @@ class LayerwiseSession:
             "bound_bytes": self.streamer.bound_bytes(),
             "block_states": self.streamer.block_states(),
             "granularity": self.streamer.granularity,
+            "granularity_why": self.granularity_why,
+            "auto_settings": self.settings.auto_settings,
+            "tuning": self.streamer.tuning(),
             "units": self.streamer.describe_units(),
             "unit_states": self.streamer.unit_states(),
             "host": self.streamer.host_bytes(),
@@ -363,6 +383,24 @@ class LayerwiseSession:
     def disk_bytes(self) -> int:
         """Bytes of the model's blocks that are only on disk now (disk streaming), else 0."""
         return self.streamer.host_bytes().get("disk", 0)
+
+
+def make_streamer(blocks, device: torch.device, settings: LayerwiseSettings, granularity_: str,
+                  share: HostShare | None = None, model_file_: ModelFileMap | None = None) -> LayerwiseStreamer:
+    """The engine for the node's settings at ``granularity_``; settings left to auto go to its
+    tuner, and under auto the disk tier's readers read as far ahead as the tuner says. Disk
+    streaming reads ``model_file_`` where it serves, else a spill file."""
+    disk = None
+    if settings.host_cache_gb > 0:
+        auto = settings.auto_read_ahead
+        disk = DiskOptions(cap_bytes=int(settings.host_cache_gb * GIB),
+                           workers=AUTO_DISK_WORKERS if auto else settings.disk_workers,
+                           spill_dir=spill_folder.spill_folder(settings.spill_dir),
+                           model_file=model_file_, read_ahead=AUTO if auto else None)
+    return LayerwiseStreamer(list(blocks), device,
+                             resident=settings.resident_blocks if settings.resident_blocks >= 0 else AUTO,
+                             prefetch=AUTO if settings.auto_prefetch else settings.prefetch,
+                             pin=settings.pin, granularity=granularity_, disk=disk, share=share)
 
 
 def run_figures(snapshot: dict[str, Any], seconds: float, attach_seconds: float,

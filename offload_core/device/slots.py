@@ -34,6 +34,7 @@ from ..host.pinned import HostStorage
 from ..host.staging import Stager, Ticket
 from ..ordering import for_device
 from .telemetry import Telemetry
+from .timeline import Timeline
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +124,12 @@ class SlotRing:
                 self._ready[slot].record(stream)
         self.holds[slot], self._state[slot] = tag, _LOADED
         self._tel.record_copy(n)
+
+    def record(self, timeline: Timeline | None) -> None:
+        """Mark the copies issued from now on in ``timeline`` (None: no more marks)."""
+        self._timeline = timeline
+        if self._stager is not None:
+            self._stager.record(timeline)
 
     def _recorded_copy(self, dst: torch.Tensor, host: torch.Tensor, tag: Hashable,
                        prepare: Callable[[torch.Tensor], None] | None) -> None:

@@ -69,7 +69,8 @@ class Telemetry:
     """Engine counters; ``snapshot()`` is JSON-serialisable."""
 
     def __init__(self) -> None:
-        self.bound_bytes = 0
+        self.bound_bytes = 0  # of the device schedule in force
+        self.peak_bound_bytes = 0  # the most of any since the last reset (auto settings change it)
         self.materialized_bytes = 0
         self.device_alloc_bytes = 0
         self.stalls: StallTimer | None = None
@@ -103,6 +104,7 @@ class Telemetry:
         self.wait_host_s = 0.0  # the part of host_wait_s spent in units' waits
         self.peak_materialized_bytes = self.materialized_bytes
         self.peak_device_alloc_bytes = self.device_alloc_bytes
+        self.peak_bound_bytes = self.bound_bytes
         if self.stalls is not None:
             self.stalls.collect(wait=True)
             self.stalls.total_s = 0.0
@@ -157,6 +159,7 @@ class Telemetry:
             "device_alloc_bytes": self.device_alloc_bytes,
             "peak_device_alloc_bytes": self.peak_device_alloc_bytes,
             "bound_bytes": self.bound_bytes,
+            "peak_bound_bytes": self.peak_bound_bytes,
         }
 
 

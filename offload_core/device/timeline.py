@@ -21,7 +21,8 @@ Clocks: marks on the streams are events of the device's ordering (``offload_core
 on CUDA, CUDA events with timing enabled) recorded where the work is queued, and resolved to
 times only in ``last_pass``, after the run (never a host sync on the hot path); disk reads, which
 the host does, keep the host clock, aligned to the pass start as the host saw it. On a plain CPU
-an event keeps the ``time.perf_counter`` of its record.
+an event keeps the ``time.perf_counter`` of its record. The host clock is the seam's
+(``ordering.host_clock``): a timed model of a device runs it on its virtual time.
 
 A unit's copy and disk read are attached to the pass in which the unit computes, not the one in
 which they were issued: the first units of a pass are fetched while the previous pass runs, so
@@ -31,14 +32,13 @@ their spans start before the pass does (negative times).
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..ordering import Event, Stream, for_device
+from ..ordering import Event, Stream, for_device, host_clock
 
 # Waits below this share of the pass's compute time leave a run bound by compute.
 _WAIT_SHARE_BOUND = 0.1
@@ -74,6 +74,8 @@ class Timeline:
         self._compute: tuple[int, Mark] | None = None  # the running unit and its compute start
         self._spare: list[Mark] = []  # marks nothing refers to any more, to be recorded again (popped
         # and extended in one step each, never read otherwise)
+        self.completed = 0  # complete passes so far (a caller that closes passes counts them)
+        self._uploads: list[tuple[Mark, Mark, int]] = []  # the resident units' copies at attach
 
     # ------------------------------------------------------------- marks
     def mark(self, stream: Stream | None = None) -> Mark:
@@ -95,15 +97,26 @@ class Timeline:
             if replaced is not None:  # never shown: its unit did not compute since
                 self._spare.extend(replaced[:2])
 
+    def uploaded(self, start: Mark, end: Mark, nbytes: int) -> None:
+        """A resident unit's ``nbytes`` were copied to the device between ``start`` and ``end``."""
+        self._uploads.append((start, end, nbytes))
+
+    def upload_rate(self) -> float | None:
+        """Bytes per ms of the resident units' copies (the link's rate with nothing beside it),
+        None without any. Resolves the marks, waiting for them."""
+        nbytes = sum(n for _, _, n in self._uploads)
+        ms = sum(self._ms(start, end) for start, end, _ in self._uploads)
+        return nbytes / ms if nbytes and ms > 0 else None
+
     def read(self, unit: int, start: float, end: float, nbytes: int) -> None:
-        """Unit ``unit``'s bytes were read from disk from ``start`` to ``end`` (perf_counter)."""
+        """Unit ``unit``'s bytes were read from disk from ``start`` to ``end`` (``host_clock``)."""
         with self._lock:
             self._reads[unit] = (start, end, nbytes)
 
     # ------------------------------------------------------------- sampling thread
     def wait_begins(self, unit: int, first: bool) -> None:
         """The sampling thread is about to wait for ``unit``'s slot; ``first`` starts a pass."""
-        mark, host = self.mark(), time.perf_counter()
+        mark, host = self.mark(), host_clock()
         computing = self._compute
         if computing is not None:  # a phase ended by the next one's entry ends here
             self._compute = None
@@ -118,7 +131,7 @@ class Timeline:
 
     def compute_begins(self, unit: int) -> None:
         """``unit``'s slot is ready for compute: its wait ends and its compute starts."""
-        mark, host = self.mark(), time.perf_counter()
+        mark, host = self.mark(), host_clock()
         current, wait = self._current, self._wait
         if current is None or wait is None:
             self._spare.append(mark)
@@ -143,6 +156,13 @@ class Timeline:
         self._compute = None
         current.spans.append(("compute", unit, compute[1], self.mark(), None))
 
+    def close_pass(self) -> None:
+        """The model's call is over (a caller that sees where calls start says so): the pass under
+        way ends here, and the next streamed unit's wait starts the next one, whichever unit it is."""
+        dropped = self._close_pass()
+        if dropped is not None:
+            self._recycle(dropped)
+
     def _close_pass(self) -> _Pass | None:
         """End the pass under way; returns the pass no longer kept (the one before a complete
         pass, or this one cut short)."""
@@ -150,6 +170,7 @@ class Timeline:
         if current is None or len(set(current.units)) < self.streamed:
             return current
         dropped, self._last = self._last, current
+        self.completed += 1
         return dropped
 
     def _recycle(self, dropped: _Pass) -> None:

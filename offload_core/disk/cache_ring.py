@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections.abc import Callable
 
 import torch
@@ -20,6 +19,7 @@ import torch
 from ..device.slots import SlotRing
 from ..device.telemetry import Telemetry
 from ..host.staging import Ticket
+from ..ordering import host_caught_up, host_clock
 from .host_cache import DiskTelemetry, HostCache
 
 
@@ -44,18 +44,18 @@ class CacheRing(SlotRing):
         lease = self._cache.acquire(unit)
         ticket = Ticket()
         self._tickets[slot] = ticket
-        self._jobs.put((ticket, slot, lease, nbytes, prepare))
+        self._jobs.put((ticket, host_clock(), slot, lease, nbytes, prepare))
         self.holds[slot], self._state[slot] = unit, "loaded"
         self._tel.record_copy(nbytes)
 
     def wait_ready(self, slot: int) -> None:
         ticket = self._tickets.get(slot)
         if ticket is not None and not ticket.done:
-            start = time.perf_counter()
+            start = host_clock()
             try:
                 super().wait_ready(slot)
             finally:
-                self._disk_tel.add_wait(time.perf_counter() - start)
+                self._disk_tel.add_wait(host_clock() - start)
             return
         super().wait_ready(slot)
 
@@ -64,7 +64,8 @@ class CacheRing(SlotRing):
             job = self._jobs.get()
             if job is None:
                 return
-            ticket, slot, lease, nbytes, prepare = job
+            ticket, queued, slot, lease, nbytes, prepare = job
+            host_caught_up(queued)
             try:
                 self._copy(slot, lease, nbytes, prepare)
             except BaseException as e:  # reported to the thread that waits for this slot
@@ -88,13 +89,13 @@ class CacheRing(SlotRing):
             else:  # read from the model's file: each tensor to its place in the layout
                 for p in pieces:
                     ordering.copy(dst[p.dst : p.dst + p.nbytes], src[p.src : p.src + p.nbytes])
-            if timeline is not None:  # a worker's copy: compute waits for it only in wait_ready
-                timeline.copied(lease.unit, start, timeline.mark(stream), nbytes, blocking=False)
             fence = ordering.event()
             fence.record(stream)
             lease.release(fence)  # the entry may be read into again once the copy has run
             if prepare is not None:
                 prepare(dst)
+            if timeline is not None:  # a worker's copy: compute waits for it only in wait_ready
+                timeline.copied(lease.unit, start, timeline.mark(stream), nbytes, blocking=False)
             self._ready[slot].record(stream)
 
     def close(self) -> None:

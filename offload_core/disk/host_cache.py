@@ -8,6 +8,15 @@ hit. Reads run ahead of the copies: when a unit is requested, workers start read
 needed later than the unit read; so read-ahead never throws out a unit that will be used sooner.
 Units that stay cached across passes are hits; the rest cost one disk read each per pass.
 
+Why the choice never depends on the threads' timing: a unit requested may still wait for its read
+or its copy out of the cache, and such an entry cannot be reused; which entries those are at a
+given moment depends on how fast the disk and the copies went, so a rule that skipped just them
+would keep other units from pass to pass, and the hit rate would wander. Instead the last
+``in_flight`` units requested (the device slots they go to may still be filling) and the units
+read ahead of the cursor are never evicted: a fixed set, given by the order of the requests alone,
+and the one a slow disk leaves busy anyway. The hit rate is then what the cache can hold, and the
+pipeline model (layerwise/pipeline.py) predicts it.
+
 Entries are equal-sized buffers (the largest streamed unit, rounded to 4 KiB) in one host
 storage, page-locked when the pinned budget allows, so reads can be direct and copies to the
 device asynchronous. An entry is never overwritten while a copy out of it may still run: a lease
@@ -20,8 +29,7 @@ import heapq
 import itertools
 import logging
 import threading
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -29,6 +37,7 @@ import torch
 
 from ..device.timeline import Timeline
 from ..host.pinned import HostStorage
+from ..ordering import host_caught_up, host_clock
 from ..units import size_text
 from .model_file import Piece
 from .raw_io import PAGE
@@ -82,14 +91,14 @@ class DiskTelemetry:
     @staticmethod
     def read_started() -> float:
         """The start of a read, for ``read_ended``."""
-        return time.perf_counter()
+        return host_clock()
 
     def read_ended(self, started: float, nbytes: int, ok: bool) -> None:
         with self._lock:
             if ok:
                 self.reads += 1
                 self.bytes_read += nbytes
-                self._intervals.append((started, time.perf_counter()))
+                self._intervals.append((started, host_clock()))
                 if len(self._intervals) >= self._COMPACT_AT:
                     self._intervals = _union(self._intervals)
             else:
@@ -126,6 +135,46 @@ def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return out
 
 
+# ---------------------------------------------------------------- the rule
+# Module functions, so the pipeline model (layerwise/pipeline.py) plays the cache's own rule.
+def protected_units(order: Sequence[int], cursor: int, in_flight: int, depth: int) -> set[int]:
+    """The units no read evicts: the last ``in_flight`` requested (up to the one at ``cursor``)
+    and the ``depth`` read ahead of it."""
+    n = len(order)
+    return ({order[(cursor - j) % n] for j in range(min(in_flight, n))}
+            | {order[(cursor + k) % n] for k in range(1, min(depth, n - 1) + 1)})
+
+
+def pick_victim(entries: Sequence[Any], need: float, distance: Callable[[int], float],
+                protected: Container[int]) -> int | None:
+    """The entry to reuse for a unit needed ``need`` units ahead: a free one first, else the one
+    whose unit is needed last, if that is later than ``need``; never a ``protected`` unit's, nor
+    one leased or being read. ``entries`` have ``unit``, ``leases``, ``reading`` (and ``error``)."""
+    best, best_d = None, need
+    for k, e in enumerate(entries):
+        if e.leases or e.reading or e.unit in protected:
+            continue
+        d = _NEVER if e.unit is None or getattr(e, "error", None) is not None else distance(e.unit)
+        if d > best_d:
+            best, best_d = k, d
+    return best
+
+
+def read_ahead(order: Sequence[int], cursor: int, depth: int, cached: Container[int],
+               victim: Callable[[int], int | None], start: Callable[[int, int, int], None]) -> None:
+    """Start reading the ``depth`` units after ``cursor`` that are not ``cached``, each into
+    ``victim(k)`` for the unit ``k`` ahead, with priority ``k``; stop at the first without one."""
+    n = len(order)
+    for k in range(1, min(depth, n - 1) + 1):
+        unit = order[(cursor + k) % n]
+        if unit in cached:
+            continue
+        entry = victim(k)
+        if entry is None:
+            return
+        start(entry, unit, k)
+
+
 @dataclass(eq=False)
 class _Entry:
     unit: int | None = None
@@ -136,6 +185,7 @@ class _Entry:
     served: int = 0  # requests served since the current bytes were read
     fence: Fence | None = None  # the last copy out of this entry
     pieces: tuple[Piece, ...] | None = None  # where the unit's tensors are in it; None: packed layout
+    read_at: float = 0.0  # when its read ended (host clock)
 
 
 class Lease:
@@ -149,6 +199,7 @@ class Lease:
         """The unit's bytes (a host buffer of the entry's size), once read; raises the read's error."""
         e = self._cache._entries[self.entry]
         e.done.wait()
+        host_caught_up(e.read_at)
         if e.error is not None:
             raise e.error
         return self._cache.buffer(self.entry)
@@ -180,6 +231,7 @@ class HostCache:
         self._unit_bytes = dict(unit_bytes)
         self._tel = telemetry
         self._depth = depth
+        self._in_flight = 1
         self._storage = HostStorage([self.entry_bytes] * count, pin=pin, ram_budget_bytes=ram_budget_bytes,
                                     label="disk cache")
         self._storage.note_reader(device)
@@ -190,7 +242,7 @@ class HostCache:
         self._where: dict[int, int] = {}
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
-        self._queue: list[tuple[int, int, int, int]] = []  # (priority, seq, entry, unit)
+        self._queue: list[tuple[int, int, int, int, float]] = []  # (priority, seq, entry, unit, queued at)
         self._seq = itertools.count()
         self._closing = False
         self.set_order(order)
@@ -227,8 +279,9 @@ class HostCache:
         return self._buffers[entry]
 
     # ---------------------------------------------------------------- order
-    def set_order(self, order: Sequence[int], depth: int | None = None) -> None:
-        """The streamed units in run order (a new run may stream another set) and the read-ahead."""
+    def set_order(self, order: Sequence[int], depth: int | None = None, in_flight: int | None = None) -> None:
+        """The streamed units in run order (a new run may stream another set), the read-ahead, and
+        how many requested units may be on their way to the device at once (its slots)."""
         if any(self._unit_bytes.get(u, self.entry_bytes + 1) > self.entry_bytes for u in order):
             raise ValueError("a streamed unit is larger than the cache's entries")
         with self._lock:
@@ -237,6 +290,8 @@ class HostCache:
             self._cursor = 0
             if depth is not None:
                 self._depth = depth
+            if in_flight is not None:
+                self._in_flight = in_flight
 
     def _distance(self, unit: int | None) -> float:
         """How far ahead of the cursor ``unit`` is needed next; never (inf) for units not streamed."""
@@ -289,7 +344,6 @@ class HostCache:
             e.leases -= 1
             if fence is not None:
                 e.fence = fence
-            self._read_ahead()
             self._work.notify_all()
 
     def _wait_for_victim(self, need: float) -> int:
@@ -304,27 +358,14 @@ class HostCache:
             self._work.wait()
 
     def _victim(self, need: float) -> int | None:
-        """The entry to reuse for a unit needed ``need`` units ahead: a free one first, else the one
-        whose unit is needed last, if that is later than ``need``; never one leased or being read."""
-        best, best_d = None, need
-        for k, e in enumerate(self._entries):
-            if e.leases or e.reading:
-                continue
-            d = _NEVER if e.unit is None or e.error is not None else self._distance(e.unit)
-            if d > best_d:
-                best, best_d = k, d
-        return best
+        """``pick_victim`` over the entries; the protected units are a request's (a transient borrow
+        at attach, ``need`` < 0, has nothing in flight to protect)."""
+        protected = (protected_units(self._order, self._cursor, self._in_flight, self._depth)
+                     if need >= 0 else ())
+        return pick_victim(self._entries, need, self._distance, protected)
 
     def _read_ahead(self) -> None:
-        n = len(self._order)
-        for k in range(1, min(self._depth, n - 1) + 1):
-            unit = self._order[(self._cursor + k) % n]
-            if unit in self._where:
-                continue
-            entry = self._victim(k)
-            if entry is None:
-                return
-            self._start_read(entry, unit, k)
+        read_ahead(self._order, self._cursor, self._depth, self._where, self._victim, self._start_read)
 
     def _start_read(self, entry: int, unit: int, priority: int) -> None:
         e = self._entries[entry]
@@ -333,7 +374,7 @@ class HostCache:
         e.unit, e.reading, e.error, e.served = unit, True, None, 0
         e.done = threading.Event()
         self._where[unit] = entry
-        heapq.heappush(self._queue, (priority, next(self._seq), entry, unit))
+        heapq.heappush(self._queue, (priority, next(self._seq), entry, unit, host_clock()))
         self._work.notify()
 
     # ---------------------------------------------------------------- workers
@@ -344,26 +385,29 @@ class HostCache:
                     self._work.wait()
                 if self._closing and not self._queue:
                     return
-                _, _, entry, unit = heapq.heappop(self._queue)
+                _, _, entry, unit, queued = heapq.heappop(self._queue)
                 e = self._entries[entry]
                 fence, e.fence = e.fence, None
+            host_caught_up(queued)
             error = None
             nbytes = 0
             started = self._tel.read_started()
             try:
                 if fence is not None:
                     fence.synchronize()  # the last copy out of this entry has run
+                    started = self._tel.read_started()  # the read starts now, not the wait for the copy
                 nbytes, e.pieces = self._store.read_unit(unit, self._buffers[entry])
             except BaseException as exc:  # handed to whoever waits for this unit
                 error = exc
                 log.error("disk stream: %s", exc)
             finally:
                 self._tel.read_ended(started, nbytes, error is None)
+                ended = host_clock()
                 timeline = self._tel.timeline
                 if timeline is not None and error is None:
-                    timeline.read(unit, started, time.perf_counter(), nbytes)
+                    timeline.read(unit, started, ended, nbytes)
             with self._lock:
-                e.reading, e.error = False, error
+                e.reading, e.error, e.read_at = False, error, ended
                 if error is not None:
                     del self._where[unit]
                     e.unit = None
@@ -373,7 +417,7 @@ class HostCache:
     def close(self) -> None:
         """Drop the reads not started, finish those under way, stop the workers, free the entries."""
         with self._lock:
-            for _, _, entry, unit in self._queue:
+            for _, _, entry, unit, _ in self._queue:
                 e = self._entries[entry]
                 del self._where[unit]
                 e.unit, e.reading, e.error = None, False, RuntimeError("the host cache was closed")

@@ -31,12 +31,14 @@ STAGING_BYTES = 64 << 20
 class DiskOptions:
     """``cap_bytes``: host RAM for the streamed weights (the cache); ``workers``: read threads;
     ``spill_dir``: where the spill file goes; ``model_file``: the model's own file and where the
-    blocks' tensors are in it (None: every unit goes to the spill file)."""
+    blocks' tensors are in it (None: every unit goes to the spill file); ``read_ahead``: units
+    read ahead of need (None: one per reader; "auto": the streamer's planner chooses, from one)."""
 
     cap_bytes: int
     workers: int = 2
     spill_dir: str = field(default_factory=tempfile.gettempdir)
     model_file: ModelFileMap | None = None
+    read_ahead: int | str | None = None
 
     def __post_init__(self) -> None:
         for name in ("cap_bytes", "workers"):
@@ -47,6 +49,10 @@ class DiskOptions:
             raise ValueError(f"spill_dir must be a folder path, got {self.spill_dir!r}")
         if self.model_file is not None and not isinstance(self.model_file, ModelFileMap):
             raise ValueError(f"model_file must be None or a ModelFileMap, got {self.model_file!r}")
+        ahead = self.read_ahead
+        if ahead is not None and ahead != "auto" and (isinstance(ahead, bool) or not isinstance(ahead, int)
+                                                      or ahead < 1):
+            raise ValueError(f"read_ahead must be None, 'auto' or an int >= 1, got {ahead!r}")
 
 
 class DiskTier:
@@ -76,8 +82,10 @@ class DiskTier:
 
     # ---------------------------------------------------------------- cache
     def _sizing(self, order: Sequence[int], unit_bytes: dict[int, int], nslots: int,
-                largest_pack: int) -> tuple[int, int, int]:
-        """(entry bytes, entries, read-ahead depth) for this run; refuses a cap that is too small."""
+                largest_pack: int, read_ahead: int | None = None) -> tuple[int, int, int]:
+        """(entry bytes, entries, read-ahead depth) for this run; refuses a cap that is too small.
+        The depth is ``read_ahead`` (the planner's), else one unit per reader, as far as the
+        entries that streaming does not hold allow."""
         cap = self.options.cap_bytes
         if order:
             entry = align_up(max(unit_bytes[u] for u in order), PAGE)
@@ -89,7 +97,8 @@ class DiskTier:
         count = cap // entry
         if count < need:
             raise CacheTooSmallError(cap, entry, need)
-        depth = max(1, min(self.options.workers, count - need + 1))
+        fixed = self.options.read_ahead if isinstance(self.options.read_ahead, int) else None
+        depth = max(1, min(read_ahead or fixed or self.options.workers, count - need + 1))
         return entry, count, depth
 
     def check(self, order: Sequence[int], unit_bytes: dict[int, int], nslots: int, largest_pack: int) -> None:
@@ -97,13 +106,13 @@ class DiskTier:
         self._sizing(order, unit_bytes, nslots, largest_pack)
 
     def open_cache(self, order: Sequence[int], unit_bytes: dict[int, int], nslots: int,
-                   largest_pack: int) -> None:
+                   largest_pack: int, read_ahead: int | None = None) -> None:
         """Make the cache fit this run's streamed units (kept from the last run when it does):
         entries hold what a read of each unit needs (its packed bytes, or its spans of the
         model's file)."""
         sources = self.sources
         sources.drop_loaded()
-        entry, count, depth = self._sizing(order, unit_bytes, nslots, largest_pack)
+        entry, count, depth = self._sizing(order, unit_bytes, nslots, largest_pack, read_ahead)
         # The cap counts units in their packed size; a unit read in place may take a page or two
         # more of its entry (its spans of the file widened to the file system's blocks).
         kinds = sources.kinds()
@@ -120,8 +129,9 @@ class DiskTier:
                                    pin=self._pin and for_device(self.device).asynchronous,
                                    ram_budget_bytes=self._ram_budget, device=self.device,
                                    telemetry=self.telemetry)
+            self.cache.set_order(order, depth, nslots)
         else:
-            cache.set_order(order, depth)
+            cache.set_order(order, depth, nslots)
 
     # ---------------------------------------------------------------- placing
     def place(self, packs: Sequence[PackedBlock], progress: Callable[[int, int], None] | None) -> int:

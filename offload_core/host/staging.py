@@ -26,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-from ..ordering import Event, Stream, for_device
+from ..ordering import Event, Stream, for_device, host_caught_up, host_clock
 from .pinned import HostStorage
 
 PIECE_BYTES = 16 << 20  # one half of the bounce buffer
@@ -38,6 +38,7 @@ class Ticket:
     def __init__(self) -> None:
         self._done = threading.Event()
         self.error: BaseException | None = None
+        self._at = 0.0  # when the job was done, on the host clock
 
     @property
     def done(self) -> bool:
@@ -46,11 +47,13 @@ class Ticket:
     def wait(self) -> None:
         """Block until the job's work is issued; re-raise what the job raised."""
         self._done.wait()
+        host_caught_up(self._at)
         if self.error is not None:
             raise RuntimeError(f"a staged copy failed: {self.error}") from self.error
 
     def _finish(self, error: BaseException | None = None) -> None:
         self.error = error
+        self._at = host_clock()
         self._done.set()
 
 
@@ -112,8 +115,12 @@ class Stager:
         if dst.numel() != src.numel():
             raise ValueError(f"staged copy of {src.numel()} bytes into {dst.numel()}")
         ticket = Ticket()
-        self._jobs.put((ticket, dst, src, bounce, after_free, prepare, ready, tag))
+        self._jobs.put((ticket, host_clock(), dst, src, bounce, after_free, prepare, ready, tag))
         return ticket
+
+    def record(self, recorder: CopyRecorder | None) -> None:
+        """Mark the copies issued from now on with ``recorder`` (None: no more marks)."""
+        self._recorder = recorder
 
     def close(self) -> None:
         """Let queued jobs finish, then stop the worker."""
@@ -127,8 +134,9 @@ class Stager:
             if job is None:
                 return
             ticket = job[0]
+            host_caught_up(job[1])
             try:
-                self._copy(*job[1:])
+                self._copy(*job[2:])
             except BaseException as e:  # reported to the thread that waits for this copy
                 ticket._finish(e)
             else:
@@ -145,10 +153,10 @@ class Stager:
                 self._pieces(dst, src)
             else:
                 self._ordering.copy(dst, src)
-            if recorder is not None:  # a worker's copy: compute waits for it only in wait_ready
-                recorder.copied(tag, start, recorder.mark(stream), dst.numel(), blocking=False)
             if prepare is not None:
                 prepare(dst)
+            if recorder is not None:  # a worker's copy: compute waits for it only in wait_ready
+                recorder.copied(tag, start, recorder.mark(stream), dst.numel(), blocking=False)
             if ready is not None:
                 ready.record(stream)
 

@@ -10,7 +10,8 @@ granularity a unit is a block.
 
 The layout holds while the blocks' tensor objects stay the ones it was made from
 (``is_current``); residency may be chosen again at any time the streamer is detached, since the
-packs do not depend on it.
+packs do not depend on it, and at a pass boundary while attached (``apply``: the planner's
+setting, with the device schedule made again around it).
 """
 
 from __future__ import annotations
@@ -57,7 +58,10 @@ class StreamPlan:
         self.blocks = blocks
         self.units = units
         self.granularity = granularity
-        self.settings = {"resident": resident, "vram_budget_bytes": vram_budget_bytes, "prefetch": prefetch}
+        # resident_units: the planner's choice of resident units, which stands for the two above;
+        # read_ahead: units the disk cache reads ahead (None: as many as it has readers).
+        self.settings = {"resident": resident, "vram_budget_bytes": vram_budget_bytes, "prefetch": prefetch,
+                         "resident_units": None, "read_ahead": None}
         self.lay_out()
 
     # ------------------------------------------------------------------ layout
@@ -113,14 +117,20 @@ class StreamPlan:
         """Resident and streamed units, and the slots streaming needs, from the settings."""
         sizes = [p.nbytes for p in self.packs]
         settings = self.settings
-        if self.granularity != "block" and settings["resident"] is not None:
+        rules = {k: settings[k] for k in ("resident", "vram_budget_bytes", "prefetch")}
+        if settings["resident_units"] is not None:
+            chosen = sorted(set(settings["resident_units"]))
+            if any(not 0 <= u < len(self.units) for u in chosen):
+                raise ValueError(f"resident units {chosen} are not units of this plan ({len(self.units)})")
+            self.resident_indices = chosen
+        elif self.granularity != "block" and settings["resident"] is not None:
             # A resident count is in blocks: every phase of the picked blocks stays.
             block_sizes = [sum(sizes[u] for u, unit in enumerate(self.units) if unit.block == b)
                            for b in range(len(self.blocks))]
-            blocks = set(plan_residency(block_sizes, self.shared.nbytes, **settings))
+            blocks = set(plan_residency(block_sizes, self.shared.nbytes, **rules))
             self.resident_indices = [u for u, unit in enumerate(self.units) if unit.block in blocks]
         else:
-            self.resident_indices = plan_residency(sizes, self.shared.nbytes, **settings)
+            self.resident_indices = plan_residency(sizes, self.shared.nbytes, **rules)
         res = set(self.resident_indices)
         self.streamed_indices: list[int] = [i for i in range(len(self.units)) if i not in res]
         self.pos = {b: j for j, b in enumerate(self.streamed_indices)}
@@ -129,8 +139,22 @@ class StreamPlan:
 
     def replan(self, *, resident: int | None, vram_budget_bytes: int | None) -> None:
         """Choose the resident units again; the old choice stands if the new settings are refused."""
+        self._settle(dict(self.settings, resident=resident, vram_budget_bytes=vram_budget_bytes,
+                          resident_units=None))
+
+    def apply(self, resident_units: Sequence[int], prefetch: int, read_ahead: int | None) -> None:
+        """The planner's setting: these units resident, ``prefetch`` units copied ahead, ``read_ahead``
+        read ahead from disk; the old settings stand if these are refused."""
+        self._settle(dict(self.settings, resident_units=tuple(resident_units), prefetch=prefetch,
+                          read_ahead=read_ahead))
+
+    def restore(self, settings: dict) -> None:
+        """Settings saved from ``settings`` earlier, as they were."""
+        self._settle(dict(settings))
+
+    def _settle(self, settings: dict) -> None:
         old = self.settings
-        self.settings = dict(old, resident=resident, vram_budget_bytes=vram_budget_bytes)
+        self.settings = settings
         try:
             self.place()
         except BaseException:

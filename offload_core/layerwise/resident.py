@@ -54,6 +54,7 @@ class ResidentUnits:
         """Copy each resident unit into a device buffer of its own, transform it, bind it there, and
         record the event compute waits for."""
         tel, disk, ordering, transform = self._telemetry, self._disk, self._ordering, self._transform
+        timeline = tel.timeline
         for index, p in self._units:
             if not p.entries:
                 continue
@@ -63,6 +64,10 @@ class ResidentUnits:
             tel.add_device_alloc(p.nbytes)
             if disk is not None:
                 disk.upload(index, p.nbytes, buf)
+            elif timeline is not None:  # the link's rate, for the planner
+                start = timeline.mark()
+                ordering.copy(buf, p.host)
+                timeline.uploaded(start, timeline.mark(), p.nbytes)
             else:
                 ordering.copy(buf, p.host)
             if transform is not None:  # queued behind the copy on the same stream

@@ -62,7 +62,8 @@ class DeviceSchedule:
         self._transform = transform
         self._disk = disk
         self._bounce = bounce
-        self._hooks: list[BlockHooks] = []
+        self._hooks: list[BlockHooks] = []  # the resident units' wait
+        self._streamed_hooks: list[BlockHooks] = []
         self._resident = ResidentUnits(plan, device, for_device(device), telemetry, transform, disk)
         self._window: StreamWindow | None = None
 
@@ -72,6 +73,7 @@ class DeviceSchedule:
         plan, tel, disk, resident = self._plan, self.telemetry, self._disk, self._resident
         resident.upload()
         tel.bound_bytes = plan.bound_bytes()
+        tel.peak_bound_bytes = max(tel.peak_bound_bytes, tel.bound_bytes)
         if resident.uploaded:  # without an upload, compute has nothing to wait for
             # Phases: a block's own tensors are resident, and it may read them before any phase.
             waits = [(i, plan.blocks[i]) for i in plan.resident_indices] if plan.granularity == "block" \
@@ -97,9 +99,9 @@ class DeviceSchedule:
 
     def stop(self) -> None:
         """Remove the hooks and close the slot ring (waiting for its copies)."""
-        for hooks in self._hooks:
+        for hooks in self._hooks + self._streamed_hooks:
             hooks.remove()
-        self._hooks = []
+        self._hooks, self._streamed_hooks = [], []
         if self._window is not None:
             self._window.close()
 
@@ -110,6 +112,19 @@ class DeviceSchedule:
             self._window = None
         self._transform = None
         self._resident.release()
+
+    def record(self, timeline: Timeline | None) -> None:
+        """Between two passes: record the next passes into ``timeline`` (None: stop recording). The
+        streamed hooks are installed again, with or without the marks; nothing else changes."""
+        self.telemetry.timeline = timeline
+        window = self._window
+        if window is None:
+            return
+        for hooks in self._streamed_hooks:
+            hooks.remove()
+        self._streamed_hooks = []
+        window.ring.record(timeline)
+        self._install_streamed_hooks(window)
 
     def in_flight_units(self) -> set[int]:
         """Streamed units that hold a slot now (copying, ready or running)."""
@@ -127,16 +142,16 @@ class DeviceSchedule:
         leave, block_enter, block_exit = (self._timed(h) for h in hooks[1:])
         eager = self._compiled
         if plan.granularity == "block":
-            self._hooks.append(
+            self._streamed_hooks.append(
                 BlockHooks([(i, plan.blocks[i]) for i in plan.streamed_indices], enter, leave, eager=eager)
             )
         else:
             # A phase starts when any module inside it is called and ends when the next one starts
             # or its block returns.
             members = [(i, m) for i in plan.streamed_indices for m in hooked_modules(plan.units[i])]
-            self._hooks.append(BlockHooks(members, enter, eager=eager))
+            self._streamed_hooks.append(BlockHooks(members, enter, eager=eager))
             streamed_blocks = sorted({plan.units[i].block for i in plan.streamed_indices})
-            self._hooks.append(BlockHooks([(b, plan.blocks[b]) for b in streamed_blocks],
+            self._streamed_hooks.append(BlockHooks([(b, plan.blocks[b]) for b in streamed_blocks],
                                           block_enter, block_exit, eager=eager))
 
     def _timed(self, hook: Callable[[int], None]) -> Callable[[int], None]:

@@ -11,36 +11,41 @@ A transform (a LoRA merge) never touches the host master: it rewrites the device
 copies, the resident buffers once per attach and each streamed block's slot right
 after its copy lands.  Host RAM is one copy of the weights with or without it.
 
-The streamer is the lifecycle (attach, detach, reclaim, close) over four collaborators with one
+The streamer is the lifecycle (attach, detach, reclaim, close) over five collaborators with one
 job each: the plan (plan.py: units, their layouts, residency), the pack store (pack_store.py:
 where the packs live between attaches, RAM or disk), the device schedule (schedule.py: one
 attach's device memory and hooks, over resident.py's resident units and window.py's hot path,
-including blocks that run out of order) and the figures (figures.py: states, sizes, counters).
+including blocks that run out of order), the figures (figures.py: states, sizes, counters) and,
+for settings left to ``"auto"``, the tuner (tuning.py: measure, plan, apply at a pass boundary,
+check, roll back; the schedule is made again around each new setting).
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
-from ..blocks.phases import Unit, stream_units
+from ..blocks.phases import stream_units
 from ..device.slots import resolve_device
 from ..device.telemetry import StallTimer, Telemetry
 from ..device.timeline import Timeline
-from ..disk.tier import DiskOptions
+from ..disk.tier import DiskOptions, DiskTier
 from ..host.packing import PackedBlock
 from ..host.pinned import DEFAULT_CHUNK_BYTES
 from ..host.shared_packing import HostShare
 from ..host.tensor_refs import tables_under
 from ..host.transform import Transform
 from ..ordering import for_device
-from . import figures
+from .figures import StreamerFigures
 from .pack_store import PackStore
+from .pipeline import Setting
 from .plan import StreamPlan, check_blocks
 from .schedule import DeviceSchedule
+from .tuning import AUTO, ScheduleLost, Tuner
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +59,29 @@ def _check_optional_int(name: str, value: object, minimum: int) -> None:
         raise ValueError(f"{name} must be None or an int >= {minimum}, got {value!r}")
 
 
-class LayerwiseStreamer:
+def _weak(method: Callable) -> Callable:
+    """``method`` of an object, called without keeping the object alive."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args, **kwargs):
+        bound = ref()
+        if bound is None:
+            raise RuntimeError("the streamer is gone")
+        return bound(*args, **kwargs)
+
+    return call
+
+
+def _start_read_ahead(disk: DiskTier | None) -> int:
+    """Units the disk cache reads ahead before any plan: the options' number; under auto one,
+    which leaves the most entries to keep units from step to step; else one per reader."""
+    if disk is None:
+        return 0
+    ahead = disk.options.read_ahead
+    return ahead if isinstance(ahead, int) else 1 if ahead == AUTO else disk.options.workers
+
+
+class LayerwiseStreamer(StreamerFigures):
     """Streams the weights of ``blocks`` (run in this order each pass) onto ``device``."""
 
     def __init__(
@@ -62,9 +89,9 @@ class LayerwiseStreamer:
         blocks: Sequence[nn.Module],
         device: torch.device | str,
         *,
-        resident: int | None = None,
+        resident: int | str | None = None,
         vram_budget_bytes: int | None = None,
-        prefetch: int = 1,
+        prefetch: int | str = 1,
         pin: bool = True,
         ram_budget_bytes: int | None = None,
         host_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -93,99 +120,19 @@ class LayerwiseStreamer:
                                 chunk_bytes=host_chunk_bytes, disk=disk, telemetry=self.telemetry,
                                 share=share)
         self._schedule: DeviceSchedule | None = None
+        self._schedule_args: tuple = ()
         self._timeline_wanted = False
         self._attached = False
         self._closed = False
-        self._plan = StreamPlan(blocks, units, granularity, resident=resident,
-                                vram_budget_bytes=vram_budget_bytes, prefetch=prefetch)
-
-    # ----------------------------------------------------------------- the plan
-    @property
-    def blocks(self) -> list[nn.Module]:
-        return self._plan.blocks
-
-    @property
-    def units(self) -> list[Unit]:
-        """The streamed units: the blocks, or each block's phases (``granularity``)."""
-        return self._plan.units
-
-    @property
-    def granularity(self) -> str:
-        return self._plan.granularity
-
-    @property
-    def resident_indices(self) -> list[int]:
-        return self._plan.resident_indices
-
-    @property
-    def streamed_indices(self) -> list[int]:
-        return self._plan.streamed_indices
-
-    def replan(self, *, resident: int | None = None, vram_budget_bytes: int | None = None) -> None:
-        """Choose the resident blocks again, e.g. from the device memory free when a run starts.
-
-        Only while detached. The packs do not depend on residency, so a kept pack stays valid.
-        """
-        if self._attached:
-            raise RuntimeError("replan() needs a detached streamer")
-        self._plan.replan(resident=resident, vram_budget_bytes=vram_budget_bytes)
-
-    def bound_range(self) -> tuple[int, int]:
-        """The bound with every block streamed (the least device memory streaming can work in)
-        and with every block resident (the most the engine can use)."""
-        return self._plan.bound_range()
-
-    @property
-    def packed_bytes(self) -> int:
-        """Bytes of the host master (all blocks plus shared tensors)."""
-        return self._plan.packed_bytes
-
-    def bound_bytes(self) -> int:
-        """Most weight bytes the settings ever place on the compute device: resident + slots."""
-        return self._plan.bound_bytes()
-
-    # ----------------------------------------------------------------- figures
-    def unit_states(self) -> list[str]:
-        """Per unit: 'resident' (on the device), 'in_flight' (in a device slot), 'cached' (in the
-        host cache), 'disk' (only on disk) or 'streamed' (in the host pack)."""
-        in_flight = self._schedule.in_flight_units() if self._attached else set()
-        return figures.unit_states(self._plan, self._store, in_flight)
-
-    def block_states(self) -> list[str]:
-        """Per block, the state of its units (``unit_states``); a block whose phases are in several
-        places shows the nearest to the device."""
-        return figures.block_states(self._plan, self.unit_states())
-
-    def describe_units(self) -> list[dict]:
-        """Each unit: its block, name and bytes."""
-        return figures.describe_units(self._plan)
-
-    def host_bytes(self) -> dict[str, int]:
-        """Host master size, the tensors in it without alignment padding, how much of it is
-        page-locked; with disk streaming, what the host cache holds and what lives on disk."""
-        return figures.host_bytes(self._plan, self._store)
-
-    def shows_kept_pack(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` shows this streamer's kept host pack while detached: another host master of
-        the same module need not copy it."""
-        return not self._attached and self._store.holds(t)
-
-    def host_store(self) -> dict | None:
-        """Whether the host pack is in a shared store, or why not (``PackStore.host_store``)."""
-        return self._store.host_store()
-
-    def disk_figures(self) -> dict | None:
-        """The disk tier's settings and sizes, None without one."""
-        disk = self._store.disk
-        return disk.figures() if disk is not None else None
-
-    def reset_figures(self) -> None:
-        """Zero the counters (the engine's and the disk tier's), e.g. at the start of a run."""
-        figures.reset(self.telemetry, self._store)
-
-    def figures(self, wait: bool = False) -> dict:
-        """The telemetry snapshot, with the disk tier's counters when there is one."""
-        return figures.snapshot(self.telemetry, self._store, wait)
+        auto = {"resident": resident == AUTO, "prefetch": prefetch == AUTO,
+                "read_ahead": disk is not None and disk.read_ahead == AUTO}
+        self._plan = StreamPlan(blocks, units, granularity, resident=None if auto["resident"] else resident,
+                                vram_budget_bytes=vram_budget_bytes,
+                                prefetch=1 if auto["prefetch"] else prefetch)  # auto: the least it may take
+        # With every setting fixed the tuner only says what auto would choose. It calls back through
+        # weak references: a streamer dropped is freed at once, with its pack (no cycle to collect).
+        self._tuner = Tuner(self._plan, self.device, auto, _weak(self._rebuild), _weak(self.describe_units),
+                            _weak(self._disk_rate))
 
     def record_timeline(self, on: bool) -> None:
         """Record (or stop recording) a picture of each pass: copies, waits, compute, disk reads.
@@ -197,10 +144,10 @@ class LayerwiseStreamer:
             raise ValueError(f"on must be a bool, got {on!r}")
         self._timeline_wanted = on
         if not on and not self._attached:
-            self._install_timeline()
+            self._install_timeline(False)
 
-    def _install_timeline(self) -> None:
-        timeline = Timeline(self.device, len(self.streamed_indices)) if self._timeline_wanted else None
+    def _install_timeline(self, record: bool) -> None:
+        timeline = Timeline(self.device, len(self.streamed_indices)) if record else None
         self.telemetry.timeline = timeline
         if self._store.disk is not None:
             self._store.disk.telemetry.timeline = timeline
@@ -210,15 +157,14 @@ class LayerwiseStreamer:
         None when nothing was recorded. Resolves CUDA events, waiting for them: call it after a
         run (or after ``detach``), never from inside a block."""
         timeline = self.telemetry.timeline
-        return timeline.last_pass(self.describe_units()) if timeline is not None else None
-
-    @property
-    def attached(self) -> bool:
-        return self._attached
+        if timeline is None or not self._timeline_wanted:  # the tuner's own recording is not shown
+            return None
+        return timeline.last_pass(self.describe_units())
 
     # ---------------------------------------------------------------- lifecycle
     def attach(self, transform: Transform | None = None,
-               progress: Callable[[int, int], None] | None = None, *, compiled: bool = False) -> None:
+               progress: Callable[[int, int], None] | None = None, *, compiled: bool = False,
+               root: nn.Module | None = None) -> None:
         """Pack (unless a kept pack is still valid), pin, upload residents, allocate slots, install hooks.
 
         ``transform(block_index, name, view)`` may rewrite a tensor, e.g. to merge a
@@ -231,13 +177,21 @@ class LayerwiseStreamer:
         packed, because packing and pinning a large model takes seconds. ``compiled``: torch.compile
         runs the model (or its blocks); the streamed units' hooks then stay outside compiled
         graphs, which costs a few microseconds per block call that an eager run does not pay. An
-        attach without it refuses a trace that reaches its hooks.
+        attach without it refuses a trace that reaches its hooks. ``root``: the module whose call
+        is one pass over the blocks (the model); with settings left to "auto", the tuner hooks its
+        calls to measure the passes and apply new settings between them.
         """
         if self._closed:
             raise RuntimeError("this streamer is closed")
         if self._attached:
             raise RuntimeError("already attached; call detach() first")
-        plan, store = self._plan, self._store
+        plan, store, tuner = self._plan, self._store, self._tuner
+        if tuner is not None:
+            disk = store.disk
+            start = tuner.attach_setting(plan.settings["vram_budget_bytes"], transform is not None,
+                                         disk.options.cap_bytes if disk else None, _start_read_ahead(disk))
+            if not compiled:  # under a compile the plan the caller checked it against stands
+                plan.apply(start.resident, start.prefetch, start.read_ahead or None)
         adopted = store.adopt(plan)  # a re-wrap of the same memory leaves the kept pack valid
         if adopted:
             log.info("%d block tensors were re-wrapped over the kept pack; it stays valid", adopted)
@@ -252,10 +206,12 @@ class LayerwiseStreamer:
             on_disk = store.disk_active()
             if not on_disk:
                 store.host.note_reader(self.device)
-            self._install_timeline()  # before the first copies, which the first pass waits for
-            self._schedule = DeviceSchedule(plan, self.device, self.telemetry, transform,
-                                            store.disk if on_disk else None, store.bounce, compiled)
-            self._schedule.start()
+            record = self._timeline_wanted
+            if tuner is not None:
+                telemetry = self.telemetry
+                record = tuner.start(root, lambda: telemetry.timeline, record, compiled)
+            self._schedule_args = (transform, compiled)
+            self._put_up(record)  # the timeline goes before the first copies, which the first pass waits for
         except BaseException:
             # A complete pack outlives a failed upload (out of device memory, a merge that
             # failed): the next attach needs no re-pack and no re-pin. A pack cut short is freed.
@@ -345,8 +301,64 @@ class LayerwiseStreamer:
         self.detach(keep_pack=False)
         self._closed = True
 
+    def _disk_rate(self) -> float | None:
+        """Bytes per ms the disk tier read at while reading, this run; None before a read."""
+        disk = self._store.disk
+        figures = disk.telemetry.snapshot() if disk is not None else {}
+        busy = figures.get("disk_read_busy_s")
+        return figures["disk_bytes_read"] / busy / 1000.0 if busy else None
+
+    def _put_up(self, record: bool) -> None:
+        """The device schedule of the plan's setting (and a picture of its passes with ``record``)."""
+        transform, compiled = self._schedule_args
+        store = self._store
+        self._install_timeline(record)
+        on_disk = store.disk_active()
+        self._schedule = DeviceSchedule(self._plan, self.device, self.telemetry, transform,
+                                        store.disk if on_disk else None, store.bounce, compiled)
+        self._schedule.start()
+
+    def _take_down(self) -> None:
+        """The device schedule goes, between two passes: no block runs and every copy has landed."""
+        schedule, self._schedule = self._schedule, None
+        if schedule is None:
+            return
+        schedule.stop()
+        self._ordering.synchronize()
+        for pack in self._plan.resident_packs():
+            pack.release()  # nothing may hold the resident buffers once they are given back
+        schedule.release()
+        self.telemetry.add_materialized(-self.telemetry.materialized_bytes)  # nothing is on the device
+
+    def _rebuild(self, setting: Setting | None, record: bool) -> None:
+        """At a pass boundary: the device schedule made again around ``setting`` (None: the same
+        one), recorded or not. If it cannot be made (out of memory), the old one is made again and
+        the error raised; if that fails too, ScheduleLost."""
+        if setting is None:  # only the picture starts or stops: the schedule stays
+            self._install_timeline(record)
+            self._schedule.record(self.telemetry.timeline)
+            return
+        plan = self._plan
+        old = dict(plan.settings)
+        self._take_down()
+        try:
+            plan.apply(setting.resident, setting.prefetch, setting.read_ahead or None)
+            self._store.fit_cache(plan)
+            self._put_up(record)
+        except BaseException:
+            self._take_down()
+            plan.restore(old)
+            try:
+                self._store.fit_cache(plan)
+                self._put_up(record)
+            except BaseException as again:
+                raise ScheduleLost(f"the streaming schedule could not be made again: {again}") from again
+            raise
+
     def _teardown(self, keep_pack: bool) -> None:
         """Undo attach from any partial state: hooks, device memory, bindings, and maybe the pack."""
+        if self._tuner is not None:
+            self._tuner.stop()
         schedule = self._schedule
         if schedule is not None:
             schedule.stop()
@@ -360,6 +372,7 @@ class LayerwiseStreamer:
             if schedule is not None:
                 schedule.release()
             self._schedule = None
+            self._schedule_args = ()  # the transform holds its model's patches: not past the attach
             self.telemetry.add_materialized(-self.telemetry.materialized_bytes)
             self._attached = False
         if not keep:

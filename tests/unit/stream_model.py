@@ -295,6 +295,18 @@ class StreamModel:
                 self._held = False
                 self._cond.notify_all()
 
+    # The host's clock (``offload_core.ordering.host_clock``): this model keeps real time; a timed
+    # one (timed_streams.py) keeps a virtual clock per thread.
+    host_clock = staticmethod(time.perf_counter)
+
+    def host_caught_up(self, stamp: float) -> None:
+        pass
+
+    def disk_read(self, read, store: DiskStore, i: int, dst: torch.Tensor, start: int, length: int | None) -> int:
+        """A disk read into ``dst``: a host write the model cannot see by itself."""
+        self.host_write(dst, "disk read in DiskStore.read")
+        return read(store, i, dst, start, length)
+
     def host_write(self, tensor: torch.Tensor, op: str) -> None:
         """The host wrote ``tensor`` outside torch (a disk read into a buffer)."""
         hit = self._lookup(tensor)
@@ -534,8 +546,7 @@ def installed(model: StreamModel, monkeypatch: pytest.MonkeyPatch) -> Iterator[S
     read_file = ModelFile.read
 
     def told_read(store: DiskStore, i: int, dst: torch.Tensor, start: int = 0, length: int | None = None) -> int:
-        model.host_write(dst, "disk read in DiskStore.read")
-        return read(store, i, dst, start, length)
+        return model.disk_read(read, store, i, dst, start, length)
 
     def told_read_file(file: ModelFile, plan, dst: torch.Tensor, runs=None) -> int:
         model.host_write(dst, "disk read in ModelFile.read")

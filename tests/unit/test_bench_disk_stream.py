@@ -2,7 +2,11 @@
 
 It checks that the benchmark runs, that its direct mode read the model's own file and wrote
 nothing while its spill mode wrote the blocks first, and that both matched the resident
-reference; it asserts no timing.
+reference; it asserts no timing. In its read-ahead comparison (cold passes through a cache of a
+few units, 1, 2 and 4 workers and auto), reading further ahead costs hits, auto's cache keeps as
+many units from step to step as any fixed setting that reads as far ahead or further, and the
+pipeline model's hit rate is the one measured: counters that the cache's order-only rule makes
+the same from run to run.
 """
 from __future__ import annotations
 
@@ -40,3 +44,14 @@ def test_disk_stream_smoke_writes_json(tmp_path):
     assert direct["attach_figures"]["file_units"] == data["spec"]["blocks"], direct
     assert spill["written_bytes_engine"] >= spill["streamed_bytes"], spill
     assert spill["attach_figures"]["file_units"] == 0, spill
+    ahead, name = data["read_ahead"]["settings"], "read-ahead"
+    assert set(ahead) == {"1", "2", "4", "auto"}, name
+    auto, tuning = ahead["auto"], ahead["auto"]["tuning"]
+    assert tuning["auto"] == ["read_ahead"] and tuning["phase"] == "hold", tuning
+    assert ahead["4"]["cache_hit_rate"] < ahead["1"]["cache_hit_rate"], (name, ahead)  # read-ahead takes hits
+    # Auto reads ahead as far as its plan needs (deeper where reads must start earlier to be
+    # hidden), and its cache keeps as much as any fixed setting that reads as far or further.
+    deeper = [ahead[k] for k in ("1", "2", "4") if int(k) >= auto["read_ahead"]]
+    assert auto["cache_hit_rate"] >= max(r["cache_hit_rate"] for r in deeper) - 0.05, (name, ahead)
+    assert tuning["hit_rate"] is not None and abs(tuning["hit_rate"] - auto["cache_hit_rate"]) <= 0.1, \
+        (name, tuning["hit_rate"], auto)  # the model's hit rate is the cache's

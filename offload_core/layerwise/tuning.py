@@ -1,0 +1,470 @@
+"""Measure, plan, apply, check, roll back: the streamer's settings left to ``auto``, at the passes
+of each run.
+
+Why at pass boundaries: a pass (one call of the model) is the unit the pipeline repeats, and
+between two calls no block runs, so the device schedule (resident buffers, slots, hooks) can be
+made again around a new setting with nothing bound to the old one. The tuner hooks the call of
+the model's root module (``attach(root=...)``) for that; without a root it only reports.
+
+Each run, per kind of pass (the shapes of the model's inputs, and whether a LoRA is merged:
+another resolution, batch or LoRA changes what a unit costs, so it is measured and planned
+apart):
+
+1. measure: the run's picture of a pass (device/timeline.py, recorded while the tuner needs it)
+   and the resident blocks' compute give each unit's costs (measure.py); the first pass of a run
+   or after a new setting is left out (first calls, and a pipeline that has not filled yet);
+2. plan: the fastest setting the pipeline model finds within the budgets (planner.py);
+3. apply it at the next boundary (the streamer makes its device schedule again); a setting that
+   does not fit the device (out of memory) is rolled back there and then;
+4. check: the next steady pass is held against the prediction; a pass slower than predicted (by
+   more than ``CHECK_TOLERANCE``) whose setting is slower than the one before is rolled back to
+   it, and that setting is not tried again for this kind of pass; slower than before is judged
+   in the conditions of the pass just measured (``_worse``: a busy host or a slower link slows
+   every setting, which no comparison with an earlier step can tell); a pass slower than
+   predicted but not slower than before is kept and measured again;
+5. hold: recording stops (unless the panel asks for the picture). The next run starts with the
+   held setting and checks it once more.
+
+Inputs whose kind changes from call to call (a cond and an uncond batch of other sizes) keep the
+run's setting after two changes: a schedule made again at every call would cost more than any
+plan saves. Within an attach a new setting takes no more device memory than the caller said the
+model holds (``run_cap``: ComfyUI counts the engine's bytes when it loads the model).
+
+Settings the user fixed are kept; the tuner still measures one pass of each kind and says what
+``auto`` would have chosen and what that would have saved. Whatever the setting, every block
+computes with the same weights, so results do not change with it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from ..device.residency import bound_bytes
+from ..device.timeline import Timeline
+from ..ordering import Event, for_device
+from .measure import PassMeter
+from .pipeline import DISK_STEADY, Costs, Setting, predict
+from .plan import StreamPlan
+from .planner import DEFAULT_PREFETCH, Choices, Plan, plan
+
+log = logging.getLogger(__name__)
+
+AUTO = "auto"  # a setting left to the tuner
+CHECK_TOLERANCE = 0.05  # a pass up to this much slower than predicted is as predicted
+WARMUP_PASSES = 1  # passes left out after an attach or a new setting before one is measured
+MAX_PLANS = 3  # plans per kind of pass and run: a model that keeps missing stops re-planning
+MAX_SWITCHES = 2  # changes of the kind of pass a run follows; more, and its setting stays
+MAX_MISSES = 4  # passes of a phase that could not be measured before the setting is held
+
+
+class ScheduleLost(RuntimeError):
+    """Neither the new setting's device schedule nor the old one could be made: the run cannot
+    go on (the streamer is left to detach)."""
+
+
+class Rebuild(Protocol):
+    """The streamer's side: make the device schedule again around ``setting`` (None: the same
+    setting, only recorded or not); raises, with the old schedule back, if it cannot."""
+
+    def __call__(self, setting: Setting | None, record: bool) -> None: ...
+
+
+@dataclass
+class _Kind:
+    """What the tuner knows of one kind of pass."""
+
+    costs: Costs | None = None
+    plan: Plan | None = None
+    held: Setting | None = None  # the setting checked and kept
+    predicted_ms: float | None = None  # the prediction for the setting in force
+    measured_ms: float | None = None  # the last steady pass measured
+    before: tuple[Setting, float] | None = None  # the setting a plan replaced, with its step
+    rejected: list[Setting] = field(default_factory=list)
+    advice: Plan | None = None  # with a setting fixed: what auto would choose
+    verdict: str = "measuring"
+    plans: int = 0
+
+
+def _short_of_memory(error: BaseException) -> bool:
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error)
+
+
+class Tuner:
+    """The settings of one streamer (``plan``) that ``auto`` leaves to it, applied through
+    ``rebuild``."""
+
+    def __init__(self, plan_: StreamPlan, device: torch.device, auto: dict[str, bool], rebuild: Rebuild,
+                 describe: Callable[[], list[dict]], disk_rate: Callable[[], float | None]) -> None:
+        self._plan = plan_
+        self._ordering = for_device(device)
+        self._auto = auto  # which of resident, prefetch, read_ahead are left to the tuner
+        self.choices = Choices()
+        self._rebuild = rebuild
+        self._describe = describe
+        self._meter = PassMeter(plan_, device, describe, disk_rate)
+        self._kinds: dict[tuple, _Kind] = {}
+        self._kind: tuple | None = None
+        self._last_kind: dict[bool, tuple] = {}  # with a LoRA or without: the kind of pass last seen
+        self._hook: RemovableHandle | None = None
+        self._phase = "off"
+        self._skip = 0
+        self._periods: list[float] = []  # the steps measured in this phase so far
+        self._misses = 0  # passes of this phase that could not be measured
+        self._recording = False
+        self._wanted_picture = False
+        self._transform = False
+        self._timeline: Callable[[], Timeline | None] = lambda: None
+        self.budget_bytes: int | None = None
+        self.run_cap: int | None = None  # device bytes this attach's later settings may take
+        self.disk_cap: int | None = None
+        self.default: Setting | None = None
+        self.events: list[dict] = []  # this run's plan changes
+        self.passes = 0
+        self._switches = 0  # changes of the kind of pass in this run
+
+    # ------------------------------------------------------------------ the streamer's calls
+    def current(self) -> Setting:
+        """The setting the plan holds now."""
+        p = self._plan
+        return Setting(tuple(p.resident_indices), p.settings["prefetch"], p.settings["read_ahead"] or 0)
+
+    def attach_setting(self, budget_bytes: int | None, transform: bool, disk_cap: int | None,
+                       disk_read_ahead: int) -> Setting:
+        """Before an attach: the run's budgets, the setting it would have without a plan (the user's
+        rules; for resident blocks left to auto, the most the budget holds) and what the planner
+        may change; returns the setting to start with (the last kind of pass's held one, if it fits)."""
+        self.budget_bytes, self._transform, self.disk_cap = budget_bytes, transform, disk_cap
+        self.run_cap = None
+        self.events = []
+        self.passes = 0
+        self._switches = 0
+        p, auto = self._plan, self._auto
+        fixed = None if auto["prefetch"] else p.settings["prefetch"]
+        rules = dict(p.settings)
+        if auto["resident"]:
+            rules.update(resident=None, vram_budget_bytes=budget_bytes, resident_units=None)
+        if auto["read_ahead"]:
+            rules.update(read_ahead=None)
+        for prefetch in ([fixed] if fixed else range(DEFAULT_PREFETCH, 0, -1)):
+            try:  # under auto, the engine's default prefetch, or less where the budget is too small
+                p.restore(dict(rules, prefetch=prefetch))
+                break
+            except ValueError:
+                if prefetch == 1 or fixed:
+                    raise
+        read_ahead = (p.settings["read_ahead"] or disk_read_ahead) if disk_cap else 0
+        self.default = Setting(tuple(p.resident_indices), prefetch, read_ahead)
+        self.choices = Choices(resident=None if auto["resident"] else self.default.resident,
+                               prefetch=None if auto["prefetch"] else prefetch,
+                               read_ahead=None if auto["read_ahead"] or not disk_cap else read_ahead)
+        # The kind of pass this run most likely makes: the last one with a LoRA, or without.
+        last = self._last_kind.get(transform)
+        kind = self._kinds.get(last) if last is not None else None
+        if kind is not None and kind.held is not None and self._fits(kind.held):
+            return kind.held
+        return self.default
+
+    def start(self, root: nn.Module | None, timeline: Callable[[], Timeline | None], wanted: bool,
+              compiled: bool) -> bool:
+        """After an attach: hook ``root``'s calls (not under torch.compile, which keeps its hooks
+        in compiled graphs). Returns whether the attach should record its passes from the start."""
+        self._timeline = timeline
+        self._wanted_picture = wanted
+        self._meter.forget()
+        if root is None or compiled:
+            self._phase = "off"
+            return wanted
+        self._hook = root.register_forward_pre_hook(self._boundary, with_kwargs=True, prepend=True)
+        self._phase = "new"
+        self._recording = True
+        self._meter.on()
+        return True
+
+    def stop(self) -> None:
+        """At detach: the hook and the resident blocks' timing go (the report keeps the last phase)."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self._meter.off()
+        self._recording = False
+
+    def rebuilt(self) -> None:
+        """The schedule was made again: the resident blocks' timing follows the new residents."""
+        if self._recording:
+            self._meter.off()
+            self._meter.on()
+
+    # ------------------------------------------------------------------ a boundary
+    def _boundary(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """The model's call starts: the pass before it has ended."""
+        if torch.compiler.is_compiling():
+            return
+        kind_key = (self._transform, _signature(args, kwargs))
+        if self._phase == "hold" and kind_key == self._kind:
+            self.passes += 1
+            self._meter.forget()  # holding: nothing to time, one check of the inputs per call
+            return
+        timeline = self._timeline()
+        previous, mark, complete = self._meter.pass_starts(timeline)
+        self.passes += 1
+        try:
+            self._step(kind_key, previous, mark, timeline, complete)
+        except ScheduleLost:
+            raise
+        except Exception:  # the plan is advice: a failure stops planning, never the run
+            log.exception("layerwise auto settings: planning failed; the run keeps its settings")
+            self.stop()
+            self._phase = "off"
+
+    def _step(self, key: tuple, previous: Event | None, mark: Event, timeline: Timeline | None,
+              complete: bool) -> None:
+        kind = self._kinds.setdefault(key, _Kind())
+        if key != self._kind or self._phase == "new":
+            switches, self._switches = self._switches, self._switches + (self._phase != "new")
+            self._kind = self._last_kind[self._transform] = key
+            if switches >= MAX_SWITCHES:
+                # Inputs that change from call to call (a cond and an uncond batch of other
+                # sizes): a setting made again at every call would cost more than any plan saves.
+                if self._phase != "hold":
+                    log.info("layerwise auto settings: the model's inputs change from call to call; "
+                             "the setting stays for the rest of the run")
+                self._enter("hold")
+                return
+            self._begin_kind(kind)
+            return
+        if self._phase == "hold":
+            return
+        if self._skip > 0:
+            self._skip -= 1
+            return
+        measured = self._meter.measure(previous, mark, timeline, complete, self.disk_cap, kind.costs)
+        if measured is None:  # the pass was not complete (a block skipped, a retry): the next one
+            self._misses += 1
+            if self._misses > MAX_MISSES:  # passes that skip blocks (a block cache): nothing to plan on
+                kind.verdict = "the model's passes do not run every block: the setting stays"
+                self._enter("hold")
+            return
+        costs, period = measured
+        self._periods.append(period)
+        if len(self._periods) < (DISK_STEADY if self.disk_cap else 1):
+            return  # from disk the cache's state repeats only every few passes: their mean counts
+        period = sum(self._periods) / len(self._periods)
+        self._periods = []
+        kind.measured_ms = period
+        if self._phase == "check":
+            self._check(kind, costs, period)
+        else:
+            kind.costs = costs
+            self._plan_kind(kind, period)
+
+    def _begin_kind(self, kind: _Kind) -> None:
+        """A run's first pass, or a kind of pass other than the last: start from what is known."""
+        current = self.current()
+        if kind.held is not None and self._fits(kind.held) and self.choices.free:
+            if kind.held != current and not self._apply(kind, kind.held, "the setting held for these inputs"):
+                self._enter("hold")
+                return
+            kind.predicted_ms = predict(kind.costs, kind.held).step_ms if kind.costs else kind.predicted_ms
+            self._enter("check")
+            return
+        self._enter("measure")
+
+    def _enter(self, phase: str) -> None:
+        self._phase = phase
+        self._skip = WARMUP_PASSES
+        self._periods = []
+        self._misses = 0
+        self._record(phase != "hold")
+
+    # ------------------------------------------------------------------ measure, plan, check
+    def _plan_kind(self, kind: _Kind, period: float) -> None:
+        current = self.current()
+        kind.plans += 1
+        kind.plan = plan(kind.costs, self.choices, self._budget(), current, kind.rejected)
+        if not all(self._auto.values()):  # what auto would choose, in the same device memory
+            budget = self.budget_bytes
+            if budget is None:
+                budget = predict(kind.costs, current).device_bytes
+            kind.advice = plan(kind.costs, Choices(), budget, None)
+        chosen = kind.plan.chosen
+        if chosen.setting == current or not self.choices.free or kind.plans > MAX_PLANS:
+            kind.held = current
+            kind.predicted_ms = predict(kind.costs, current).step_ms
+            kind.verdict = _verdict(kind.predicted_ms, period)
+            self._enter("hold")
+            return
+        kind.before = (current, period)
+        if not self._apply(kind, chosen.setting, kind.plan.reason):
+            kind.held = current
+            kind.predicted_ms = predict(kind.costs, current).step_ms
+            self._enter("hold")
+            return
+        kind.predicted_ms = chosen.prediction.step_ms
+        self._enter("check")
+
+    def _check(self, kind: _Kind, costs: Costs, period: float) -> None:
+        predicted = kind.predicted_ms or period
+        current = self.current()
+        if period <= predicted * (1 + CHECK_TOLERANCE):
+            kind.held, kind.costs = current, costs
+            kind.verdict = _verdict(predicted, period)
+            self._enter("hold")
+            return
+        before = kind.before
+        if before is not None and before[0] != current and _worse(costs, current, before, predicted, period):
+            kind.rejected.append(current)
+            kind.held = before[0]
+            kind.verdict = "slower than predicted, and than the setting before: rolled back"
+            self._apply(kind, before[0], "rolled back: slower than predicted")
+            kind.predicted_ms, kind.before = predict(costs, before[0]).step_ms, None
+            self._enter("hold")
+            return
+        kind.costs = costs  # slower than predicted, but no slower than before: measured again
+        self._plan_kind(kind, period)
+
+    # ------------------------------------------------------------------ applying
+    def _apply(self, kind: _Kind, setting: Setting, why: str) -> bool:
+        """Make ``setting`` the streamer's; False (the setting before kept) when the device is short
+        of memory for it."""
+        before = self.current()
+        try:
+            self._rebuild(setting, record=True)
+        except BaseException as e:
+            if not _short_of_memory(e):
+                raise
+            kind.rejected.append(setting)
+            kind.verdict = f"short of memory for the planned setting: rolled back ({e})"
+            self.events.append({"pass": self.passes, "from": before, "to": before, "why": kind.verdict})
+            log.warning("layerwise auto settings: %s", kind.verdict)
+            return False
+        self.rebuilt()
+        self._recording = True
+        self.events.append({"pass": self.passes, "from": before, "to": setting, "why": why})
+        log.info("layerwise auto settings: pass %d: %d resident units, prefetch %d%s (%s)", self.passes,
+                 len(setting.resident), setting.prefetch,
+                 f", read-ahead {setting.read_ahead}" if setting.read_ahead else "", why)
+        return True
+
+    def _budget(self) -> int | None:
+        """Device bytes a new setting may take now: the run's budget, and within an attach no more
+        than the caller said it would hold (``run_cap``)."""
+        caps = [c for c in (self.budget_bytes, self.run_cap) if c is not None]
+        return min(caps) if caps else None
+
+    def _fits(self, setting: Setting) -> bool:
+        budget = self._budget()
+        if budget is None:
+            return True
+        p = self._plan
+        sizes = [q.nbytes for q in p.packs]
+        return bound_bytes(sizes, setting.resident, p.shared.nbytes, setting.prefetch) <= budget
+
+    # ------------------------------------------------------------------ recording
+    def _record(self, on: bool) -> None:
+        on = on or self._wanted_picture
+        if on == self._recording:
+            if on:
+                self._meter.on()
+            return
+        self._rebuild(None, record=on)
+        self._recording = on
+        if on:
+            self._meter.on()
+        else:
+            self._meter.off()
+
+    # ------------------------------------------------------------------ the panel
+    def report(self) -> dict[str, Any] | None:
+        """What the tuner chose and why, for the panel (None before anything was measured)."""
+        return _report(self, self._kinds.get(self._kind) if self._kind is not None else None)
+
+def _report(tuner: Tuner, kind: _Kind | None) -> dict[str, Any] | None:
+    """``Tuner.report`` for ``kind``, the kind of pass last seen."""
+    if kind is None:
+        return None
+    costs = kind.costs
+    current = tuner.current()
+    out: dict[str, Any] = {
+        "auto": [k for k, on in tuner._auto.items() if on],
+        "phase": tuner._phase,
+        "setting": _setting_json(current, tuner._plan),
+        "predicted_ms": kind.predicted_ms,
+        "measured_ms": kind.measured_ms,
+        "verdict": kind.verdict,
+        "reason": kind.plan.reason if kind.plan is not None else None,
+        "budget_bytes": tuner.budget_bytes,
+        "passes": tuner.passes,
+        "changes": [{"pass": e["pass"], "from": _setting_json(e["from"], tuner._plan),
+                     "to": _setting_json(e["to"], tuner._plan), "why": e["why"]} for e in tuner.events],
+    }
+    if costs is not None:
+        now = predict(costs, current)
+        out.update(bound=now.bound, device_bytes=now.device_bytes, hit_rate=now.hit_rate)
+    if kind.advice is not None:
+        auto = kind.advice.chosen
+        out["auto_choice"] = _setting_json(auto.setting, tuner._plan)
+        out["auto_predicted_ms"] = auto.prediction.step_ms
+        out["auto_reason"] = kind.advice.reason
+        if costs is not None and auto.setting != current:
+            out["explicit_cost_ms"] = predict(costs, current).step_ms - auto.prediction.step_ms
+    return out
+
+
+def _worse(costs: Costs, current: Setting, before: tuple[Setting, float], predicted: float,
+           period: float) -> bool:
+    """Whether the setting in force is slower than the one before it, its pass having been
+    slower than predicted. Where the units themselves now cost more than when the plan was
+    made (the model predicts the slower pass from what was just measured: a busier host, a
+    slower link), both settings are judged by the model in these new conditions, since a step
+    measured before them says nothing of them. Where they do not (the model was wrong about
+    this setting), by the steps measured."""
+    now = predict(costs, current).step_ms
+    if now > predicted * (1 + CHECK_TOLERANCE):
+        return predict(costs, before[0]).step_ms * (1 + CHECK_TOLERANCE) < now
+    return period > before[1] * (1 + CHECK_TOLERANCE)
+
+
+def _verdict(predicted: float, measured: float) -> str:
+    """The measured step against the predicted one, in the panel's words (the panel shows both)."""
+    ratio = measured / predicted if predicted > 0 else 1.0
+    if ratio > 1 + CHECK_TOLERANCE:
+        return "slower than predicted"
+    if ratio < 1 - CHECK_TOLERANCE:
+        return "faster than predicted"
+    return "as predicted"
+
+
+def _setting_json(setting: Setting, p: StreamPlan) -> dict:
+    blocks = sorted({p.units[u].block for u in setting.resident})
+    return {"resident_blocks": blocks, "resident_units": len(setting.resident),
+            "prefetch": setting.prefetch, "read_ahead": setting.read_ahead}
+
+
+def _blocks(p: StreamPlan) -> list[list[int]]:
+    out: list[list[int]] = [[] for _ in p.blocks]
+    for u, unit in enumerate(p.units):
+        out[unit.block].append(u)
+    return out
+
+
+def _block_units(p: StreamPlan, blocks: list[int]) -> list[int]:
+    chosen = set(blocks)
+    return [u for u, unit in enumerate(p.units) if unit.block in chosen]
+
+
+def _signature(args: tuple, kwargs: dict) -> tuple:
+    """What sets a pass's cost among a call's inputs: the shapes and dtypes of its tensors."""
+    out = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            out.append((tuple(value.shape), str(value.dtype)))
+        elif isinstance(value, (list, tuple)):
+            out.extend((tuple(v.shape), str(v.dtype)) for v in value if isinstance(v, torch.Tensor))
+    return tuple(out)

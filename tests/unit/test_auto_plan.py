@@ -1,0 +1,243 @@
+"""The planner against the engine it plans for, on a timed simulation of a device (timed_streams.py:
+copies take their bytes over a link rate, compute takes given times, disk reads their bytes over a
+disk rate, all on a virtual clock, so no figure here depends on how busy the machine is).
+
+For each shape that matters (link-bound, compute-bound, a few heavy blocks among light ones as in
+Flux's double and single blocks, disk-bound through a small cache) a run with every setting left
+to auto is held to:
+- every setting the planner weighs, run one by one (the exhaustive search): the plan's step is
+  within 3% of the best of them, and never slower than the setting the run would have had
+  without a plan (today's: as many resident blocks as the budget holds, prefetch 2);
+- its own prediction: within 5% of the step it measured;
+- core's full load: the output is the one of every block resident, bit for bit.
+And a plan whose pass is slower than predicted is rolled back; one that runs out of device memory
+is rolled back where it is applied.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from sim_shapes import KiB, Shape, run
+from stream_model import installed
+from toy_models import ToyDiT, inputs
+
+from offload_core.device.residency import bound_bytes
+from offload_core.layerwise.streamer import LayerwiseStreamer
+from offload_core.layerwise.pipeline import Costs, DiskCosts, Setting
+from offload_core.layerwise.planner import DEFAULT_PREFETCH, Choices, candidates
+
+ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts" / "unit-auto-plan"
+L = 64 * KiB
+PASSES = 20  # the tuner measures call 1 (from disk 1 to 4), applies before the next, checks after
+# one more; the rest are steady
+STEADY = 8  # passes a step is the mean of (from disk the cache's state repeats every few passes)
+
+SHAPES = [
+    # 10 equal blocks, a copy takes twice a block's compute: the budget decides.
+    Shape("link-bound", (L,) * 10, (1.0,) * 10, 0.6, L / 2.0, budget=6 * L + 64),
+    # a copy takes a third of a block's compute: nothing needs to stay.
+    Shape("compute-bound", (L,) * 10, (1.5,) * 10, 0.6, L / 0.5, budget=11 * L),
+    # Flux: 3 double blocks three times the size and compute of 7 single blocks; keeping the
+    # large ones shrinks the slots too.
+    Shape("heavy-and-light", (3 * L,) * 3 + (L,) * 7, (2.5,) * 3 + (0.9,) * 7, 0.6, L / 1.5,
+          budget=13 * L + 64),
+    # a read takes three blocks' compute, and the RAM cache holds 5 of the 8 blocks.
+    Shape("disk-bound", (L,) * 8, (1.0,) * 8, 0.6, L / 0.5, budget=3 * L, disk_rate=L / 3.0,
+          cache_bytes=5 * (L + 4096)),
+]
+
+
+@pytest.fixture
+def spill_dir(request):
+    path = ARTIFACTS / request.node.name.replace("[", "-").replace("]", "")
+    path.mkdir(parents=True, exist_ok=True)
+    yield str(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _settings(shape: Shape) -> list[Setting]:
+    """Every setting the planner weighs for ``shape`` within its budget."""
+    n = len(shape.sizes)
+    disk = DiskCosts(1.0, shape.cache_bytes) if shape.disk_rate else None
+    sizes = tuple(shape.sizes)
+    costs = Costs((1.0,) * n, (1.0,) * n, sizes, tuple(range(n)), 0, 0.0, True, disk)
+    return [s for s in candidates(costs, Choices())
+            if bound_bytes(list(sizes), s.resident, 0, s.prefetch) <= shape.budget]
+
+
+def _default(shape: Shape) -> Setting:
+    """Today's default: the most resident blocks the budget holds at prefetch 2, one unit read
+    ahead per disk reader."""
+    from offload_core.device.residency import plan_residency
+    resident = plan_residency(list(shape.sizes), 0, resident=None, vram_budget_bytes=shape.budget,
+                              prefetch=DEFAULT_PREFETCH)
+    return Setting(tuple(resident), DEFAULT_PREFETCH, 2 if shape.disk_rate else 0)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
+def test_the_plan_is_the_best_setting_and_as_fast_as_predicted(shape, spill_dir, monkeypatch):
+    clock = shape.clock()
+    with installed(clock, monkeypatch):
+        stack = shape.build(clock)
+        reference = run(shape, clock, stack, 1, setting=Setting(tuple(range(len(shape.sizes))), 1, 0))
+        auto = run(shape, clock, stack, PASSES, auto=True, spill_dir=spill_dir)
+        steps = {s: run(shape, clock, stack, STEADY + 3, setting=s, spill_dir=spill_dir).steady(STEADY)
+                 for s in _settings(shape)}
+        default = _default(shape)
+        default_step = steps.get(default) or run(shape, clock, stack, STEADY + 3, setting=default,
+                                                 spill_dir=spill_dir).steady(STEADY)
+    assert not clock.violations, clock.violations
+    tuning = auto.tuning
+    step = auto.steady(STEADY)
+    best = min(steps.values())
+    chosen = tuning["setting"]
+    report = (f"{shape.name}: auto {step:.3f} ms with {chosen} (predicted {tuning['predicted_ms']:.3f}, "
+              f"{tuning['verdict']}; {tuning['reason']}), best {best:.3f} ms with "
+              f"{min(steps, key=steps.get)}, default {default_step:.3f} ms; {len(steps)} settings")
+    print(report)
+    assert torch.equal(auto.output, reference.output), report
+    assert tuning["phase"] == "hold" and len(tuning["changes"]) <= 2, report
+    planned = Setting(tuple(u for b in chosen["resident_blocks"] for u in [b]), chosen["prefetch"],
+                      chosen["read_ahead"])
+    # The planned setting, as the exhaustive search ran it, against the best it found and the default.
+    assert steps[planned] <= best * 1.03, report
+    assert steps[planned] <= default_step * 1.005, report
+    if shape.disk_rate is None:  # from RAM the clock gives each setting one step, run after run
+        assert step <= best * 1.03 and step <= default_step * 1.005, report
+    assert abs(tuning["predicted_ms"] - step) <= 0.05 * step, report
+
+
+def test_a_fixed_setting_is_kept_and_auto_says_what_it_would_save(monkeypatch):
+    """Every setting fixed (here today's default on the link-bound shape): nothing changes, and
+    the report names what auto would choose in the same device memory and the step it saves."""
+    shape = SHAPES[0]
+    clock = shape.clock()
+    with installed(clock, monkeypatch):
+        stack = shape.build(clock)
+        fixed = run(shape, clock, stack, 6, setting=_default(shape), advise=True)
+    tuning = fixed.tuning
+    assert tuning["auto"] == [] and tuning["changes"] == [] and tuning["phase"] == "hold", tuning
+    assert tuning["setting"]["resident_blocks"] == list(_default(shape).resident), tuning
+    assert tuning["auto_choice"] != tuning["setting"], tuning
+    assert tuning["explicit_cost_ms"] == pytest.approx(fixed.steady(2) - tuning["auto_predicted_ms"], rel=0.05)
+    assert tuning["explicit_cost_ms"] > 0
+
+
+def test_a_larger_input_is_measured_and_planned_apart(monkeypatch):
+    """The link-bound shape, whose blocks then get inputs four times as large (as from a larger
+    latent): compute then hides the copies, so the plan for the new inputs keeps fewer blocks
+    resident; the first inputs, coming back, get their own plan again at once."""
+    shape = SHAPES[0]
+    clock = shape.clock()
+    small, large = torch.zeros(4), torch.zeros(16)
+
+    def inputs(k: int) -> torch.Tensor:
+        return large if 10 <= k < 20 else small
+
+    with installed(clock, monkeypatch):
+        stack = shape.build(clock)
+        auto = run(shape, clock, stack, 24, auto=True, inputs=inputs)
+    changes = auto.tuning["changes"]
+    first = [c for c in changes if c["pass"] <= 10]
+    larger = [c for c in changes if 10 < c["pass"] <= 20]
+    back = [c for c in changes if c["pass"] > 20]
+    assert first and larger and back, changes
+    assert len(larger[-1]["to"]["resident_blocks"]) < len(first[-1]["to"]["resident_blocks"]), changes
+    assert back[0]["pass"] == 21 and back[0]["to"] == first[-1]["to"], changes  # held: no new measuring
+    assert "held" in back[0]["why"], changes
+
+
+def test_inputs_that_change_at_every_call_keep_the_setting(monkeypatch):
+    """A cond and an uncond batch of other sizes, call after call: after two changes of the kind
+    of pass the setting stays, rather than being made again at every call."""
+    shape = SHAPES[0]
+    clock = shape.clock()
+    small, large = torch.zeros(4), torch.zeros(16)
+    alternating = lambda k: large if k % 2 else small  # noqa: E731
+    with installed(clock, monkeypatch):
+        stack = shape.build(clock)
+        reference = run(shape, clock, stack, 16, setting=Setting(tuple(range(len(shape.sizes))), 1, 0),
+                        inputs=alternating)
+        auto = run(shape, clock, stack, 16, auto=True, inputs=alternating)
+    assert auto.tuning["phase"] == "hold" and len(auto.tuning["changes"]) <= 2, auto.tuning
+    assert torch.equal(auto.output, reference.output)
+
+
+def test_passes_that_skip_a_block_keep_the_setting():
+    """A block cache that skips a block in every pass (on the plain CPU): no pass can be measured
+    whole, so after a few the setting stays, said so, and every pass computes as without it."""
+    model = ToyDiT(depth=4)
+    x, t = inputs()
+    order = [0, 1, 3]
+    with torch.no_grad():
+        reference = [model(x, t, order) for _ in range(10)]
+    streamer = LayerwiseStreamer(model.blocks, "cpu", resident="auto", prefetch="auto", vram_budget_bytes=None)
+    try:
+        streamer.attach(root=model)
+        with torch.no_grad():
+            outs = [model(x, t, order) for _ in range(10)]
+        streamer.detach()
+        tuning = streamer.tuning()
+    finally:
+        streamer.close()
+    assert all(torch.equal(a, b) for a, b in zip(reference, outs))
+    assert tuning["phase"] == "hold" and "do not run every block" in tuning["verdict"], tuning
+    assert tuning["changes"] == [], tuning
+
+
+def test_a_plan_slower_than_predicted_is_rolled_back(monkeypatch):
+    """On the compute-bound shape the plan streams every block, its copies hidden behind compute;
+    once it is applied the link slows to a fifth, so its checked pass is slower than predicted, and
+    in these conditions the setting before (every block resident) is the faster one: it comes
+    back, and the plan is not tried again."""
+    shape = SHAPES[1]
+    clock = shape.clock()
+
+    def slow_link(k: int) -> None:
+        if k == 2:  # the call the plan is applied at (its third: one left out, one measured)
+            clock.link = shape.link / 5
+
+    with installed(clock, monkeypatch):
+        stack = shape.build(clock)
+        reference = run(shape, clock, stack, 1, setting=Setting(tuple(range(len(shape.sizes))), 1, 0))
+        auto = run(shape, clock, stack, 10, auto=True, on_pass=slow_link)
+    changes = auto.tuning["changes"]
+    assert len(changes) == 2, changes
+    planned, back = changes
+    assert planned["to"] != planned["from"] and back["to"] == planned["from"], changes
+    assert "rolled back" in back["why"] and "rolled back" in auto.tuning["verdict"], auto.tuning
+    assert auto.tuning["setting"] == planned["from"] and auto.tuning["phase"] == "hold"
+    assert torch.equal(auto.output, reference.output)
+
+
+def test_a_plan_short_of_memory_is_rolled_back_where_it_is_applied(monkeypatch):
+    """The device refuses the planned setting's buffers: the setting before stays, the run goes on
+    with the same output, and the verdict says why."""
+    shape = SHAPES[0]
+    clock = shape.clock()
+    buffer = clock.buffer
+    refuse = {"armed": False}
+
+    def short_buffer(nbytes: int, label: str) -> torch.Tensor:
+        if refuse["armed"] and label.startswith("resident"):
+            refuse["armed"] = False  # the first one the plan asks for; the old setting's come back
+            raise torch.OutOfMemoryError("out of memory (refused by the test)")
+        return buffer(nbytes, label)
+
+    def refuse_from(k: int) -> None:
+        if k == 2:  # the call the plan is applied at (its third: one left out, one measured)
+            refuse["armed"] = True
+
+    monkeypatch.setattr(clock, "buffer", short_buffer)
+    with installed(clock, monkeypatch):
+        stack = shape.build(clock)
+        reference = run(shape, clock, stack, 1, setting=Setting(tuple(range(len(shape.sizes))), 1, 0))
+        auto = run(shape, clock, stack, 8, auto=True, on_pass=refuse_from)
+    tuning = auto.tuning
+    assert "short of memory" in tuning["verdict"], tuning
+    assert tuning["changes"] and tuning["changes"][-1]["to"] == tuning["changes"][-1]["from"], tuning
+    assert torch.equal(auto.output, reference.output)

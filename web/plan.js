@@ -1,0 +1,55 @@
+// The auto settings' section of a layerwise card (offload_core/layerwise/tuning.py's report): the
+// setting the run streams with, why (the engine's reason), what the pipeline model predicted
+// against what the run measured, and the plan's changes in this run. For a setting fixed on the
+// node, what auto would have chosen and what that would save. The reason and the verdict are the
+// server's (English) words, as the Dynamic VRAM order's message is.
+
+import { tr } from "./i18n.js";
+import { esc, num } from "./html.js";
+import { ms } from "./timeline.js";
+
+const msText = (v) => tr("timeline.msValue", { value: ms(v) });
+
+function settingText(s, blocks) {
+  if (!s) return "";
+  const parts = [
+    tr("plan.resident", { n: (s.resident_blocks ?? []).length, blocks }),
+    tr("plan.prefetch", { n: num(s.prefetch) }),
+  ];
+  if (num(s.read_ahead) > 0) parts.push(tr("plan.readAhead", { n: num(s.read_ahead) }));
+  return parts.join(" · ");
+}
+
+// `lw`: the layerwise report; nothing without a tuning report (nothing measured yet).
+export function planHtml(lw) {
+  const t = lw?.tuning;
+  if (!t || typeof t !== "object") return "";
+  const blocks = num(lw.blocks);
+  const auto = Array.isArray(lw.auto_settings) ? lw.auto_settings : [];
+  const fixed = auto.length === 0;
+  const measured = typeof t.measured_ms === "number" ? msText(t.measured_ms) : null;
+  const predicted = typeof t.predicted_ms === "number" ? msText(t.predicted_ms) : null;
+  const changes = Array.isArray(t.changes) ? t.changes : [];
+  const rows = [
+    `<div class="to-lw-head"><b>${esc(tr(fixed ? "plan.headFixed" : "plan.head"))}</b>
+      <span class="to-muted" data-role="plan-setting">${esc(settingText(t.setting, blocks))}</span></div>`,
+  ];
+  if (!fixed && t.reason) rows.push(`<div data-role="plan-reason">${esc(t.reason)}</div>`);
+  if (predicted && measured) {
+    rows.push(`<div class="to-muted" data-role="plan-check">${esc(tr("plan.check", { predicted, measured }))}
+      <span data-role="plan-verdict">${esc(t.verdict ?? "")}</span></div>`);
+  } else if (t.phase === "measure" || t.phase === "new") {
+    rows.push(`<div class="to-muted" data-role="plan-check">${esc(tr("plan.measuring"))}</div>`);
+  }
+  if (typeof t.explicit_cost_ms === "number" && t.auto_choice && Math.abs(t.explicit_cost_ms) > 0) {
+    rows.push(`<div class="to-muted" data-role="plan-explicit">${esc(tr("plan.autoWould", {
+      setting: settingText(t.auto_choice, blocks), ms: msText(Math.abs(t.explicit_cost_ms)),
+      how: tr(t.explicit_cost_ms > 0 ? "plan.faster" : "plan.slower") }))}</div>`);
+  }
+  if (changes.length) {
+    const last = changes[changes.length - 1];
+    rows.push(`<div class="to-muted" data-role="plan-changes" data-changes="${changes.length}">${esc(tr("plan.changes", {
+      n: changes.length, pass: num(last.pass), setting: settingText(last.to, blocks) }))}</div>`);
+  }
+  return `<div class="to-plan" data-role="lw-plan" data-phase="${esc(t.phase ?? "")}">${rows.join("")}</div>`;
+}
