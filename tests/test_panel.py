@@ -711,7 +711,7 @@ def test_nothing_on_the_panel_overflows_at_three_widths(comfy, ui):
     finally:
         set_width(page, 1400, 1000, None)
         if page.locator("#tiered-offload-timeline").count():
-            page.evaluate(f"app.extensionManager.command.execute('Workspace.ToggleBottomPanelTab.tiered-offload-timeline')")
+            page.evaluate("app.extensionManager.command.execute('Workspace.ToggleBottomPanelTab.tiered-offload-timeline')")
 
 
 def test_closed_tab_does_no_dom_work(comfy, ui):

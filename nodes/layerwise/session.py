@@ -30,25 +30,17 @@ from typing import Any
 
 import torch
 
-import comfy.model_management
 import comfy.utils
 
 from ...offload_core.blocks.discovery import find_blocks
 from ...offload_core.device.telemetry import overlap_efficiency
 from ...offload_core.disk.host_cache import CacheTooSmallError
 from ...offload_core.disk.model_file import ModelFileChanged
-from ...offload_core.disk.tier import DiskOptions
-from ...offload_core.disk.model_file import ModelFileMap
-from ...offload_core.host.released import released
-from ...offload_core.host.shared_packing import HostShare
 from ...offload_core.layerwise.streamer import LayerwiseStreamer
-from ...offload_core.layerwise.tuning import AUTO
-from ...offload_core.units import size_text
 from ..core import host_moves, host_sharing
 from ..core.state import LAYERWISE, LAYERWISE_KEY
-from . import (block_budget, comfy_weights, compile_policy, compiled_models, core_loads, dynamic_vram,
-               granularity, model_file, spill_folder)
-from .settings import AUTO_DISK_WORKERS, GIB, LayerwiseSettings
+from . import block_budget, comfy_weights, compile_policy, compiled_models, dynamic_vram, engine_setup, granularity
+from .settings import LayerwiseSettings
 
 log = logging.getLogger(__name__)
 
@@ -70,35 +62,15 @@ class LayerwiseSession:
                 f"Apply Layerwise Offload: resident_blocks={settings.resident_blocks}, but "
                 f"{self.model_class} has {len(self.blocks)} blocks; use at most "
                 f"{len(self.blocks)}, or -1 to derive it from vram_budget_gb")
-        # What the blocks weigh in core's own count of the model, and what the rest weighs;
-        # tensors an earlier engine left in the model's file count with what they hold there.
-        held_in_file = sum(note.nbytes for b in self.blocks for t in [*b.parameters(), *b.buffers()]
-                           if (note := released(t)) is not None)
-        self.block_bytes = sum(comfy.model_management.module_size(b) for b in self.blocks) + held_in_file
-        self.rest_bytes = max(0, comfy.model_management.module_size(patcher.model) + held_in_file
-                              - self.block_bytes)
+        self.block_bytes, self.rest_bytes = engine_setup.weights(patcher.model, self.blocks)
         self.device = patcher.load_device
         self.settings = settings
-        # One host copy per machine: the pack maps the store of this file's blocks that another
-        # ComfyUI process made, or makes it for them (core/host_sharing.py).
-        # Disk streaming reads the model's own file (or a spill file), not a store: nothing to
-        # share, nothing to refuse.
-        spill_dir = spill_folder.spill_folder(settings.spill_dir) if settings.spill_dir.strip() else None
-        self.share, self.share_why = (None, "the blocks stream from disk") if settings.host_cache_gb > 0 \
-            else host_sharing.share_for(patcher.model, settings.share_host_memory, spill_dir=spill_dir)
-        self.model_file = self._find_model_file(settings, workflow_path)
+        self.share, self.share_why = engine_setup.host_share(patcher.model, settings)
+        self.model_file = engine_setup.find_model_file(settings, self.blocks, self.prefixes, workflow_path,
+                                                       self.model_class)
         self.granularity, self.granularity_why = granularity.choose(self.blocks, settings)
         self.streamer = self._make_streamer()
-        least, _ = self.streamer.bound_range()
-        requested = settings.requested_budget
-        if settings.resident_blocks < 0 and requested is not None and requested < least:
-            slots = "2 slots, at prefetch 1," if settings.auto_prefetch else \
-                f"prefetch + 1 = {settings.prefetch + 1} slots"
-            raise ValueError(
-                f"Apply Layerwise Offload: vram_budget_gb={settings.vram_budget_gb:g} GiB is too "
-                f"small for {self.model_class}: streaming every block needs {size_text(least)} "
-                f"({slots} of its largest block), and the budget leaves {size_text(requested)} "
-                "for them. Raise vram_budget_gb, lower prefetch, or set 0 for auto.")
+        engine_setup.refuse_budget_below_streaming(settings, self.streamer.bound_range()[0], self.model_class)
         self.module_id = id(diffusion_model)
         self.accounted_bytes = 0
         self.budget_bytes: int | None = None
@@ -120,17 +92,9 @@ class LayerwiseSession:
         for module in self._watched():
             host_moves.watch(module, LAYERWISE_KEY, self._reclaim_before_host_move)
 
-    def _find_model_file(self, settings: LayerwiseSettings, workflow_path: str | None) -> ModelFileMap | None:
-        """Where disk streaming reads the blocks: the model's own file where it serves
-        (model_file.py finds it; core_loads.py reads the blocks back before core runs the model
-        itself), else None (the spill file)."""
-        if settings.host_cache_gb <= 0 or not core_loads.installed():
-            return None
-        return model_file.find(self.blocks, self.prefixes, workflow_path, self.model_class)
-
     def _make_streamer(self) -> LayerwiseStreamer:
-        return make_streamer(self.blocks, self.device, self.settings, self.granularity, self.share,
-                             self.model_file)
+        return engine_setup.make_streamer(self.blocks, self.device, self.settings, self.granularity,
+                                          self.share, self.model_file)
 
     def begin(self, patcher, noise_shape=None, conds=None, model_options=None,
               choice: compile_policy.NodeChoice = compile_policy.NodeChoice()) -> None:
@@ -257,7 +221,7 @@ class LayerwiseSession:
                 self.last_run = run_figures(self.streamer.figures(wait=True),
                                             time.perf_counter() - self.started,
                                             self.attach_seconds, self.device)
-                self.last_timeline = self._timeline()
+                self.last_timeline = engine_setup.run_timeline(self.streamer, self.model_class)
                 self.runs += 1
                 self.finished_at = time.time()
         finally:
@@ -297,17 +261,6 @@ class LayerwiseSession:
         if count:
             log.info("Apply Layerwise Offload: %d units of %s read back from the model file for a run "
                      "without the node", count, self.model_class)
-
-    def _timeline(self) -> dict[str, Any] | None:
-        """The run's picture, None unless it was recorded. A picture that cannot be resolved (a
-        CUDA event the device refuses to time) is logged and left out: it must never fail the
-        prompt, nor keep the model from going back to core."""
-        try:
-            return self.streamer.timeline()
-        except RuntimeError as e:
-            log.warning("Apply Layerwise Offload: the picture of %s's last run is left out: %s",
-                        self.model_class, e)
-            return None
 
     def _watched(self) -> list[torch.nn.Module]:
         """The modules whose own `.to()` core calls: the model's root (while it lives), and any
@@ -383,24 +336,6 @@ class LayerwiseSession:
     def disk_bytes(self) -> int:
         """Bytes of the model's blocks that are only on disk now (disk streaming), else 0."""
         return self.streamer.host_bytes().get("disk", 0)
-
-
-def make_streamer(blocks, device: torch.device, settings: LayerwiseSettings, granularity_: str,
-                  share: HostShare | None = None, model_file_: ModelFileMap | None = None) -> LayerwiseStreamer:
-    """The engine for the node's settings at ``granularity_``; settings left to auto go to its
-    tuner, and under auto the disk tier's readers read as far ahead as the tuner says. Disk
-    streaming reads ``model_file_`` where it serves, else a spill file."""
-    disk = None
-    if settings.host_cache_gb > 0:
-        auto = settings.auto_read_ahead
-        disk = DiskOptions(cap_bytes=int(settings.host_cache_gb * GIB),
-                           workers=AUTO_DISK_WORKERS if auto else settings.disk_workers,
-                           spill_dir=spill_folder.spill_folder(settings.spill_dir),
-                           model_file=model_file_, read_ahead=AUTO if auto else None)
-    return LayerwiseStreamer(list(blocks), device,
-                             resident=settings.resident_blocks if settings.resident_blocks >= 0 else AUTO,
-                             prefetch=AUTO if settings.auto_prefetch else settings.prefetch,
-                             pin=settings.pin, granularity=granularity_, disk=disk, share=share)
 
 
 def run_figures(snapshot: dict[str, Any], seconds: float, attach_seconds: float,
