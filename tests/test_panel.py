@@ -115,6 +115,14 @@ class PanelPage:
     def open_tab(self) -> None:
         open_offload_tab(self.page)
 
+    def show_open_panel(self, comfy) -> None:
+        """Open the tab (a no-op when it is open) and wait until it shows the server's figures and
+        holds the recording lease: a run after this reaches the panel by the websocket and is
+        recorded, whether or not an earlier test opened the tab."""
+        self.open_tab()
+        self.page.wait_for_selector('#tiered-offload-panel [data-dev="ram"]', timeout=20_000)
+        wait_until(lambda: comfy.get("/api/offload/timeline")["recording"], 20.0, "the panel's recording lease")
+
     def row(self, model_id: str):
         return self.page.locator(f'#tiered-offload-panel [data-model-id="{css_attr(model_id)}"]')
 
@@ -279,6 +287,7 @@ def test_every_figure_is_in_binary_units(ui):
 def test_demo_models_are_listed_with_core_loaders(comfy, ui):
     """The demo loads with core's UNETLoader and CLIPLoader: both models get a card, the streamed
     one with its strip, a legend for it and the run's figures, and all figures add up."""
+    ui.show_open_panel(comfy)   # the cards must reach an open panel, whichever test ran before
     gets = ui.tier_gets()
     comfy.run(example_workflows.demo())
     dit, clip = demo_dit(comfy), loaded_card(comfy, "SD1ClipModel")
