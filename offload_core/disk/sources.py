@@ -37,7 +37,7 @@ from ..host.tensor_refs import tensor_refs
 from ..units import size_text
 from .model_file import FileSlice, ModelFile, ModelFileChanged, ModelFileMap, Piece, Run, UnitRead, plan_read
 from .raw_io import PAGE, align_up, raw_bytes
-from .store import DiskStore
+from .store import SPILL_ALIGN, DiskStore
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +197,7 @@ class DiskSources:
         (also when a write or the progress callback raises); returns how many packs were placed."""
         spilled = {i: p for i, p in self._packs.items() if self._units[i].kind == SPILL}
         largest = align_up(max((p.nbytes for p in spilled.values()), default=0), PAGE)
+        self.spill.planned_bytes = sum(align_up(p.nbytes, SPILL_ALIGN) for p in spilled.values())
         scratch = HostStorage([largest], pin=False, ram_budget_bytes=0)
         written: dict[int, PackedBlock] = {}
         try:

@@ -38,6 +38,11 @@ log = logging.getLogger(__name__)
 SPILL_ALIGN = 64 << 10  # a multiple of PAGE and of Windows' mmap granularity
 
 
+class SpillWriteError(OSError):
+    """The spill file could not take a unit (a full disk, a quota, a file size limit): the message
+    names the folder and what the engine needs there, since the OS's own words name neither."""
+
+
 class _Source:
     """The spill file: a buffered descriptor, a direct one where allowed."""
 
@@ -113,6 +118,7 @@ class DiskStore:
         self._lock = threading.Lock()  # late spills come from reader threads
         self._written = 0
         self._closed = False
+        self.planned_bytes = 0  # what placing will write, when known: named if a write fails
 
     # ---------------------------------------------------------------- figures
     @property
@@ -171,17 +177,27 @@ class DiskStore:
         padded = align_up(nbytes, PAGE)
         free = shutil.disk_usage(self._spill_dir).free
         if padded > free:
-            raise OSError(f"no room for the spill file in {self._spill_dir}: {size_text(padded)} more "
-                          f"needed, {size_text(free)} free")
+            raise self._no_room(f"{size_text(free)} free")
         with self._lock:
             offset = align_up(self._spill_end, SPILL_ALIGN)
             self._spill_end = offset + padded
         return spill, offset, padded
 
+    def _no_room(self, why: str, errno_: int = errno.ENOSPC) -> SpillWriteError:
+        need = max(self.planned_bytes, self._spill_end)
+        return SpillWriteError(
+            errno_, f"the spill file in {self._spill_dir} cannot be written ({why}) after "
+            f"{size_text(self._written)}; the units the engine must write itself need {size_text(need)} "
+            f"there. Free space there, set spill_dir to a folder with room, or set host_cache_gb to 0 "
+            f"to keep the model in RAM")
+
     def _write_spill(self, pack: PackedBlock, scratch: torch.Tensor) -> tuple[int, int]:
         spill, offset, padded = self._reserve(pack.nbytes)
         scratch[pack.nbytes : padded].zero_()
-        spill.write(memview(scratch[:padded]), offset, aligned=scratch.data_ptr() % PAGE == 0)
+        try:
+            spill.write(memview(scratch[:padded]), offset, aligned=scratch.data_ptr() % PAGE == 0)
+        except OSError as e:
+            raise self._no_room(e.strerror or str(e), e.errno or errno.EIO) from e
         self._written += padded
         return offset, padded
 
@@ -193,10 +209,13 @@ class DiskStore:
         if self._closed:
             raise RuntimeError("the disk store is closed")
         spill, offset, padded = self._reserve(pack.nbytes)
-        for e in pack.entries:
-            write_all(spill.fd, memview(raw_bytes(e.original)), offset + e.offset)
-        if padded > pack.nbytes:  # the tail, so the file holds no stale bytes
-            write_all(spill.fd, memoryview(bytes(padded - pack.nbytes)), offset + pack.nbytes)
+        try:
+            for e in pack.entries:
+                write_all(spill.fd, memview(raw_bytes(e.original)), offset + e.offset)
+            if padded > pack.nbytes:  # the tail, so the file holds no stale bytes
+                write_all(spill.fd, memoryview(bytes(padded - pack.nbytes)), offset + pack.nbytes)
+        except OSError as e:
+            raise self._no_room(e.strerror or str(e), e.errno or errno.EIO) from e
         self._written += padded
         region = mmap.mmap(spill.fd, padded, offset=offset, access=mmap.ACCESS_COPY)
         with torch.inference_mode(False):
