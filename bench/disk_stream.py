@@ -210,8 +210,10 @@ AUTO_WARM_PASSES = 24  # at most: the tuner measures, plans, applies and checks 
 def run_read_ahead(spec: Spec, device: torch.device, path: Path, args) -> dict:
     """Cold passes through a cache of ``args.read_ahead_units`` units, read ahead by 1, 2, 4 workers
     and by auto: step time, hit rate and bytes read per step of each. The settings run in
-    ``args.read_ahead_rounds`` rounds, every other one in reverse order, and each figure is over
-    all rounds: a host whose load drifts then weighs on every setting alike. The units are read
+    ``args.read_ahead_rounds`` rounds, each starting one setting later than the last (over four
+    rounds each setting runs once in each position), and each figure is over all rounds: a disk
+    whose rate drifts (the first passes of a run are often the fastest) then weighs on every
+    setting alike. The units are read
     from the model's own file."""
     stack, granularity = load_stack(spec, device, path), args.granularity
     probe = LayerwiseStreamer(list(stack.blocks), device, resident=0, prefetch=args.prefetch, granularity=granularity)
@@ -222,7 +224,7 @@ def run_read_ahead(spec: Spec, device: torch.device, path: Path, args) -> dict:
     measured: dict[str, list[tuple[float, dict]]] = {name: [] for name in READ_AHEAD}
     tunings: dict[str, dict | None] = {}
     for round_ in range(args.read_ahead_rounds):
-        for name in READ_AHEAD if round_ % 2 == 0 else READ_AHEAD[::-1]:
+        for name in READ_AHEAD[round_ % len(READ_AHEAD):] + READ_AHEAD[:round_ % len(READ_AHEAD)]:
             auto = name == "auto"
             options = DiskOptions(cap_bytes=cap, workers=2 if auto else int(name), spill_dir=str(path.parent),
                                   model_file=file_map(stack, path), read_ahead="auto" if auto else None)
@@ -321,8 +323,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--drop-caches", action="store_true", help="also drop the whole page cache when cold (root)")
     ap.add_argument("--read-ahead-units", type=int, default=6,
                     help="cache size, in units, of the read-ahead comparison (1, 2, 4 workers and auto)")
-    ap.add_argument("--read-ahead-rounds", type=int, default=2,
-                    help="rounds of that comparison, every other one in reverse order")
+    ap.add_argument("--read-ahead-rounds", type=int, default=4,
+                    help="rounds of that comparison, each starting one setting later")
     ap.add_argument("--out", type=Path, help="JSON path (default: bench/results/disk_stream-<device>-<time>.json)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
