@@ -63,7 +63,7 @@ SERVER_TESTS=(
   tests/test_layerwise_nodes.py::test_a_merge_that_fails_fails_the_prompt_and_gives_the_model_back
   tests/test_layerwise_nodes.py::test_fp8_checkpoints_with_lora_stream_like_cores_full_load
   tests/test_timeline_routes.py::test_a_lease_records_one_pass_of_every_streamed_unit
-  tests/test_disk_streaming.py::test_lora_from_disk_is_bit_identical_and_never_reads_the_models_file
+  tests/test_disk_streaming.py::test_lora_from_disk_is_bit_identical_and_reads_the_models_file_in_place
   tests/test_layerwise_nodes.py::test_highvram_keeps_the_master_on_the_host
 )
 

@@ -49,3 +49,15 @@ def test_the_comfy_workloads_are_the_ones_the_summary_turns_into_figures():
     for workloads in lists:
         names = [item.split("=")[0] for item in workloads.split(",")]
         assert sorted(gpu_summary.COMFY_FIGURES[name] for name in names) == ["P4", "P5"], names
+
+
+def test_every_test_the_script_names_exists():
+    """A renamed test would leave a part with nothing to run ("not found", rc 4) on the device."""
+    repo = BENCH.parent
+    named = re.findall(r"\b(tests/[\w/]+\.py)(?:::(\w+))?", SCRIPT)
+    assert named
+    for path, test in named:
+        source = repo / path
+        assert source.is_file(), path
+        if test:
+            assert re.search(rf"^(?:async )?def {test}\(", source.read_text(), re.M), f"{path}::{test}"
