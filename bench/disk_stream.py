@@ -309,7 +309,7 @@ def print_table(result: dict) -> None:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, a few seconds")
-    ap.add_argument("--dim", type=int, default=1536, help="1536 and FFN 4096: blocks of 63 MiB in bf16")
+    ap.add_argument("--dim", type=int, default=1536, help="1536 and FFN 4096: blocks of 60 MiB in bf16")
     ap.add_argument("--ffn", type=int, default=4096)
     ap.add_argument("--blocks", type=int, default=24)
     ap.add_argument("--tokens", type=int, default=16, help="few tokens: compute is trivial, the disk bounds")
