@@ -47,14 +47,14 @@ def host_share(model: torch.nn.Module, settings: LayerwiseSettings) -> tuple[Hos
     return host_sharing.share_for(model, settings.share_host_memory, spill_dir=spill_dir)
 
 
-def find_model_file(settings: LayerwiseSettings, blocks, prefixes: tuple[str, ...], workflow_path: str | None,
+def find_model_file(settings: LayerwiseSettings, model: torch.nn.Module, blocks, prefixes: tuple[str, ...],
                     model_class: str) -> ModelFileMap | None:
     """Where disk streaming reads the blocks: the model's own file where it serves (model_file.py
     finds it; core_loads.py reads the blocks back before core runs the model itself), else None
     (the spill file)."""
     if settings.host_cache_gb <= 0 or not core_loads.installed():
         return None
-    return model_file.find(blocks, prefixes, workflow_path, model_class)
+    return model_file.find(model, blocks, prefixes, model_class)
 
 
 def make_streamer(blocks, device: torch.device, settings: LayerwiseSettings, granularity: str,

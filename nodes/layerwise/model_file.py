@@ -5,10 +5,10 @@ Two ways, in this order:
 - Tensors that are views of a mapped file name it themselves (Linux: /proc/self/maps):
   ComfyUI-GGUF maps its file and hands out the raw quantized bytes. The file's header (GGUF)
   then says where every tensor is, also those the loader copied out (the norms' float weights).
-- Core's loaders copy a safetensors file's tensors into the model, so the workflow names the file:
-  the loader the node's model comes from (core's UNET and checkpoint loaders, the pack's Tiered
-  ones), through any nodes that pass a model on (a LoRA, a sampling patch). The file's header
-  says where each tensor is; keys are matched with whatever prefix the file uses (a checkpoint's
+- Core's loaders copy a safetensors file's tensors into the model; the pack records which file
+  each model core loads was read from (core/model_files.py: core's UNET and checkpoint loaders
+  and the pack's Tiered ones, whatever nodes pass the model on after). The file's header says
+  where each tensor is; keys are matched with whatever prefix the file uses (a checkpoint's
   `model.diffusion_model.`, a bare diffusion model's none), and a tensor the model holds in
   another dtype than the file (a cast at load) is left out, so its unit goes to the spill file.
 
@@ -21,28 +21,16 @@ import bisect
 import logging
 import os
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
-
-import folder_paths
 
 from ...offload_core.disk.model_file import ModelFileMap, gguf_tensors, safetensors_tensors
 from ...offload_core.host.released import note_of
 from ...offload_core.host.tensor_refs import tensor_refs
-from . import compile_prompt
+from ..core import model_files
 
 log = logging.getLogger(__name__)
-
-# Loader node -> (model folder, the input that names the file); the chain of "model" inputs that
-# leads to the node starts at one of these, or the model's file is not known.
-LOADERS: dict[str, tuple[str, str]] = {
-    "UNETLoader": ("diffusion_models", "unet_name"),
-    "CheckpointLoaderSimple": ("checkpoints", "ckpt_name"),
-    "CheckpointLoader": ("checkpoints", "ckpt_name"),
-    "TieredUNETLoader": ("diffusion_models", "unet_name"),
-    "TieredCheckpointLoader": ("checkpoints", "ckpt_name"),
-}
 
 # The dtype a loaded tensor has when it holds the file's bytes as they are, by the file's type
 # name (safetensors and GGUF); GGUF's quantized types are loaded as raw bytes.
@@ -105,17 +93,17 @@ def _is_gguf(path: str) -> bool:
         return False
 
 
-def workflow_file(graph: Mapping | None, node_id: str | None) -> str | None:
-    """The file of the loader the node's "model" input comes from, through nodes that pass a
-    model on (compile_prompt.model_path); None where that chain starts at any other node or the
-    file is not in its folder."""
-    if not isinstance(graph, Mapping) or node_id is None or node_id not in graph:
+def recorded_file(model: torch.nn.Module) -> str | None:
+    """The one file core read ``model`` from (core/model_files.py), if the pack saw the load and
+    the file is still the one read; None otherwise (logged when it changed)."""
+    source = model_files.source_of(model)
+    if source is None or len(source["files"]) != 1:
         return None
-    path = compile_prompt.model_path(dict(graph), node_id)
-    first = graph.get(path[0]) if path and path[0] != node_id else None
-    loader = LOADERS.get(first.get("class_type")) if isinstance(first, Mapping) else None
-    name = first.get("inputs", {}).get(loader[1]) if loader is not None else None
-    return folder_paths.get_full_path(loader[0], name) if isinstance(name, str) else None
+    why = model_files.changed(source)
+    if why is not None:
+        log.info("Apply Layerwise Offload: %s since the model was loaded; streamed blocks go to a spill file", why)
+        return None
+    return source["files"][0][0]
 
 
 def _from_header(path: str, tensors: list[tuple[int, str, torch.Tensor]],
@@ -153,13 +141,13 @@ def _from_header(path: str, tensors: list[tuple[int, str, torch.Tensor]],
     return (ModelFileMap(path, found) if found else None), cast
 
 
-def find(blocks: Sequence[torch.nn.Module], prefixes: Sequence[str], workflow_path: str | None,
+def find(model: torch.nn.Module, blocks: Sequence[torch.nn.Module], prefixes: Sequence[str],
          model_class: str) -> ModelFileMap | None:
     """The model's file and where its blocks' tensors are in it, or None (logged: why)."""
     tensors = _block_tensors(blocks)
     if not tensors:
         return None
-    path = _mapped_file(tensors) or workflow_path
+    path = _mapped_file(tensors) or recorded_file(model)
     if path is None:
         log.info("Apply Layerwise Offload: the file %s was loaded from is not known (its loader is not "
                  "one the pack knows); streamed blocks go to a spill file", model_class)

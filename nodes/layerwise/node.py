@@ -21,7 +21,7 @@ from comfy_api.v0_0_2 import io
 from ..core.models import is_dynamic
 from ..core.state import LAYERWISE, LAYERWISE_KEY, SWAP_KEY, SWAP_MEMBERS
 from . import (compile_policy, compile_prompt, compiled_models, dynamic_cooperation, dynamic_vram,
-               model_file, spill_folder)
+               spill_folder)
 from .session import LayerwiseSession
 from .settings import (GRANULARITY_CHOICES, MAX_DISK_WORKERS, MAX_HOST_CACHE_GB, MAX_PREFETCH,
                        MAX_RESIDENT_BLOCKS, MAX_VRAM_BUDGET_GB, LayerwiseSettings)
@@ -29,10 +29,9 @@ from .settings import (GRANULARITY_CHOICES, MAX_DISK_WORKERS, MAX_HOST_CACHE_GB,
 log = logging.getLogger(__name__)
 
 
-def session_for(patcher, settings: LayerwiseSettings, workflow_path: str | None = None) -> LayerwiseSession:
+def session_for(patcher, settings: LayerwiseSettings) -> LayerwiseSession:
     """The engine session of this patcher's diffusion model (one per nn.Module, shared by all its
-    clones), built anew when the settings or the device changed. ``workflow_path``: the model's
-    file as the workflow's loader names it (model_file.py)."""
+    clones), built anew when the settings or the device changed."""
     diffusion_model = compiled_models.diffusion_module(patcher)
 
     def same(session: LayerwiseSession) -> bool:
@@ -42,7 +41,7 @@ def session_for(patcher, settings: LayerwiseSettings, workflow_path: str | None 
                  session.model_class)
         return False
     return LAYERWISE.sessions.get_or_create(
-        diffusion_model, lambda: LayerwiseSession(patcher, settings, workflow_path), same)
+        diffusion_model, lambda: LayerwiseSession(patcher, settings), same)
 
 
 def _classic_patcher(model, settings: LayerwiseSettings):
@@ -216,9 +215,7 @@ class ApplyLayerwiseOffload(io.ComfyNode):
         patcher = _classic_patcher(model, settings)
         # Every check (blocks, packability, settings) runs here, before anything is moved, so
         # a refused model costs nothing and the error names the node.
-        workflow_path = model_file.workflow_file(compile_prompt.running_graph(), choice.node_id) \
-            if settings.host_cache_gb > 0 else None
-        session = session_for(patcher, settings, workflow_path)
+        session = session_for(patcher, settings)
         # A whole-model master left by an earlier workflow would double the RAM: retire it.
         if SWAP_MEMBERS.discard(patcher.model) is not None:
             log.info("Apply Layerwise Offload: released the Model-Level Swap master of this model")

@@ -48,9 +48,7 @@ log = logging.getLogger(__name__)
 class LayerwiseSession:
     """The engine bound to one diffusion model (one nn.Module shared by all its clones)."""
 
-    def __init__(self, patcher, settings: LayerwiseSettings, workflow_path: str | None = None) -> None:
-        """``workflow_path``: the file the workflow's loader names for this model, if known (disk
-        streaming reads the blocks from it in place where their loaded bytes are its own)."""
+    def __init__(self, patcher, settings: LayerwiseSettings) -> None:
         diffusion_model = compiled_models.diffusion_module(patcher)
         found = find_blocks(diffusion_model)
         self.model_class = type(diffusion_model).__name__
@@ -66,7 +64,7 @@ class LayerwiseSession:
         self.device = patcher.load_device
         self.settings = settings
         self.share, self.share_why = engine_setup.host_share(patcher.model, settings)
-        self.model_file = engine_setup.find_model_file(settings, self.blocks, self.prefixes, workflow_path,
+        self.model_file = engine_setup.find_model_file(settings, patcher.model, self.blocks, self.prefixes,
                                                        self.model_class)
         self.granularity, self.granularity_why = granularity.choose(self.blocks, settings)
         self.streamer = self._make_streamer()
