@@ -12,6 +12,8 @@ Offload panel shows the plan and its reason (headless Chromium).
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from test_panel import CHROMIUM, PanelPage, browser, sync_api  # noqa: F401  (browser is a fixture)
@@ -95,7 +97,11 @@ def test_the_panel_shows_the_plan_and_its_reason(comfy, browser):  # noqa: F811
         tuning = truth["layerwise"]["tuning"]
         assert tuning and tuning["changes"] and tuning["reason"], truth["layerwise"]
         plan = page.row(truth["id"]).locator('[data-role="lw-plan"]')
-        sync_api.expect(plan.locator('[data-role="plan-reason"]')).to_have_text(tuning["reason"], timeout=20_000)
+        # The engine's words, each size in the panel's units (its "units shown" setting).
+        words = [re.escape(part) for part in tuning["reason_template"].split("{}")]
+        assert len(words) == len(tuning["reason_sizes"]) + 1, tuning
+        shown = re.compile("^" + r"\d+(?:\.\d+)? (?:B|KiB|MiB|GiB|TiB)".join(words) + "$")
+        sync_api.expect(plan.locator('[data-role="plan-reason"]')).to_have_text(shown, timeout=20_000)
         setting = tuning["setting"]
         shown = plan.locator('[data-role="plan-setting"]').inner_text()
         assert f"{len(setting['resident_blocks'])} of {truth['layerwise']['blocks']} blocks resident" in shown, shown

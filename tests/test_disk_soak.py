@@ -6,10 +6,12 @@ The bounds are counts, not times. Threads and descriptors may exceed what the wa
 setting once, one /free) reached by at most 2 (a connection or a file core's loader has open at
 that moment), where a leak per engine build adds 2 threads and 2 or more descriptors for each of
 the 8 builds after the warm-up. At most one spill file is held (the live engine's). RSS moves with
-the settings cycle (the model is loaded again, caches of other sizes), so its peak over the last
-cycle of prompts is compared with its peak over the first cycle after the warm-up: less than
-64 MiB apart, where one leaked engine costs at least its host cache (3 to 4 entries of a 9.5 MB
-block or a 3 MB phase), and a leak per build adds that 8 times.
+the settings cycle (the model is loaded again, caches of other sizes), and its peaks wander by
+up to 80 MiB from cycle to cycle with what the allocator keeps (measured over 120 prompts: peaks
+of 658 to 741 MiB, lows of 615 to 644 MiB, no trend in the lows). So the lowest RSS of the last
+cycle of prompts is compared with the lowest of the first cycle after the warm-up: less than
+64 MiB apart, where a leak per engine build adds at least its host cache (3 to 4 entries of a
+9.5 MB block or a 3 MB phase) 8 times a cycle, everywhere in the cycle, lows included.
 """
 from __future__ import annotations
 
@@ -52,8 +54,8 @@ def test_disk_streaming_leaves_nothing_behind_over_many_prompts(tmp_path, soak_m
     assert summary["threads"]["max"] <= summary["threads"]["warmup_max"] + COUNT_SLACK, figures
     assert summary["fds"]["max"] <= summary["fds"]["warmup_max"] + COUNT_SLACK, figures
     assert all(s["spill_files"] <= 1 for s in steady), figures
-    first = max(s["rss"] for s in steady[:CYCLE])
-    last = max(s["rss"] for s in steady[-CYCLE:])
+    first = min(s["rss"] for s in steady[:CYCLE])
+    last = min(s["rss"] for s in steady[-CYCLE:])
     assert last - first < RSS_SLACK, figures
     # The model is dropped (/free; the Tiered loader's evicted first): no engine is left, so no
     # spill file, reader or cache either.

@@ -182,8 +182,13 @@ def test_the_full_view_draws_one_labelled_row_per_unit(disk_run):
 
     rows = picture.locator('[data-role="tl-row"]')
     sync_api.expect(rows).to_have_count(len(units))
+    # Drawn, not only in the page: the first and the last row laid out (a redraw for the view's
+    # new width may still be on its way in the next frame).
+    sync_api.expect(rows.first).to_be_visible()
+    sync_api.expect(rows.last).to_be_visible()
     drawn = boxes(rows)
     assert [r["unit"] for r in drawn] == [str(u["unit"]) for u in units]
+    assert page.page.locator("#tiered-offload-timeline").count() == 1, "one full view in the page"
     labels = boxes(picture.locator('[data-role="tl-label"]'))
     assert [(label["unit"], label["text"]) for label in labels] == [
         (str(u["unit"]), f"block {u['block']} · {u['name']}") for u in units]

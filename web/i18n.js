@@ -168,7 +168,8 @@ export const ENGLISH = {
     autoWould: "auto would choose {setting}: {ms} a step {how}",
     faster: "faster",
     slower: "slower",
-    changes: "{n} change(s) this run, the last before pass {pass}: {setting}",
+    changesOne: "1 change this run, before pass {pass}: {setting}",
+    changes: "{n} changes this run, the last before pass {pass}: {setting}",
   },
   timeline: {
     head: "Last run, one pass of the model",

@@ -336,7 +336,7 @@ function layerwiseHtml(lw, showStrip, open, cpu) {
     ${lw.dynamic_vram?.cost ? `<div class="to-muted" data-role="lw-cost">${esc(tr("layerwise.cost", { cost: lw.dynamic_vram.cost }))}</div>` : ""}
     ${hostStoreHtml(lw.host_store)}
     ${diskSourcesHtml(lw.disk)}
-    ${planHtml(lw)}
+    ${planHtml(lw, fmtBytes)}
     ${showStrip ? stripHtml(lw, cpu, undefined, undefined, blockSources(lw)) : ""}
     ${telemetryHtml(lw.telemetry, cpu)}
     ${compactTimelineHtml(lw, !!lw.telemetry && num(lw.streamed_indices?.length) > 0, open)}

@@ -2,7 +2,8 @@
 // setting the run streams with, why (the engine's reason), what the pipeline model predicted
 // against what the run measured, and the plan's changes in this run. For a setting fixed on the
 // node, what auto would have chosen and what that would save. The reason and the verdict are the
-// server's (English) words, as the Dynamic VRAM order's message is.
+// server's (English) words, as the Dynamic VRAM order's message is; the sizes in the reason are
+// the panel's own (its "units shown" setting).
 
 import { tr } from "./i18n.js";
 import { esc, num } from "./html.js";
@@ -20,8 +21,18 @@ function settingText(s, blocks) {
   return parts.join(" · ");
 }
 
+// The reason's words with each {} replaced by its size, in the panel's units (`fmtBytes`); the
+// server's text where it gives no template.
+function reasonText(t, fmtBytes) {
+  const sizes = Array.isArray(t.reason_sizes) ? t.reason_sizes : null;
+  if (typeof t.reason_template !== "string" || !sizes) return t.reason;
+  let k = 0;
+  return t.reason_template.replace(/\{\}/g, () => fmtBytes(sizes[k++]));
+}
+
 // `lw`: the layerwise report; nothing without a tuning report (nothing measured yet).
-export function planHtml(lw) {
+// `fmtBytes`: the panel's size formatter.
+export function planHtml(lw, fmtBytes) {
   const t = lw?.tuning;
   if (!t || typeof t !== "object") return "";
   const blocks = num(lw.blocks);
@@ -34,7 +45,7 @@ export function planHtml(lw) {
     `<div class="to-lw-head"><b>${esc(tr(fixed ? "plan.headFixed" : "plan.head"))}</b>
       <span class="to-muted" data-role="plan-setting">${esc(settingText(t.setting, blocks))}</span></div>`,
   ];
-  if (!fixed && t.reason) rows.push(`<div data-role="plan-reason">${esc(t.reason)}</div>`);
+  if (!fixed && t.reason) rows.push(`<div data-role="plan-reason">${esc(reasonText(t, fmtBytes))}</div>`);
   if (predicted && measured) {
     rows.push(`<div class="to-muted" data-role="plan-check">${esc(tr("plan.check", { predicted, measured }))}
       <span data-role="plan-verdict">${esc(t.verdict ?? "")}</span></div>`);
@@ -48,8 +59,9 @@ export function planHtml(lw) {
   }
   if (changes.length) {
     const last = changes[changes.length - 1];
-    rows.push(`<div class="to-muted" data-role="plan-changes" data-changes="${changes.length}">${esc(tr("plan.changes", {
-      n: changes.length, pass: num(last.pass), setting: settingText(last.to, blocks) }))}</div>`);
+    rows.push(`<div class="to-muted" data-role="plan-changes" data-changes="${changes.length}">${esc(tr(
+      changes.length === 1 ? "plan.changesOne" : "plan.changes",
+      { n: changes.length, pass: num(last.pass), setting: settingText(last.to, blocks) }))}</div>`);
   }
   return `<div class="to-plan" data-role="lw-plan" data-phase="${esc(t.phase ?? "")}">${rows.join("")}</div>`;
 }

@@ -56,6 +56,19 @@ class Candidate:
 
 
 @dataclass(frozen=True)
+class Reason:
+    """Why a setting was chosen: words with ``{}`` where each of ``sizes`` (bytes) goes, so that
+    the panel shows the sizes in the units its user chose; ``text`` writes them as the logs do."""
+
+    template: str
+    sizes: tuple[int, ...] = ()
+
+    @property
+    def text(self) -> str:
+        return self.template.format(*(size_text(n) for n in self.sizes))
+
+
+@dataclass(frozen=True)
 class Plan:
     """The chosen setting, its prediction, the setting the run would have had without a plan
     (``default``), and what more VRAM would buy (``more``: the fastest setting over budget)."""
@@ -64,7 +77,7 @@ class Plan:
     default: Candidate | None
     more: Candidate | None
     budget_bytes: int | None
-    reason: str
+    reason: Reason
 
 
 def block_units(costs: Costs) -> list[list[int]]:
@@ -158,7 +171,7 @@ def plan(costs: Costs, choices: Choices, budget_bytes: int | None, default: Sett
     more = None
     if fastest_over is not None and fastest_over.prediction.step_ms < chosen.prediction.step_ms * (1 - TIE):
         more = _pick([c for c in over if c.prediction.step_ms <= fastest_over.prediction.step_ms * (1 + TIE)], None)
-    result = Plan(chosen, base, more, budget_bytes, "")
+    result = Plan(chosen, base, more, budget_bytes, Reason(""))
     return Plan(chosen, base, more, budget_bytes, reason(costs, result))
 
 
@@ -197,31 +210,33 @@ def _pick(pool: list[Candidate], base: Candidate | None) -> Candidate:
                                     c.setting.prefetch, c.setting.read_ahead, c.prediction.step_ms))
 
 
-def reason(costs: Costs, result: Plan) -> str:
+def reason(costs: Costs, result: Plan) -> Reason:
     """Why the chosen setting, in the words the panel shows."""
     chosen = result.chosen.prediction
     setting = result.chosen.setting
     blocks = len({costs.unit_blocks[u] for u in setting.resident})
     free = None if result.budget_bytes is None else max(0, result.budget_bytes - chosen.device_bytes)
-    free_text = f", {size_text(free)} of VRAM left free" if free is not None else ""
+    free_text, free_sizes = (", {} of VRAM left free", (free,)) if free is not None else ("", ())
     if chosen.bound == "compute":
         if not blocks:
-            return f"copies hidden behind compute: no resident block needed{free_text}"
-        return (f"copies hidden behind compute with {blocks} resident block{_s(blocks)}"
-                f"{free_text}")
+            return Reason(f"copies hidden behind compute: no resident block needed{free_text}", free_sizes)
+        return Reason(f"copies hidden behind compute with {blocks} resident block{_s(blocks)}{free_text}",
+                      free_sizes)
     if chosen.bound == "disk":
         text = (f"disk-bound: reading {setting.read_ahead} unit{_s(setting.read_ahead)} ahead keeps "
                 f"{chosen.hits:.3g} of {chosen.requests} streamed units cached from step to step")
-        if result.more is not None:
-            text += _more_text(costs, result)
-        return text
+        if result.more is None:
+            return Reason(text)
+        more = _more_reason(costs, result)
+        return Reason(text + more.template, more.sizes)
     if result.more is not None:
-        return "link-bound: " + _more_text(costs, result).lstrip("; ")
-    return (f"link-bound: every block that fits is resident ({blocks}); copies take "
-            f"{ms_text(chosen.copy_busy_ms)} a step")
+        more = _more_reason(costs, result)
+        return Reason("link-bound: " + more.template.lstrip("; "), more.sizes)
+    return Reason(f"link-bound: every block that fits is resident ({blocks}); copies take "
+                  f"{ms_text(chosen.copy_busy_ms)} a step")
 
 
-def _more_text(costs: Costs, result: Plan) -> str:
+def _more_reason(costs: Costs, result: Plan) -> Reason:
     chosen, more = result.chosen, result.more
     extra = (len({costs.unit_blocks[u] for u in more.setting.resident})
              - len({costs.unit_blocks[u] for u in chosen.setting.resident}))
@@ -230,8 +245,7 @@ def _more_text(costs: Costs, result: Plan) -> str:
     free = max(0, (result.budget_bytes or 0) - chosen.prediction.device_bytes)
     what = f"{extra} more resident block{_s(extra)}" if extra > 0 else "more VRAM"
     needs = "it needs" if extra <= 1 else "they need"
-    return (f"; {what} would save {ms_text(saved)} a step; {needs} {size_text(need)}, "
-            f"{size_text(free)} free")
+    return Reason(f"; {what} would save {ms_text(saved)} a step; {needs} {{}}, {{}} free", (need, free))
 
 
 def ms_text(ms: float) -> str:

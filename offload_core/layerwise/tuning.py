@@ -301,7 +301,7 @@ class Tuner:
             self._enter("hold")
             return
         kind.before = (current, period)
-        if not self._apply(kind, chosen.setting, kind.plan.reason):
+        if not self._apply(kind, chosen.setting, kind.plan.reason.text):
             kind.held = current
             kind.predicted_ms = predict(kind.costs, current).step_ms
             self._enter("hold")
@@ -398,7 +398,10 @@ def _report(tuner: Tuner, kind: _Kind | None) -> dict[str, Any] | None:
         "predicted_ms": kind.predicted_ms,
         "measured_ms": kind.measured_ms,
         "verdict": kind.verdict,
-        "reason": kind.plan.reason if kind.plan is not None else None,
+        "reason": kind.plan.reason.text if kind.plan is not None else None,
+        # the same words with {} for each size, and the sizes in bytes: the panel's own units
+        "reason_template": kind.plan.reason.template if kind.plan is not None else None,
+        "reason_sizes": list(kind.plan.reason.sizes) if kind.plan is not None else None,
         "budget_bytes": tuner.budget_bytes,
         "passes": tuner.passes,
         "changes": [{"pass": e["pass"], "from": _setting_json(e["from"], tuner._plan),
@@ -411,7 +414,7 @@ def _report(tuner: Tuner, kind: _Kind | None) -> dict[str, Any] | None:
         auto = kind.advice.chosen
         out["auto_choice"] = _setting_json(auto.setting, tuner._plan)
         out["auto_predicted_ms"] = auto.prediction.step_ms
-        out["auto_reason"] = kind.advice.reason
+        out["auto_reason"] = kind.advice.reason.text
         if costs is not None and auto.setting != current:
             out["explicit_cost_ms"] = predict(costs, current).step_ms - auto.prediction.step_ms
     return out
