@@ -54,7 +54,7 @@ from layerwise import Spec, Stack, build_blocks, timed, write_result  # noqa: E4
 
 from offload_core.disk.model_file import ModelFileMap, safetensors_tensors  # noqa: E402
 from offload_core.disk.raw_io import PAGE, align_up  # noqa: E402
-from offload_core.disk.tier import DiskOptions  # noqa: E402
+from offload_core.disk.tier import AUTO_READERS, DiskOptions  # noqa: E402
 from offload_core.layerwise.streamer import LayerwiseStreamer  # noqa: E402
 
 GIB = 1 << 30
@@ -226,7 +226,7 @@ def run_read_ahead(spec: Spec, device: torch.device, path: Path, args) -> dict:
     for round_ in range(args.read_ahead_rounds):
         for name in READ_AHEAD[round_ % len(READ_AHEAD):] + READ_AHEAD[:round_ % len(READ_AHEAD)]:
             auto = name == "auto"
-            options = DiskOptions(cap_bytes=cap, workers=2 if auto else int(name), spill_dir=str(path.parent),
+            options = DiskOptions(cap_bytes=cap, workers=AUTO_READERS if auto else int(name), spill_dir=str(path.parent),
                                   model_file=file_map(stack, path), read_ahead="auto" if auto else None)
             st = LayerwiseStreamer(list(stack.blocks), device, resident=0, prefetch=args.prefetch,
                                    granularity=granularity, disk=options)

@@ -15,7 +15,7 @@ import torch
 import comfy.model_management
 
 from ...offload_core.disk.model_file import ModelFileMap
-from ...offload_core.disk.tier import DiskOptions
+from ...offload_core.disk.tier import AUTO_READERS, DiskOptions
 from ...offload_core.host.released import released
 from ...offload_core.host.shared_packing import HostShare
 from ...offload_core.layerwise.streamer import LayerwiseStreamer
@@ -23,7 +23,7 @@ from ...offload_core.layerwise.tuning import AUTO
 from ...offload_core.units import size_text
 from ..core import host_sharing
 from . import core_loads, model_file, spill_folder
-from .settings import AUTO_DISK_WORKERS, GIB, LayerwiseSettings
+from .settings import GIB, LayerwiseSettings
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def make_streamer(blocks, device: torch.device, settings: LayerwiseSettings, gra
     if settings.host_cache_gb > 0:
         auto = settings.auto_read_ahead
         disk = DiskOptions(cap_bytes=int(settings.host_cache_gb * GIB),
-                           workers=AUTO_DISK_WORKERS if auto else settings.disk_workers,
+                           workers=AUTO_READERS if auto else settings.disk_workers,
                            spill_dir=spill_folder.spill_folder(settings.spill_dir),
                            model_file=model_file_map, read_ahead=AUTO if auto else None)
     return LayerwiseStreamer(list(blocks), device,

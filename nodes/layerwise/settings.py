@@ -20,7 +20,6 @@ MAX_VRAM_BUDGET_GB = 1024.0
 MAX_PREFETCH = 16
 MAX_HOST_CACHE_GB = 4096.0
 MAX_DISK_WORKERS = 16
-AUTO_DISK_WORKERS = 2  # read threads under auto: the planner sets how far they read ahead
 GRANULARITY_CHOICES = (AUTO, *GRANULARITIES)
 
 

@@ -25,6 +25,10 @@ from .sources import DiskSources
 
 # Entry size when no unit is streamed: the cache then only stages resident uploads.
 STAGING_BYTES = 64 << 20
+# Read threads when the read-ahead is left to the planner: one, as the pipeline model plays the disk
+# (one reader at the rate it measured); a second reading beside it slowed the step on the disk
+# measured (docs/disk-streaming.md), and the planner sets how far the one reads ahead.
+AUTO_READERS = 1
 
 
 @dataclass(frozen=True)
