@@ -37,12 +37,12 @@ import torch
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
-sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "fixtures")]
+sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "fixtures"), str(BENCH)]
 import host_store_soak as soak  # noqa: E402
 import tiny_models  # noqa: E402
 from comfy_server import ComfyServer  # noqa: E402
+from layerwise import write_result  # noqa: E402
 
-RESULTS = BENCH / "results"
 MIB = 2**20
 GIB = 2**30
 STEPS = 3
@@ -191,13 +191,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "block_bytes": block_bytes, "steps": STEPS, "runs": runs}
     result["bounds"] = bounds(runs, block_bytes)
     print_table(result)
-    out = args.out
-    if out is None:
-        slug = "smoke" if args.smoke else result["device"].split(" (")[0].lower().replace(" ", "-")
-        out = RESULTS / f"shared_host_store-{slug}-{dt.datetime.now():%Y%m%d-%H%M%S}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    write_result(result, "shared_host_store", result["device"].split(" (")[0], args)
     return result
 
 
