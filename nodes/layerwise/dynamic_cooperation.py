@@ -11,7 +11,9 @@ order asked for later does nothing by itself: a model sampled before the node ra
 settings, keeps the old one. So at every sampling run, before core's load, the node:
 1. plans the resident blocks: the node's count, or as many as the VRAM free once core has made
    room allows (core's own room-making for a dynamic load, plus what comfy-aimdo would evict from
-   dynamic models for this one), kept while the settings stay the same;
+   dynamic models for this one), kept while the settings stay the same; left to `auto`, once a
+   run has been timed, the blocks its measurements choose within that room, checked on the next
+   run and rolled back if slower (offload_core/layerwise/residency_order.py);
 2. reads the layout core holds, and where it is not the plan's, hands it back to core
    (`vbar_layout.reset`) so that this load lays it out afresh; where that cannot be done safely it
    says so, plainly, with the way to reload the model;
@@ -19,7 +21,9 @@ settings, keeps the old one. So at every sampling run, before core's load, the n
    run which blocks comfy-aimdo holds resident and which it streams (`/offload/layerwise`, the
    panel).
 
-The node adds no streamer, hook, stream or copy of its own here. Where core prefetches a model's
+The node adds no streamer, stream or copy of its own here. While the order is measured, marks
+(events on the current stream, no wait) time the blocks of a run's first calls; the hooks that
+record them come off after those calls, and once the order holds a run carries none. Where core prefetches a model's
 blocks (`comfy/model_prefetch.py`, one block ahead, in the model loops that call it), the order
 is what feeds that queue: resident blocks are in VRAM when their turn comes and the streamed ones
 are fetched one ahead in run order. Where it does not, core copies each streamed weight when its
@@ -40,8 +44,11 @@ import torch
 import comfy.model_management
 import comfy.patcher_extension
 
+from ...offload_core.device.link import copy_rate
 from ...offload_core.device.residency import fit_budget, plan_residency, slot_count, spread_evenly
+from ...offload_core.layerwise.measure import CallTimer
 from ...offload_core.layerwise.planner import DEFAULT_PREFETCH
+from ...offload_core.layerwise.residency_order import OrderTuner
 from ...offload_core.layerwise.tuning import AUTO
 from ..core import state
 from ..core.models import is_dynamic, loaded_entries
@@ -112,7 +119,7 @@ def prefetch_statement(model_class: str, prefetch: bool | None) -> str:
     where = ("this ComfyUI has no block prefetch" if prefetch is None
              else f"this ComfyUI does not prefetch {model_class}'s blocks")
     return (f"{where}: core copies each streamed weight when its layer runs, on its own offload "
-            "streams; the node only sets the VRAM order and adds no streamer, hook or copy, so "
+            "streams; the node only sets the VRAM order and adds no streamer or copy, so "
             "nothing competes with core's copies")
 
 
@@ -142,6 +149,12 @@ class Cooperation:
         self.finished_at: float | None = None
         self.spans: dict[str, Any] | None = None
         self.core_states: list[str] | None = None
+        # `auto` resident blocks: the order measured and checked run by run (residency_order.py)
+        self.tuner: OrderTuner | None = None
+        self.tuner_for: tuple[OrderSettings, str] | None = None
+        self.timer: CallTimer | None = None
+        self.run_key: tuple | None = None
+        self.link_bytes_per_ms: float | None = None
 
     def blocks(self) -> list[torch.nn.Module]:
         model = self._model()
@@ -161,6 +174,7 @@ class Cooperation:
         device = patcher.load_device
         self.device = str(device)
         self.served = False
+        self.run_key = tuple(int(d) for d in noise_shape) if noise_shape is not None else ()
         blocks = self.blocks()
         layout = vbar_layout.read(patcher.model, device, blocks)
         kept = self.laid_out
@@ -171,12 +185,17 @@ class Cooperation:
             self.order = kept
         else:
             self.order = self._plan(patcher, settings, noise_shape, conds)
+        if settings.resident is None:
+            self.order = self._measured_order(settings, device)
+        else:  # a count the user fixed: nothing to measure
+            self.tuner = self.tuner_for = None
         if layout is None or layout.empty() or layout.in_order(self.order.resident,
                                                                self.order.streamed):
             self.message = None
             return
-        earlier = ("the node's, with other settings" if kept is not None
-                   and layout.in_order(kept.resident, kept.streamed) else "core's own order")
+        ours = kept is not None and layout.in_order(kept.resident, kept.streamed)
+        earlier = ("core's own order" if not ours else "the node's, with other settings"
+                   if kept.settings != settings else "the node's, before this run's measurements")
         loaded = _vbar_loaded(patcher.model, device)
         reason = vbar_layout.reset(patcher.model, device)
         if reason is None:
@@ -211,6 +230,51 @@ class Cooperation:
         streamed = [i for i in range(n) if i not in set(resident)]
         return Order(tuple(resident), tuple(streamed), settings, budget)
 
+    def _measured_order(self, settings: OrderSettings, device: torch.device) -> Order:
+        """The budget's order, or the one the run's measurements chose within the same budget."""
+        order = self.order
+        asynchronous = torch.device(device).type == "cuda" and bool(self.prefetch)
+        if self.tuner is None or self.tuner_for != (settings, str(device)):
+            self.tuner = OrderTuner(self.block_bytes, asynchronous=asynchronous)
+            self.tuner_for = (settings, str(device))
+        resident = self.tuner.order(self.run_key, order.budget_bytes, order.resident)
+        if resident == tuple(sorted(order.resident)):
+            return order
+        report = self.tuner.report() or {}
+        log.info("Apply Layerwise Offload (auto): %s: measured order, block%s %s first in VRAM "
+                 "(%s)", self.model_class, "" if len(resident) == 1 else "s",
+                 ", ".join(map(str, resident)) or "none", report.get("reason"))
+        chosen = set(resident)
+        return Order(resident, tuple(i for i in range(len(self.block_bytes)) if i not in chosen),
+                     settings, order.budget_bytes)
+
+    def start_timing(self, patcher) -> None:
+        """Mark the blocks of this run's first calls where the order is still measured: once the
+        tuner holds an order, a run carries no hook of the node's."""
+        if self.tuner is None or self.timer is not None or not self.tuner.wants_timing(self.run_key):
+            return
+        model = self._model()
+        if model is not None:
+            self.timer = CallTimer(patcher.load_device, model, self.blocks())
+
+    def _take_timing(self, patcher) -> None:
+        """The run's figures into the tuner (the hooks come off first, whatever happens)."""
+        timer, self.timer = self.timer, None
+        if timer is None:
+            return
+        timed = timer.close()
+        if timed is None or self.tuner is None or self.order is None:
+            return
+        if self.link_bytes_per_ms is None:
+            self.link_bytes_per_ms = copy_rate(patcher.load_device)
+        if not self.link_bytes_per_ms:
+            return
+        states = self.core_states
+        streamed = ([i for i, s in enumerate(states) if s != "resident"] if states
+                    else list(self.order.streamed))
+        block_ms, period_ms = timed
+        self.tuner.measured(self.run_key, block_ms, period_ms, self.link_bytes_per_ms, streamed)
+
     def _budget(self, patcher, settings: OrderSettings, noise_shape, conds) -> int | None:
         """Bytes of VRAM for resident blocks this run, or None when not even streaming fits
         (every block then goes last; core streams them all)."""
@@ -239,9 +303,12 @@ class Cooperation:
         self.spans = {"blocks": layout.block_spans(), "rest": layout.rest_span()}
 
     def after_run(self, patcher) -> None:
-        layout = vbar_layout.read(patcher.model, patcher.load_device, self.blocks())
-        self.core_states = (vbar_layout.residency(patcher.model, patcher.load_device, layout)
-                            if layout is not None else None)
+        try:
+            layout = vbar_layout.read(patcher.model, patcher.load_device, self.blocks())
+            self.core_states = (vbar_layout.residency(patcher.model, patcher.load_device, layout)
+                                if layout is not None else None)
+        finally:
+            self._take_timing(patcher)
         self.runs += 1
         self.finished_at = time.time()
 
@@ -266,6 +333,8 @@ class Cooperation:
             "budget_bytes": order.budget_bytes if order else None,
             "bound_bytes": None,
             "granularity": "block",
+            "auto_settings": ["resident"] if self.tuner is not None else [],
+            "tuning": self.tuner.report() if self.tuner is not None else None,
             "active": False,
             "runs": self.runs,
             "finished_at": self.finished_at,
@@ -356,6 +425,7 @@ def cooperate(model, streamer_kwargs: dict[str, Any]):
         if live is not None:
             try:
                 live.after_load(model_patcher)
+                live.start_timing(model_patcher)
             except Exception:
                 log.exception("Apply Layerwise Offload (auto): reading the order back failed")
         return result

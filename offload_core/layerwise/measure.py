@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
+from torch import nn
 
 from ..device.hooks import BlockHooks
 from ..device.timeline import Timeline
@@ -188,3 +189,119 @@ class PassMeter:
             self._hooks.remove()
             self._hooks = None
         self._marks = {}
+
+
+# ------------------------------------------------------------------ passes another streamer runs
+MEASURE_CALLS = 4  # calls of the model a run's timing covers: the first is left out, the last kept
+
+
+def block_costs(block_ms: Sequence[float], block_bytes: Sequence[int], period_ms: float,
+                copy_bytes_per_ms: float, asynchronous: bool, streamed: Sequence[int] = ()) -> Costs:
+    """The costs of a pass whose weights another streamer moved (core's Dynamic VRAM): each
+    block's time from marks around it, the link's rate from a copy timed apart (``link.py``).
+
+    A block the other streamer held resident took only its compute; one it ``streamed`` also
+    waited for its weights, so its compute is taken from the resident blocks of its size (a
+    model's blocks of one size are one kind: Flux's double or single blocks), else from the
+    compute per byte of the resident ones, else (none resident) its time less its copy, which
+    is short of its compute by what of the copy hid behind the block before it."""
+    n = len(block_ms)
+    moved = set(streamed)
+    copy = [b / copy_bytes_per_ms if copy_bytes_per_ms > 0 else 0.0 for b in block_bytes]
+    kept = [i for i in range(n) if i not in moved]
+    per_byte = (sum(block_ms[i] for i in kept) / max(1, sum(block_bytes[i] for i in kept))) if kept else None
+    by_size: dict[int, list[float]] = {}
+    for i in kept:
+        by_size.setdefault(block_bytes[i], []).append(block_ms[i])
+
+    def estimate(i: int) -> float:
+        same = by_size.get(block_bytes[i])
+        if same:
+            return sum(same) / len(same)
+        return per_byte * block_bytes[i] if per_byte is not None else max(0.0, block_ms[i] - copy[i])
+
+    compute = [float(block_ms[i]) if i not in moved else estimate(i) for i in range(n)]
+    outside = max(0.0, period_ms - sum(block_ms))
+    return Costs(tuple(compute), tuple(copy), tuple(int(b) for b in block_bytes), tuple(range(n)), 0,
+                 outside, asynchronous)
+
+
+class CallTimer:
+    """Marks where each of the first ``calls`` calls of ``root`` starts and around each of its
+    ``blocks``: what a pass costs per block where the engine does not stream the blocks itself
+    (core's Dynamic VRAM does, and the node only chooses their order in VRAM).
+
+    The marks are device events recorded on the current stream, so timing adds no wait to the
+    run; ``close`` reads them once the run is over. Nothing is marked inside a torch.compile graph
+    or while a CUDA graph is captured, and after ``calls`` calls the hooks come off."""
+
+    def __init__(self, device: torch.device, root: nn.Module, blocks: Sequence[nn.Module],
+                 calls: int = MEASURE_CALLS) -> None:
+        self._ordering = for_device(device)
+        self._calls = calls
+        self._n = len(blocks)
+        self._passes: list[tuple[Event, list[tuple[int, Event]]]] = []
+        self._end: Event | None = None
+        self._root = root.register_forward_pre_hook(self._call)
+        self._hooks: BlockHooks | None = BlockHooks(list(enumerate(blocks)), self._mark, self._mark)
+
+    def _mark_now(self) -> Event:
+        event = self._ordering.event(timing=True)
+        event.record(self._ordering.current_stream())
+        return event
+
+    def _call(self, module: nn.Module, args: tuple) -> None:
+        if _not_timed():
+            return
+        if len(self._passes) >= self._calls:
+            self._stop()
+            return
+        self._passes.append((self._mark_now(), []))
+
+    def _mark(self, index: int) -> None:
+        if self._end is None and self._passes and not _not_timed():
+            self._passes[-1][1].append((index, self._mark_now()))
+
+    def _stop(self) -> None:
+        if self._end is None:
+            self._end = self._mark_now()
+        self._root.remove()
+        if self._hooks is not None:
+            self._hooks.remove()
+            self._hooks = None
+
+    def close(self) -> tuple[list[float], float] | None:
+        """(each block's time, the period) of the last pass marked whole (later passes are past
+        the first calls' costs); None where none was. Removes the hooks."""
+        self._stop()
+        if not self._passes:
+            return None
+        self._end.synchronize()
+        ends = [start for start, _ in self._passes[1:]] + [self._end]
+        for k in range(len(self._passes) - 1, -1, -1):
+            start, marks = self._passes[k]
+            times = _block_times(marks, self._n)
+            if times is not None:
+                return times, start.elapsed_time(ends[k])
+        return None
+
+
+def _block_times(marks: Sequence[tuple[int, Event]], n: int) -> list[float] | None:
+    """Each block's time from its (enter, exit) marks in one pass; None unless every block ran."""
+    open_: dict[int, Event] = {}
+    times: list[float | None] = [None] * n
+    for index, event in marks:
+        if index in open_:
+            times[index] = (times[index] or 0.0) + open_.pop(index).elapsed_time(event)
+        else:
+            open_[index] = event
+    if open_ or any(t is None for t in times):
+        return None
+    return [float(t) for t in times]
+
+
+def _not_timed() -> bool:
+    """Inside a compiled graph or a CUDA graph capture, where an event cannot be recorded."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

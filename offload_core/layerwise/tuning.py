@@ -297,7 +297,7 @@ class Tuner:
         if chosen.setting == current or not self.choices.free or kind.plans > MAX_PLANS:
             kind.held = current
             kind.predicted_ms = predict(kind.costs, current).step_ms
-            kind.verdict = _verdict(kind.predicted_ms, period)
+            kind.verdict = verdict(kind.predicted_ms, period)
             self._enter("hold")
             return
         kind.before = (current, period)
@@ -314,7 +314,7 @@ class Tuner:
         current = self.current()
         if period <= predicted * (1 + CHECK_TOLERANCE):
             kind.held, kind.costs = current, costs
-            kind.verdict = _verdict(predicted, period)
+            kind.verdict = verdict(predicted, period)
             self._enter("hold")
             return
         before = kind.before
@@ -434,7 +434,7 @@ def _worse(costs: Costs, current: Setting, before: tuple[Setting, float], predic
     return period > before[1] * (1 + CHECK_TOLERANCE)
 
 
-def _verdict(predicted: float, measured: float) -> str:
+def verdict(predicted: float, measured: float) -> str:
     """The measured step against the predicted one, in the panel's words (the panel shows both)."""
     ratio = measured / predicted if predicted > 0 else 1.0
     if ratio > 1 + CHECK_TOLERANCE:

@@ -1,0 +1,200 @@
+"""Which blocks another streamer should keep first in VRAM, chosen by measurement and checked.
+
+Why: core's Dynamic VRAM streams a model itself and keeps its weights resident in the order of
+their places in VRAM, lowest first, as far as the card allows. The node chooses that order; a
+rule (as many blocks as fit, spread evenly) keeps blocks that compute would not have waited for
+and streams the ones it waits for longest. Here the run's own figures choose: the blocks' times
+(``measure.CallTimer``) and the link's rate (``device/link.py``) make the costs of a pass
+(``measure.block_costs``), and the planner (planner.py) weighs every resident set it weighs for
+the engine with the same pipeline model (pipeline.py), the prefetch being core's own.
+
+Each kind of run (the shape of the latent: another resolution or batch changes what a block
+costs) goes through: measure (a run with the starting order) -> plan (before the next load; the
+order changes only where the model predicts a faster step by more than ``planner.TIE``, since
+laying VRAM out again drops every page the model holds there) -> check (the next run is measured
+against the prediction: slower than predicted and slower than the order before, by more than
+``CHECK_TOLERANCE``, and the order before comes back, the rejected one not tried again) -> hold.
+Whatever the order, every block computes with the same weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .measure import block_costs
+from .pipeline import Costs, Setting, predict
+from .planner import TIE, Choices, Plan, Reason, ms_text, plan
+from .tuning import CHECK_TOLERANCE, verdict
+
+CORE_PREFETCH = 1  # core's block prefetch fetches one block ahead
+
+
+@dataclass
+class _Kind:
+    order: tuple[int, ...]  # resident blocks in force for this kind of run
+    phase: str = "measure"  # measure -> plan -> check -> hold
+    costs: Costs | None = None
+    plan: Plan | None = None
+    predicted_ms: float | None = None
+    measured_ms: float | None = None
+    verdict: str | None = None
+    before: tuple[tuple[int, ...], float] | None = None  # the order replaced, and its step
+    rejected: list[Setting] = field(default_factory=list)
+    reason: Reason | None = None
+
+
+class OrderTuner:
+    """Measure, plan, check and roll back the resident blocks of one model another streamer runs.
+
+    ``asynchronous``: copies run beside compute, one block ahead (core's prefetch on a GPU); else
+    a streamed block waits for its whole copy when it runs."""
+
+    def __init__(self, block_bytes: Sequence[int], *, asynchronous: bool) -> None:
+        self.block_bytes = tuple(int(b) for b in block_bytes)
+        self.asynchronous = asynchronous
+        self.runs = 0
+        self.changes: list[dict[str, Any]] = []
+        self.link_bytes_per_ms: float | None = None
+        self.block_ms: list[float] | None = None
+        self._kinds: dict[Hashable, _Kind] = {}
+        self._key: Hashable | None = None
+
+    def _setting(self, resident: Sequence[int]) -> Setting:
+        return Setting(tuple(sorted(resident)), CORE_PREFETCH)
+
+    def order(self, key: Hashable, budget_bytes: int | None, start: Sequence[int]) -> tuple[int, ...]:
+        """The resident blocks for a run of ``key`` with ``budget_bytes`` of VRAM for blocks (None:
+        none streamed fits; nothing is resident), ``start`` being the rule's order."""
+        self._key = key
+        kind = self._kinds.get(key)
+        if kind is None:
+            kind = self._kinds[key] = _Kind(tuple(sorted(start)))
+        if kind.costs is None:
+            kind.order = tuple(sorted(start))
+            return kind.order
+        current = self._setting(kind.order)
+        if budget_bytes is not None and predict(kind.costs, current).device_bytes > budget_bytes:
+            kind.order = tuple(sorted(start))  # less VRAM than when it was chosen
+            current = self._setting(kind.order)
+            if kind.phase == "hold":
+                kind.phase = "plan"
+        if kind.phase != "plan":
+            return kind.order
+        result = plan(kind.costs, Choices(prefetch=CORE_PREFETCH), budget_bytes, current, kind.rejected)
+        kind.plan = result
+        chosen = result.chosen.setting
+        now = predict(kind.costs, current).step_ms
+        gain = now - result.chosen.prediction.step_ms
+        if chosen.resident != kind.order and gain > TIE * now:
+            kind.before = (kind.order, kind.measured_ms or now)
+            self.changes.append({"pass": self.runs + 1, "from": self._json(kind.order),
+                                 "to": self._json(chosen.resident), "why": "planned"})
+            kind.order = chosen.resident
+            kind.predicted_ms = result.chosen.prediction.step_ms
+            kind.phase = "check"
+            kind.reason = _reason(result)
+        else:
+            kind.predicted_ms = now
+            kind.phase = "hold"
+            if chosen.resident != kind.order and result.chosen.prediction.bound != "compute":
+                kind.reason = Reason(f"the best order measured would save {ms_text(max(gain, 0.0))} a "
+                                     "step, under 1%: the order in force is kept, since laying VRAM "
+                                     "out again drops every page the model holds there")
+            else:
+                kind.reason = _reason(result)
+        return kind.order
+
+    def wants_timing(self, key: Hashable) -> bool:
+        """Whether a run of ``key`` is to be measured (to plan, or to check a new order)."""
+        kind = self._kinds.get(key)
+        return kind is None or kind.costs is None or kind.phase in ("measure", "check")
+
+    def measured(self, key: Hashable, block_ms: Sequence[float], period_ms: float,
+                 link_bytes_per_ms: float, streamed: Sequence[int] = ()) -> None:
+        """A run of ``key`` was timed: each block's time, the period of a pass, the link's rate,
+        and the blocks the streamer did not hold resident in it."""
+        self.runs += 1
+        self.block_ms = [float(t) for t in block_ms]
+        self.link_bytes_per_ms = link_bytes_per_ms
+        kind = self._kinds.setdefault(key, _Kind(()))
+        kind.costs = block_costs(block_ms, self.block_bytes, period_ms, link_bytes_per_ms,
+                                 self.asynchronous, streamed)
+        kind.measured_ms = period_ms
+        if kind.phase == "check" and kind.predicted_ms:
+            kind.verdict = verdict(kind.predicted_ms, period_ms)
+            slower = period_ms > kind.predicted_ms * (1 + CHECK_TOLERANCE)
+            if slower and kind.before is not None and period_ms > kind.before[1] * (1 + CHECK_TOLERANCE):
+                kind.rejected.append(self._setting(kind.order))
+                self.changes.append({"pass": self.runs + 1, "from": self._json(kind.order),
+                                     "to": self._json(kind.before[0]), "why": "slower than predicted"})
+                kind.order = kind.before[0]
+                kind.reason = Reason(f"rolled back: {ms_text(period_ms)} a step measured, "
+                                     f"{ms_text(kind.predicted_ms)} predicted, "
+                                     f"{ms_text(kind.before[1])} before")
+            kind.phase = "hold"
+        else:  # planned before the next load, with the newest figures
+            kind.phase = "plan"
+            if kind.predicted_ms:
+                kind.verdict = verdict(kind.predicted_ms, period_ms)
+
+    def _json(self, resident: Sequence[int]) -> dict[str, Any]:
+        return {"resident_blocks": sorted(resident), "resident_units": len(resident),
+                "prefetch": None, "read_ahead": 0}
+
+    def report(self) -> dict[str, Any] | None:
+        """What the tuner chose for the kind of run last planned, and why (the layerwise report's
+        ``tuning``, as the engine's tuner gives it); None before the first plan."""
+        kind = self._kinds.get(self._key) if self._key is not None else None
+        if kind is None:
+            return None
+        out: dict[str, Any] = {
+            "auto": ["resident"],
+            "phase": kind.phase,
+            "setting": self._json(kind.order),
+            "predicted_ms": kind.predicted_ms,
+            "measured_ms": kind.measured_ms,
+            "verdict": kind.verdict,
+            "reason": kind.reason.text if kind.reason else None,
+            "reason_template": kind.reason.template if kind.reason else None,
+            "reason_sizes": list(kind.reason.sizes) if kind.reason else None,
+            "budget_bytes": kind.plan.budget_bytes if kind.plan else None,
+            "passes": self.runs,
+            "counted": "runs",
+            "changes": list(self.changes),
+            "block_ms": self.block_ms,
+            "link_bytes_per_ms": self.link_bytes_per_ms,
+        }
+        if kind.costs is not None:
+            now = predict(kind.costs, self._setting(kind.order))
+            out.update(bound=now.bound, device_bytes=now.device_bytes)
+        return out
+
+
+def _reason(result: Plan) -> Reason:
+    """Why these blocks come first, in the words the panel shows."""
+    chosen = result.chosen
+    blocks = sorted(chosen.setting.resident)
+    which = ", ".join(str(b) for b in blocks)
+    if chosen.prediction.bound == "compute":
+        if not blocks:
+            return Reason("copies hidden behind compute: no block needs to come first in VRAM; "
+                          "core keeps the blocks it has room for in run order")
+        return Reason(f"copies hidden behind compute with block{_s(blocks)} {which} first in VRAM")
+    text = (f"link-bound: block{_s(blocks)} {which} first in VRAM, the ones compute would wait "
+            f"for longest; copies take {ms_text(chosen.prediction.copy_busy_ms)} a step")
+    base = result.default
+    if base is not None and base.setting != chosen.setting:
+        text += (f" ({ms_text(chosen.prediction.step_ms)} a step predicted, "
+                 f"{ms_text(base.prediction.step_ms)} in the order before)")
+    if result.more is not None:
+        saved = chosen.prediction.step_ms - result.more.prediction.step_ms
+        need = result.more.prediction.device_bytes - chosen.prediction.device_bytes
+        return Reason(text + f"; more VRAM for blocks would save {ms_text(saved)} a step; it needs {{}} more",
+                      (need,))
+    return Reason(text)
+
+
+def _s(items: Sequence) -> str:
+    return "" if len(items) == 1 else "s"
