@@ -3,8 +3,9 @@
 Lanes: `make test` runs every test against the ComfyUI tree beside .venv/ (0.3.75), then only
 the tests marked `comfy_tree` against ComfyUI 0.33.0 (TIERED_OFFLOAD_COMFY_ROOT/_PYTHON, see
 comfy_server.py). A test gets that marker by itself when it uses the shared `comfy` server or its
-module imports the server harness (ComfyServer, COMFY_ROOT); unit tests never do, so they run on
-one lane only.
+module imports the server harness (ComfyServer, COMFY_ROOT); unit tests do not, so they run on
+one lane only, except the auto settings' acceptance figures (the planner's simulation, the
+Dynamic VRAM order's, the disk-bound read-ahead run), marked by hand to run on both.
 """
 from __future__ import annotations
 

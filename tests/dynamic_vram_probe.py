@@ -119,6 +119,51 @@ def sample(model) -> torch.Tensor:
     return comfy.sample.sample(model, noise, 2, 1.0, "euler", "simple", cond, cond, latent)
 
 
+def sample_hunyuan(model) -> torch.Tensor:
+    """Two steps of core's sampler on the tiny HunyuanVideo (double and single blocks)."""
+    import comfy.sample
+    spec = tiny_models.MODELS["hunyuan_video"]
+    latent = torch.zeros(*spec["latent"]["shape"])
+    noise = comfy.sample.prepare_noise(latent, 42)
+    g = torch.Generator().manual_seed(1)
+    extra = {k: torch.randn(*shape, generator=g) for k, shape in spec["conditioning"]["tensors"].items()}
+    cond = [[torch.randn(*spec["conditioning"]["cross_attn"], generator=g),
+             dict(extra, **spec["conditioning"]["values"])]]
+    return comfy.sample.sample(model, noise, 2, 1.0, "euler", "simple", cond, cond, latent)
+
+
+def measured_order_case(layerwise, state, path: Path) -> dict:
+    """auto with a budget on a model whose blocks differ in size (HunyuanVideo's double and single
+    blocks): the first run streams in the budget's order and is timed; the next run is laid out in
+    the order the measurements chose; the one after checks it and holds it."""
+    import dynamic_vram_standin as standin
+    vbar_layout = sys.modules["tiered_offload_probe.nodes.layerwise.vbar_layout"]
+    node = layerwise.ApplyLayerwiseOffload
+    dyn = standin.runnable(comfy.sd.load_diffusion_model(str(path)))
+    core = sample_hunyuan(dyn)
+    diffusion_model = dyn.model.diffusion_model
+    discovery = importlib.import_module("tiered_offload_probe.offload_core.blocks.discovery")
+    coop_blocks = list(discovery.find_blocks(diffusion_model).blocks)
+    sizes = [comfy.model_management.module_size(b) for b in coop_blocks]
+    # 3 double blocks' room: the budget's rule (spread evenly, prefetch 1) keeps one single block
+    settings = dict(SETTINGS, resident_blocks=-1, vram_budget_gb=3 * max(sizes) / 2**30)
+    runs = []
+    for _ in range(3):
+        patcher = node.execute(dyn, **settings)[0]
+        latent = sample_hunyuan(patcher)
+        coop = state.LAYERWISE.cooperations.get(diffusion_model)
+        r = coop.report()
+        layout = vbar_layout.read(dyn.model, standin.CPU0, coop_blocks)
+        runs.append({"same_as_core": torch.equal(latent, core), "resident": r["resident_indices"],
+                     "in_force": bool(layout and layout.in_order(r["resident_indices"], r["streamed_indices"])),
+                     "tuning": r["tuning"], "auto_settings": r["auto_settings"],
+                     "relayouts": r["dynamic_vram"]["relayouts"],
+                     "hooks_after": sum(len(m._forward_pre_hooks) + len(m._forward_hooks)
+                                        for m in [diffusion_model, *coop_blocks])})
+    return {"block_bytes": sizes, "budget_bytes": int(settings["vram_budget_gb"] * 2**30), "runs": runs,
+            "report": coop.report()}
+
+
 def block_hooks(model) -> int:
     """Forward hooks on the model's block modules (the engine's way in; auto must add none)."""
     return sum(len(m._forward_pre_hooks) + len(m._forward_hooks)
@@ -377,6 +422,10 @@ def main() -> None:
     else:
         report["dynamic"] = dynamic_cases(layerwise, state, path)
         report["dynamic"]["orders"] = order_cases(layerwise, state, path)
+        hunyuan = OUT_DIR / "probe_hunyuan_video.safetensors"
+        tiny_models.write_tiny_hunyuan_video(hunyuan, **dict(tiny_models.MODELS["hunyuan_video"]["writer_kwargs"],
+                                                             single_blocks=4, hidden=512))
+        report["dynamic"]["measured_order"] = measured_order_case(layerwise, state, hunyuan)
     print(json.dumps(report))
 
 

@@ -228,3 +228,27 @@ def test_a_layout_that_cannot_be_handed_back_is_said_plainly(dynamic):
     assert "/free" in dv["message"] and "CUDA graph" in dv["message"]
     assert len(held["warnings"]) == 1 and held["layout_unchanged"]
     assert held["same_as_core"]
+
+
+def test_the_runs_measurements_choose_which_blocks_core_keeps(dynamic):
+    """auto with a budget on HunyuanVideo (double blocks over twice the size of single ones): the
+    first run is timed in the budget's order (one single block first), the next is laid out in
+    the order the measurements chose (the double blocks first: their copies cost most), the one
+    after holds it; core's output never changes and no hook of the node's is left on the model."""
+    case = dynamic["measured_order"]
+    sizes = case["block_bytes"]
+    first, second, third = case["runs"]
+    assert first["resident"] == [3] and first["in_force"], first
+    assert first["tuning"]["phase"] == "plan" and len(first["tuning"]["block_ms"]) == len(sizes)
+    assert all(t > 0 for t in first["tuning"]["block_ms"]) and first["tuning"]["link_bytes_per_ms"] > 0
+    doubles = [i for i, b in enumerate(sizes) if b == max(sizes)]
+    assert second["resident"] == doubles and second["in_force"], second
+    assert second["relayouts"] == first["relayouts"] + 1, "laid out again once, for the measured order"
+    change = second["tuning"]["changes"]
+    assert [c["to"]["resident_blocks"] for c in change] == [doubles] and change[0]["why"] == "planned"
+    assert second["tuning"]["predicted_ms"] > 0 and second["tuning"]["measured_ms"] > 0
+    assert f"blocks {', '.join(map(str, doubles))} first in VRAM" in second["tuning"]["reason"]
+    assert third["resident"] == doubles and third["relayouts"] == second["relayouts"], third
+    assert third["tuning"]["phase"] == "hold" and third["auto_settings"] == ["resident"]
+    assert all(r["same_as_core"] for r in case["runs"]), "an order must not change a bit of the result"
+    assert all(r["hooks_after"] == 0 for r in case["runs"]), "the timing hooks come off with the run"

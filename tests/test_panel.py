@@ -796,7 +796,9 @@ def test_dynamic_vram_model_shows_cores_residency_and_whether_the_order_is_in_fo
     payload = comfy.get("/offload/tiers")
     url = f"/extensions/{PACK_LINK_NAME}/panel.js"
     drawn = {}
-    for name, lw in (("in force", orders["report_in_force"]), ("held", orders["held"]["report"])):
+    measured = dynamic_vram_probe["dynamic"]["measured_order"]["report"]
+    for name, lw in (("in force", orders["report_in_force"]), ("held", orders["held"]["report"]),
+                     ("measured", measured)):
         card = {"id": "core-dynamic", "class": "WAN21", "network": lw["model_class"],
                 "kind": "diffusion model", "file": None, "device": "cuda:0", "core": True,
                 "bytes": {"total": lw["block_bytes"] + lw["rest_bytes"], "device": lw["rest_bytes"],
@@ -818,6 +820,8 @@ def test_dynamic_vram_model_shows_cores_residency_and_whether_the_order_is_in_fo
               order: lw.querySelector('[data-role="lw-order"]').textContent,
               streaming: lw.querySelector('[data-role="lw-streaming"]').textContent,
               cells: [...lw.querySelectorAll(".to-strip .to-blk")].map((c) => c.className.split("to-blk-").pop()),
+              plan: Object.fromEntries(["plan-setting", "plan-reason", "plan-check", "plan-changes"].map(
+                (role) => [role, lw.querySelector(`[data-role="${role}"]`)?.textContent ?? null])),
               pills: [...card.querySelectorAll(".to-pill")].map((p) => p.textContent) };
             panel.unmount();
             el.remove();
@@ -830,6 +834,15 @@ def test_dynamic_vram_model_shows_cores_residency_and_whether_the_order_is_in_fo
     assert "4 kept in VRAM · 0 streamed" in " ".join(shown["summary"].split())
     assert "in force" in shown["order"] and "laid out again" in shown["order"]
     assert "adds no streamer" in shown["streaming"]
+    # The order the run's measurements chose: which blocks, why, predicted against measured, and
+    # the change, counted in runs (core streams; no prefetch of the node's to show).
+    plan = drawn["measured"]["plan"]
+    tuning = measured["tuning"]
+    doubles = tuning["setting"]["resident_blocks"]
+    assert " ".join(plan["plan-setting"].split()) == f"{len(doubles)} of {measured['blocks']} blocks resident", plan
+    assert plan["plan-reason"] == tuning["reason"] and "first in VRAM" in plan["plan-reason"], plan
+    assert "predicted" in plan["plan-check"] and tuning["verdict"] in plan["plan-check"], plan
+    assert plan["plan-changes"].startswith("1 change, before run 2:"), plan
     held = drawn["held"]
     assert "order already fixed by an earlier load" in held["order"]
     assert "takes effect after the model is reloaded" in held["order"]

@@ -170,6 +170,10 @@ export const ENGLISH = {
     slower: "slower",
     changesOne: "1 change this run, before pass {pass}: {setting}",
     changes: "{n} changes this run, the last before pass {pass}: {setting}",
+    changesRunsOne: "1 change, before run {pass}: {setting}",
+    changesRuns: "{n} changes, the last before run {pass}: {setting}",
+    measuringRun: "timing this run's blocks…",
+    measuredRun: "measured {measured} a step; the next run's order is chosen from it",
   },
   timeline: {
     head: "Last run, one pass of the model",

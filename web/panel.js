@@ -305,6 +305,7 @@ function dynamicOrderHtml(lw, showStrip) {
       <span class="to-muted" data-role="lw-summary">${esc(tr("dynamic.summary", { blocks: num(lw.blocks), kept, streamed }))}
       ${esc(tr(fromVbar ? "dynamic.afterRun" : "dynamic.planned"))}</span></div>
     ${order}
+    ${planHtml(lw, fmtBytes)}
     ${showStrip ? stripHtml(lw, false, "blocks.corePlace", CORE_STATES) : ""}
     <div class="to-muted" data-role="lw-streaming">${esc(dv.streaming ?? "")}</div>
   </div>`;

@@ -15,8 +15,9 @@ function settingText(s, blocks) {
   if (!s) return "";
   const parts = [
     tr("plan.resident", { n: (s.resident_blocks ?? []).length, blocks }),
-    tr("plan.prefetch", { n: num(s.prefetch) }),
   ];
+  // No prefetch where core streams (it fetches one block ahead by itself).
+  if (s.prefetch != null) parts.push(tr("plan.prefetch", { n: num(s.prefetch) }));
   if (num(s.read_ahead) > 0) parts.push(tr("plan.readAhead", { n: num(s.read_ahead) }));
   return parts.join(" · ");
 }
@@ -49,8 +50,11 @@ export function planHtml(lw, fmtBytes) {
   if (predicted && measured) {
     rows.push(`<div class="to-muted" data-role="plan-check">${esc(tr("plan.check", { predicted, measured }))}
       <span data-role="plan-verdict">${esc(t.verdict ?? "")}</span></div>`);
+  } else if (t.counted === "runs" && measured) {
+    rows.push(`<div class="to-muted" data-role="plan-check">${esc(tr("plan.measuredRun", { measured }))}</div>`);
   } else if (t.phase === "measure" || t.phase === "new") {
-    rows.push(`<div class="to-muted" data-role="plan-check">${esc(tr("plan.measuring"))}</div>`);
+    const words = t.counted === "runs" ? "plan.measuringRun" : "plan.measuring";
+    rows.push(`<div class="to-muted" data-role="plan-check">${esc(tr(words))}</div>`);
   }
   if (typeof t.explicit_cost_ms === "number" && t.auto_choice && Math.abs(t.explicit_cost_ms) > 0) {
     rows.push(`<div class="to-muted" data-role="plan-explicit">${esc(tr("plan.autoWould", {
@@ -60,7 +64,7 @@ export function planHtml(lw, fmtBytes) {
   if (changes.length) {
     const last = changes[changes.length - 1];
     rows.push(`<div class="to-muted" data-role="plan-changes" data-changes="${changes.length}">${esc(tr(
-      changes.length === 1 ? "plan.changesOne" : "plan.changes",
+      `plan.changes${t.counted === "runs" ? "Runs" : ""}${changes.length === 1 ? "One" : ""}`,
       { n: changes.length, pass: num(last.pass), setting: settingText(last.to, blocks) }))}</div>`);
   }
   return `<div class="to-plan" data-role="lw-plan" data-phase="${esc(t.phase ?? "")}">${rows.join("")}</div>`;

@@ -30,6 +30,9 @@ from offload_core.layerwise.streamer import LayerwiseStreamer
 from offload_core.layerwise.pipeline import Costs, DiskCosts, Setting
 from offload_core.layerwise.planner import DEFAULT_PREFETCH, Choices, candidates
 
+# Acceptance figures of the auto settings: run on both lanes (0.3.75 and 0.33).
+pytestmark = pytest.mark.comfy_tree
+
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts" / "unit-auto-plan"
 L = 64 * KiB
 PASSES = 20  # the tuner measures call 1 (from disk 1 to 4), applies before the next, checks after

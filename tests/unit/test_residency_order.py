@@ -19,6 +19,8 @@ call, and the link's rate. Held to:
 
 from __future__ import annotations
 
+import pytest
+
 from itertools import combinations
 
 import torch
@@ -30,6 +32,9 @@ from offload_core.layerwise.measure import CallTimer
 from offload_core.layerwise.pipeline import Setting
 from offload_core.layerwise.planner import DEFAULT_PREFETCH
 from offload_core.layerwise.residency_order import CORE_PREFETCH, OrderTuner
+
+# Acceptance figures of the auto settings: run on both lanes (0.3.75 and 0.33).
+pytestmark = pytest.mark.comfy_tree
 
 L = 64 * KiB
 PASSES = 8
