@@ -47,8 +47,7 @@ import comfy.patcher_extension
 from ...offload_core.device.link import copy_rate
 from ...offload_core.device.residency import fit_budget, plan_residency, slot_count, spread_evenly
 from ...offload_core.layerwise.measure import CallTimer
-from ...offload_core.layerwise.planner import DEFAULT_PREFETCH
-from ...offload_core.layerwise.residency_order import OrderTuner
+from ...offload_core.layerwise.residency_order import CORE_PREFETCH, OrderTuner
 from ...offload_core.layerwise.tuning import AUTO
 from ..core import state
 from ..core.models import is_dynamic, loaded_entries
@@ -74,10 +73,11 @@ class OrderSettings:
     @classmethod
     def from_streamer_kwargs(cls, kwargs: dict[str, Any]) -> "OrderSettings":
         """The node's settings; resident blocks left to auto are the budget's, and a prefetch left
-        to auto counts as the engine's default for the slots (core prefetches on its own)."""
+        to auto counts as core's own, one block ahead, for the room streaming takes (the order's
+        measurements weigh the same room)."""
         resident, prefetch = kwargs.get("resident"), kwargs["prefetch"]
         return cls(None if resident == AUTO else resident, kwargs.get("vram_budget_bytes"),
-                   DEFAULT_PREFETCH if prefetch == AUTO else prefetch)
+                   CORE_PREFETCH if prefetch == AUTO else prefetch)
 
 
 @dataclass(frozen=True)
