@@ -272,8 +272,8 @@ class Cooperation:
         states = self.core_states
         streamed = ([i for i, s in enumerate(states) if s != "resident"] if states
                     else list(self.order.streamed))
-        block_ms, period_ms = timed
-        self.tuner.measured(self.run_key, block_ms, period_ms, self.link_bytes_per_ms, streamed)
+        spans, period_ms = timed
+        self.tuner.measured(self.run_key, spans, period_ms, self.link_bytes_per_ms, streamed)
 
     def _budget(self, patcher, settings: OrderSettings, noise_shape, conds) -> int | None:
         """Bytes of VRAM for resident blocks this run, or None when not even streaming fits

@@ -195,33 +195,39 @@ class PassMeter:
 MEASURE_CALLS = 4  # calls of the model a run's timing covers: the first is left out, the last kept
 
 
-def block_costs(block_ms: Sequence[float], block_bytes: Sequence[int], period_ms: float,
+def block_costs(spans: Sequence[tuple[float, float]], block_bytes: Sequence[int], period_ms: float,
                 copy_bytes_per_ms: float, asynchronous: bool, streamed: Sequence[int] = ()) -> Costs:
     """The costs of a pass whose weights another streamer moved (core's Dynamic VRAM): each
-    block's time from marks around it, the link's rate from a copy timed apart (``link.py``).
+    block's ``spans`` (its start and end in the pass, from marks around it), the link's rate
+    from a copy timed apart (``link.py``), the blocks the streamer did not hold resident.
 
-    A block the other streamer held resident took only its compute; one it ``streamed`` also
-    waited for its weights, so its compute is taken from the resident blocks of its size (a
-    model's blocks of one size are one kind: Flux's double or single blocks), else from the
-    compute per byte of the resident ones, else (none resident) its time less its copy, which
-    is short of its compute by what of the copy hid behind the block before it."""
-    n = len(block_ms)
+    A resident block's time is its compute. A ``streamed`` block's time also holds its wait for
+    its weights, which the pipeline model itself says how long was: where copies run beside
+    compute (core's prefetch), the copy of a block starts when the block before it starts (core
+    fetches one block ahead), once the copy before it has ended, the first one as the call
+    begins, and the block computes from when it starts or its copy ends, whichever is later (a
+    block that ended before the copy so modelled could have ended had its weights earlier: a
+    streamer that fetched ahead across calls; it waited for none); where they do not, the block
+    waits for its whole copy. Its compute is the rest of its time."""
+    n = len(spans)
     moved = set(streamed)
     copy = [b / copy_bytes_per_ms if copy_bytes_per_ms > 0 else 0.0 for b in block_bytes]
-    kept = [i for i in range(n) if i not in moved]
-    per_byte = (sum(block_ms[i] for i in kept) / max(1, sum(block_bytes[i] for i in kept))) if kept else None
-    by_size: dict[int, list[float]] = {}
-    for i in kept:
-        by_size.setdefault(block_bytes[i], []).append(block_ms[i])
-
-    def estimate(i: int) -> float:
-        same = by_size.get(block_bytes[i])
-        if same:
-            return sum(same) / len(same)
-        return per_byte * block_bytes[i] if per_byte is not None else max(0.0, block_ms[i] - copy[i])
-
-    compute = [float(block_ms[i]) if i not in moved else estimate(i) for i in range(n)]
-    outside = max(0.0, period_ms - sum(block_ms))
+    compute: list[float] = []
+    copy_free = 0.0
+    for i, (start, end) in enumerate(spans):
+        took = end - start
+        if i not in moved:
+            compute.append(took)
+        elif not asynchronous:
+            compute.append(max(0.0, took - copy[i]))
+        else:
+            issued = spans[i - 1][0] if i else 0.0
+            ready = max(issued, copy_free) + copy[i]
+            if ready >= end:  # it cannot have ended before its weights came: they came earlier
+                ready = start
+            copy_free = ready
+            compute.append(end - max(start, ready))
+    outside = max(0.0, period_ms - sum(end - start for start, end in spans))
     return Costs(tuple(compute), tuple(copy), tuple(int(b) for b in block_bytes), tuple(range(n)), 0,
                  outside, asynchronous)
 
@@ -270,9 +276,10 @@ class CallTimer:
             self._hooks.remove()
             self._hooks = None
 
-    def close(self) -> tuple[list[float], float] | None:
-        """(each block's time, the period) of the last pass marked whole (later passes are past
-        the first calls' costs); None where none was. Removes the hooks."""
+    def close(self) -> tuple[list[tuple[float, float]], float] | None:
+        """(each block's start and end, from the start of its pass; the period) of the last pass
+        marked whole (later passes are past the first calls' costs); None where none was.
+        Removes the hooks."""
         self._stop()
         if not self._passes:
             return None
@@ -280,24 +287,28 @@ class CallTimer:
         ends = [start for start, _ in self._passes[1:]] + [self._end]
         for k in range(len(self._passes) - 1, -1, -1):
             start, marks = self._passes[k]
-            times = _block_times(marks, self._n)
-            if times is not None:
-                return times, start.elapsed_time(ends[k])
+            spans = _block_spans(start, marks, self._n)
+            if spans is not None:
+                return spans, start.elapsed_time(ends[k])
         return None
 
 
-def _block_times(marks: Sequence[tuple[int, Event]], n: int) -> list[float] | None:
-    """Each block's time from its (enter, exit) marks in one pass; None unless every block ran."""
-    open_: dict[int, Event] = {}
-    times: list[float | None] = [None] * n
+def _block_spans(start: Event, marks: Sequence[tuple[int, Event]], n: int) -> list[tuple[float, float]] | None:
+    """Each block's (first enter, last exit) in one pass, in ms from ``start``; None unless every
+    block ran."""
+    enters: dict[int, Event] = {}
+    exits: dict[int, Event] = {}
+    inside: set[int] = set()
     for index, event in marks:
-        if index in open_:
-            times[index] = (times[index] or 0.0) + open_.pop(index).elapsed_time(event)
+        if index in inside:
+            exits[index] = event
+            inside.discard(index)
         else:
-            open_[index] = event
-    if open_ or any(t is None for t in times):
+            enters.setdefault(index, event)
+            inside.add(index)
+    if inside or len(exits) != n:
         return None
-    return [float(t) for t in times]
+    return [(start.elapsed_time(enters[i]), start.elapsed_time(exits[i])) for i in range(n)]
 
 
 def _not_timed() -> bool:

@@ -111,15 +111,15 @@ class OrderTuner:
         kind = self._kinds.get(key)
         return kind is None or kind.costs is None or kind.phase in ("measure", "check")
 
-    def measured(self, key: Hashable, block_ms: Sequence[float], period_ms: float,
+    def measured(self, key: Hashable, spans: Sequence[tuple[float, float]], period_ms: float,
                  link_bytes_per_ms: float, streamed: Sequence[int] = ()) -> None:
-        """A run of ``key`` was timed: each block's time, the period of a pass, the link's rate,
-        and the blocks the streamer did not hold resident in it."""
+        """A run of ``key`` was timed: each block's start and end in a pass, the pass's period,
+        the link's rate, and the blocks the streamer did not hold resident in it."""
         self.runs += 1
-        self.block_ms = [float(t) for t in block_ms]
+        self.block_ms = [float(end - start) for start, end in spans]
         self.link_bytes_per_ms = link_bytes_per_ms
         kind = self._kinds.setdefault(key, _Kind(()))
-        kind.costs = block_costs(block_ms, self.block_bytes, period_ms, link_bytes_per_ms,
+        kind.costs = block_costs(spans, self.block_bytes, period_ms, link_bytes_per_ms,
                                  self.asynchronous, streamed)
         kind.measured_ms = period_ms
         if kind.phase == "check" and kind.predicted_ms:

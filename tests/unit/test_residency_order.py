@@ -9,8 +9,8 @@ marks around it (``CallTimer``: a streamed block's wait for its copy is in it), 
 call, and the link's rate. Held to:
 - every resident set within the budget, run one by one (all of them: the exhaustive search): the
   tuner's order gives a step within 3% of the best, and never slower than the rule's order (as
-  many blocks as the budget holds, spread evenly), and its prediction is within 5% of the step
-  the next run measures;
+  many blocks as the budget holds, spread evenly); measured where every block was resident, its
+  prediction is within 5% of the step the next run measures;
 - where copies hide behind compute, or the measured order would save under 1%, the order stays
   (laying VRAM out again is not free);
 - a new order whose run is slower than predicted and than the order before is rolled back, and
@@ -76,23 +76,25 @@ def _all_sets(shape: Shape) -> list[tuple[int, ...]]:
             if bound_bytes(list(shape.sizes), s, 0, CORE_PREFETCH) <= shape.budget]
 
 
-def _tune(shape: Shape, monkeypatch):
-    """A first run with room for every block (measured), then VRAM for ``shape.budget`` only (another
-    model took the rest): the tuner's order there, the run with it, and every set's step."""
+def _tune(shape: Shape, monkeypatch, first_fits_all: bool = False):
+    """A first run in the rule's order within ``shape.budget``, timed; or (``first_fits_all``) with
+    room for every block, then VRAM for the budget only (another model took the rest). Then the
+    tuner's order, the run with it, and every set's step."""
     n = len(shape.sizes)
     clock = shape.clock()
     with installed(clock, monkeypatch):
         stack = shape.build(clock)
         start = _start(shape)
         tuner = OrderTuner(shape.sizes, asynchronous=True)
-        everything = tuple(range(n))
-        assert tuner.order(KEY, None, everything) == everything and tuner.wants_timing(KEY)
-        _, (block_ms, period), reference = _timed_run(shape, clock, stack, everything)
-        tuner.measured(KEY, block_ms, period, shape.link, [])
+        first = tuple(range(n)) if first_fits_all else start
+        assert tuner.order(KEY, None if first_fits_all else shape.budget, first) == first
+        assert tuner.wants_timing(KEY)
+        _, (spans, period), reference = _timed_run(shape, clock, stack, first)
+        tuner.measured(KEY, spans, period, shape.link, [i for i in range(n) if i not in first])
         chosen = tuner.order(KEY, shape.budget, start)
-        step, (block_ms, period), output = _timed_run(shape, clock, stack, chosen)
+        step, (spans, period), output = _timed_run(shape, clock, stack, chosen)
         planned = tuner.report()
-        tuner.measured(KEY, block_ms, period, shape.link, [i for i in range(n) if i not in chosen])
+        tuner.measured(KEY, spans, period, shape.link, [i for i in range(n) if i not in chosen])
         steps = {s: _timed_run(shape, clock, stack, s)[0] for s in _all_sets(shape)}
         start_step = steps.get(start) or _timed_run(shape, clock, stack, start)[0]
     assert not clock.violations, clock.violations
@@ -110,12 +112,24 @@ def test_the_measured_order_is_the_best_within_the_budget(monkeypatch):
     assert chosen != start and planned["phase"] == "check", report
     assert {2, 5} <= set(chosen), report  # the heavy blocks: compute waits longest for them
     assert step <= best * 1.03 and step < start_step, report
-    assert abs(planned["predicted_ms"] - step) <= 0.05 * step, report
     after = tuner.report()
-    assert after["phase"] == "hold" and after["verdict"] == "as predicted", after
+    # From a run with every block streamed the model cannot tell how far ahead of a call the
+    # first copies were made (the engine here fetches across calls; core, as a call begins), so
+    # its prediction may be off; the check holds the faster order all the same.
+    assert after["phase"] == "hold" and after["setting"]["resident_blocks"] == list(chosen), after
     assert after["changes"] == planned["changes"] and len(after["changes"]) == 1, after
     assert "blocks 2, 5 first in VRAM" in after["reason"], after
     assert not tuner.wants_timing(KEY), "a held order is not timed again"
+
+
+def test_measured_with_every_block_resident_the_order_is_the_best_when_vram_shrinks(monkeypatch):
+    """Every block's compute measured alone (nothing waited for a copy), then less VRAM."""
+    tuner, start, start_step, chosen, step, planned, steps = _tune(HEAVY, monkeypatch, first_fits_all=True)
+    best = min(steps.values())
+    report = f"chosen {chosen} {step:.3f} ms (predicted {planned['predicted_ms']:.3f}), best {best:.3f} ms"
+    print(report)
+    assert {2, 5} <= set(chosen) and step <= best * 1.03, report
+    assert abs(planned["predicted_ms"] - step) <= 0.05 * step, report
 
 
 def test_copies_hidden_behind_compute_keep_the_order(monkeypatch):
@@ -132,14 +146,14 @@ def test_a_slower_order_is_rolled_back_and_not_tried_again(monkeypatch):
         stack = HEAVY.build(clock)
         tuner = OrderTuner(HEAVY.sizes, asynchronous=True)
         tuner.order(KEY, None, tuple(range(n)))
-        _, (block_ms, period), _ = _timed_run(HEAVY, clock, stack, tuple(range(n)))
-    tuner.measured(KEY, block_ms, period, HEAVY.link, [])
+        _, (spans, period), _ = _timed_run(HEAVY, clock, stack, tuple(range(n)))
+    tuner.measured(KEY, spans, period, HEAVY.link, [])
     start = _start(HEAVY)
     chosen = tuner.order(KEY, HEAVY.budget, start)
     assert chosen != start
     # The run with the new order came out far slower than predicted and than the order before
     # (a link that slowed down for this model alone, say).
-    slow = [t * 3 for t in block_ms]
+    slow = [(a * 3, b * 3) for a, b in spans]
     tuner.measured(KEY, slow, period * 3, HEAVY.link, [i for i in range(n) if i not in chosen])
     report = tuner.report()
     assert report["verdict"] == "slower than predicted" and report["phase"] == "hold", report
@@ -147,14 +161,14 @@ def test_a_slower_order_is_rolled_back_and_not_tried_again(monkeypatch):
     assert report["reason"].startswith("rolled back"), report
     assert tuner.order(KEY, HEAVY.budget, start) == start
     # Measured again (another plan), the rejected order is not chosen again.
-    tuner.measured(KEY, block_ms, period, HEAVY.link, [])
+    tuner.measured(KEY, spans, period, HEAVY.link, [])
     assert tuner.order(KEY, HEAVY.budget, start) != chosen
 
 
 def test_another_latent_is_measured_and_planned_apart():
     tuner = OrderTuner((L, 3 * L, L), asynchronous=True)
     tuner.order(KEY, None, (0, 1, 2))
-    tuner.measured(KEY, [1.0, 2.0, 1.0], 5.0, L / 1.5, [])
+    tuner.measured(KEY, [(0.5, 1.5), (1.5, 3.5), (3.5, 4.5)], 5.0, L / 1.5, [])
     tuner.order(KEY, None, (0, 1, 2))
     assert not tuner.wants_timing(KEY)
     other = (2, 16, 8, 8)
@@ -181,8 +195,9 @@ def test_the_timer_marks_each_block_and_comes_off():
             stack(torch.zeros(1, 8))
     hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in [stack, *blocks])
     assert hooks == 0
-    block_ms, period = timer.close()
-    assert len(block_ms) == 3 and all(t > 0 for t in block_ms) and period >= sum(block_ms)
+    spans, period = timer.close()
+    assert len(spans) == 3 and all(0 <= a < b <= period for a, b in spans), (spans, period)
+    assert all(spans[i][1] <= spans[i + 1][0] for i in range(2)), "blocks run one after another"
     # A run whose calls never reached every block has nothing to say.
     idle = CallTimer(torch.device("cpu"), stack, list(blocks))
     assert idle.close() is None
