@@ -12,8 +12,10 @@ Each kind of run (the shape of the latent: another resolution or batch changes w
 costs) goes through: measure (a run with the starting order) -> plan (before the next load; the
 order changes only where the model predicts a faster step by more than ``planner.TIE``, since
 laying VRAM out again drops every page the model holds there) -> check (the next run is measured
-against the prediction: slower than predicted and slower than the order before, by more than
-``CHECK_TOLERANCE``, and the order before comes back, the rejected one not tried again) -> hold.
+and held against the prediction by the engine's own rule, ``tuning.slower_than_before``: slower
+than the order before, judged in the conditions just measured, and the order before comes back,
+the rejected one not tried again; a host or link that slowed every order down is no reason)
+-> hold.
 Whatever the order, every block computes with the same weights.
 """
 
@@ -26,7 +28,7 @@ from typing import Any
 from .measure import block_costs
 from .pipeline import Costs, Setting, predict
 from .planner import TIE, Choices, Plan, Reason, ms_text, plan
-from .tuning import CHECK_TOLERANCE, verdict
+from .tuning import slower_than_before, verdict
 
 CORE_PREFETCH = 1  # core's block prefetch fetches one block ahead
 
@@ -124,8 +126,9 @@ class OrderTuner:
         kind.measured_ms = period_ms
         if kind.phase == "check" and kind.predicted_ms:
             kind.verdict = verdict(kind.predicted_ms, period_ms)
-            slower = period_ms > kind.predicted_ms * (1 + CHECK_TOLERANCE)
-            if slower and kind.before is not None and period_ms > kind.before[1] * (1 + CHECK_TOLERANCE):
+            before = (self._setting(kind.before[0]), kind.before[1]) if kind.before is not None else None
+            if before is not None and slower_than_before(kind.costs, self._setting(kind.order), before,
+                                                         kind.predicted_ms, period_ms):
                 kind.rejected.append(self._setting(kind.order))
                 self.changes.append({"pass": self.runs + 1, "from": self._json(kind.order),
                                      "to": self._json(kind.before[0]), "why": "slower than predicted"})

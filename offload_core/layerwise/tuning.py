@@ -19,7 +19,7 @@ apart):
 4. check: the next steady pass is held against the prediction; a pass slower than predicted (by
    more than ``CHECK_TOLERANCE``) whose setting is slower than the one before is rolled back to
    it, and that setting is not tried again for this kind of pass; slower than before is judged
-   in the conditions of the pass just measured (``_worse``: a busy host or a slower link slows
+   in the conditions of the pass just measured (``slower_than_before``: a busy host or a slower link slows
    every setting, which no comparison with an earlier step can tell); a pass slower than
    predicted but not slower than before is kept and measured again;
 5. hold: recording stops (unless the panel asks for the picture). The next run starts with the
@@ -318,7 +318,7 @@ class Tuner:
             self._enter("hold")
             return
         before = kind.before
-        if before is not None and before[0] != current and _worse(costs, current, before, predicted, period):
+        if before is not None and before[0] != current and slower_than_before(costs, current, before, predicted, period):
             kind.rejected.append(current)
             kind.held = before[0]
             kind.verdict = "slower than predicted, and than the setting before: rolled back"
@@ -420,7 +420,7 @@ def _report(tuner: Tuner, kind: _Kind | None) -> dict[str, Any] | None:
     return out
 
 
-def _worse(costs: Costs, current: Setting, before: tuple[Setting, float], predicted: float,
+def slower_than_before(costs: Costs, current: Setting, before: tuple[Setting, float], predicted: float,
            period: float) -> bool:
     """Whether the setting in force is slower than the one before it, its pass having been
     slower than predicted. Where the units themselves now cost more than when the plan was
