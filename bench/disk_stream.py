@@ -26,7 +26,10 @@ Each mode measures:
 Read-ahead (``read_ahead`` in the JSON, its own table): cold passes over the model's own file
 through a cache of --read-ahead-units units, read ahead by 1, 2 and 4 workers (each reads one unit
 ahead) and by ``auto`` (the engine's tuner chooses how far, after measuring its first passes):
-step time, cache hit rate and bytes read per step, in --read-ahead-rounds rounds.
+step time, cache hit rate and bytes read per step, each setting in an engine of its own, the
+engines taking turns in --read-ahead-rounds rounds; and ``1 again``, one worker once more in a
+fifth engine, whose step against the first's (``same_setting_spread``) says how far apart two
+engines of one setting come out on this disk: what a difference between settings must exceed.
 The page cache is dropped for both files before the measured passes (posix_fadvise DONTNEED, and
 with --drop-caches, as root, the whole cache). Prints a table, writes JSON (device, torch,
 settings) to bench/results/. ``--smoke`` runs tiny shapes on the CPU in seconds so the script never
@@ -203,18 +206,23 @@ def run_mode(mode: str, spec: Spec, device: torch.device, path: Path, ref: torch
     return out
 
 
-READ_AHEAD = ("1", "2", "4", "auto")  # disk_workers settings compared; auto: read-ahead planned
+# disk_workers settings compared; auto: read-ahead planned. "1 again": the first setting once more, in
+# an engine of its own: how far two engines of one setting differ on this disk (the figures' floor).
+READ_AHEAD = ("1", "2", "4", "auto", "1 again")
+FIXED = ("1", "2", "4")
 AUTO_WARM_PASSES = 24  # at most: the tuner measures, plans, applies and checks within these
 
 
 def run_read_ahead(spec: Spec, device: torch.device, path: Path, args) -> dict:
     """Cold passes through a cache of ``args.read_ahead_units`` units, read ahead by 1, 2, 4 workers
-    and by auto: step time, hit rate and bytes read per step of each. The settings run in
-    ``args.read_ahead_rounds`` rounds, each starting one setting later than the last (over four
-    rounds each setting runs once in each position), and each figure is over all rounds: a disk
-    whose rate drifts (the first passes of a run are often the fastest) then weighs on every
-    setting alike. The units are read
-    from the model's own file."""
+    and by auto: step time, hit rate and bytes read per step of each. Every setting has its own
+    engine, packed once and kept (attached for its turn, detached keeping its pack after it), and
+    the settings take turns in ``args.read_ahead_rounds`` rounds, each starting one setting later
+    than the last: a disk whose rate drifts within minutes then weighs on every setting alike,
+    where a run of one setting after another would time each in its own minutes. At each turn
+    an engine makes two cold passes first (auto: until its tuner holds its setting again, as at
+    the start of any run), then ``args.passes`` timed ones. The units are read from the model's
+    own file."""
     stack, granularity = load_stack(spec, device, path), args.granularity
     probe = LayerwiseStreamer(list(stack.blocks), device, resident=0, prefetch=args.prefetch, granularity=granularity)
     units = len(probe.units)
@@ -223,30 +231,37 @@ def run_read_ahead(spec: Spec, device: torch.device, path: Path, args) -> dict:
     del probe
     measured: dict[str, list[tuple[float, dict]]] = {name: [] for name in READ_AHEAD}
     tunings: dict[str, dict | None] = {}
-    for round_ in range(args.read_ahead_rounds):
-        for name in READ_AHEAD[round_ % len(READ_AHEAD):] + READ_AHEAD[:round_ % len(READ_AHEAD)]:
-            auto = name == "auto"
-            options = DiskOptions(cap_bytes=cap, workers=AUTO_READERS if auto else int(name), spill_dir=str(path.parent),
-                                  model_file=file_map(stack, path), read_ahead="auto" if auto else None)
-            st = LayerwiseStreamer(list(stack.blocks), device, resident=0, prefetch=args.prefetch,
-                                   granularity=granularity, disk=options)
-            st.attach(root=stack if auto else None)
-            try:
-                warm = 0  # warm-up passes, cold too (auto: until the tuner holds its setting)
-                while warm < 2 or auto and warm < AUTO_WARM_PASSES and st.tuning()["phase"] != "hold":
-                    st._store.disk.sources.drop_cached_pages()
-                    drop_file_cache(path, args.drop_caches)
-                    stack()
-                    warm += 1
-                for _ in range(args.passes):
-                    st._store.disk.sources.drop_cached_pages()
-                    drop_file_cache(path, args.drop_caches)
-                    st.reset_figures()
-                    step = timed(device, stack, 1)[0]
-                    measured[name].append((step, st.figures(wait=True)))
-                tunings[name] = st.tuning()
-            finally:
-                st.close()
+    engines: dict[str, LayerwiseStreamer] = {}
+    for name in READ_AHEAD:
+        auto = name == "auto"
+        options = DiskOptions(cap_bytes=cap, workers=AUTO_READERS if auto else _workers(name), spill_dir=str(path.parent),
+                              model_file=file_map(stack, path), read_ahead="auto" if auto else None)
+        engines[name] = LayerwiseStreamer(list(stack.blocks), device, resident=0, prefetch=args.prefetch,
+                                          granularity=granularity, disk=options)
+    try:
+        for round_ in range(args.read_ahead_rounds):
+            for name in READ_AHEAD[round_ % len(READ_AHEAD):] + READ_AHEAD[:round_ % len(READ_AHEAD)]:
+                auto, st = name == "auto", engines[name]
+                st.attach(root=stack if auto else None)
+                try:
+                    warm = 0
+                    while warm < 2 or auto and warm < AUTO_WARM_PASSES and st.tuning()["phase"] != "hold":
+                        st._store.disk.sources.drop_cached_pages()
+                        drop_file_cache(path, args.drop_caches)
+                        stack()
+                        warm += 1
+                    for _ in range(args.passes):
+                        st._store.disk.sources.drop_cached_pages()
+                        drop_file_cache(path, args.drop_caches)
+                        st.reset_figures()
+                        step = timed(device, stack, 1)[0]
+                        measured[name].append((step, st.figures(wait=True)))
+                    tunings[name] = st.tuning()
+                finally:
+                    st.detach(keep_pack=True)
+    finally:
+        for st in engines.values():
+            st.close()
     out: dict = {"cache_bytes": cap, "cache_units": entries, "units": units,
                  "rounds": args.read_ahead_rounds, "settings": {}}
     for name, passes in measured.items():
@@ -256,11 +271,13 @@ def run_read_ahead(spec: Spec, device: torch.device, path: Path, args) -> dict:
             "step_s": statistics.median(s for s, _ in passes),
             "cache_hit_rate": sum(f["cache_hits"] for _, f in passes) / requests if requests else None,
             "disk_bytes_read_per_step": sum(f["disk_bytes_read"] for _, f in passes) / len(passes),
-            "read_ahead": tuning["setting"]["read_ahead"] if name == "auto" else int(name),
+            "read_ahead": tuning["setting"]["read_ahead"] if name == "auto" else _workers(name),
             "tuning": tuning,
         }
-    best = min(r["step_s"] for n, r in out["settings"].items() if n != "auto")
+    best = min(out["settings"][n]["step_s"] for n in FIXED)
     out["auto_vs_best_fixed"] = out["settings"]["auto"]["step_s"] / best
+    same = out["settings"]["1"]["step_s"], out["settings"]["1 again"]["step_s"]
+    out["same_setting_spread"] = max(same) / min(same) - 1
     return out
 
 
@@ -274,7 +291,12 @@ def print_read_ahead(result: dict) -> None:
         print(f"{g:<6} {name:<12} {r['read_ahead']:>10} {r['step_s']:>8.4f} {hit:>8} "
               f"{r['disk_bytes_read_per_step'] / (1 << 20):>13.1f}")
     print(f"{g:<6} auto / best fixed step: {ra['auto_vs_best_fixed']:.3f} (cache of {ra['cache_units']} "
-          f"of {ra['units']} units, {ra['rounds']} rounds)")
+          f"of {ra['units']} units, {ra['rounds']} rounds); one setting in two engines differs by "
+          f"{100 * ra['same_setting_spread']:.0f}%")
+
+
+def _workers(name: str) -> int:
+    return int(name.split()[0])
 
 
 def specs(args) -> Spec:
@@ -323,7 +345,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--drop-caches", action="store_true", help="also drop the whole page cache when cold (root)")
     ap.add_argument("--read-ahead-units", type=int, default=6,
                     help="cache size, in units, of the read-ahead comparison (1, 2, 4 workers and auto)")
-    ap.add_argument("--read-ahead-rounds", type=int, default=4,
+    ap.add_argument("--read-ahead-rounds", type=int, default=8,
                     help="rounds of that comparison, each starting one setting later")
     ap.add_argument("--out", type=Path, help="JSON path (default: bench/results/disk_stream-<device>-<time>.json)")
     args = ap.parse_args(argv)

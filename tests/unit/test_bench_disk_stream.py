@@ -50,7 +50,8 @@ def test_disk_stream_smoke_writes_json(tmp_path):
     assert spill["written_bytes_engine"] >= spill["streamed_bytes"], spill
     assert spill["attach_figures"]["file_units"] == 0, spill
     ahead, name = data["read_ahead"]["settings"], "read-ahead"
-    assert set(ahead) == {"1", "2", "4", "auto"}, name
+    assert set(ahead) == {"1", "2", "4", "auto", "1 again"}, name
+    assert ahead["1 again"]["read_ahead"] == 1 and data["read_ahead"]["same_setting_spread"] >= 0, name
     auto, tuning = ahead["auto"], ahead["auto"]["tuning"]
     assert tuning["auto"] == ["read_ahead"] and tuning["phase"] == "hold", tuning
     assert ahead["4"]["cache_hit_rate"] < ahead["1"]["cache_hit_rate"], (name, ahead)  # read-ahead takes hits
