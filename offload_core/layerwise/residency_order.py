@@ -68,7 +68,7 @@ class OrderTuner:
 
     def order(self, key: Hashable, budget_bytes: int | None, start: Sequence[int]) -> tuple[int, ...]:
         """The resident blocks for a run of ``key`` with ``budget_bytes`` of VRAM for blocks (None:
-        none streamed fits; nothing is resident), ``start`` being the rule's order."""
+        not even streaming fits, so none is resident), ``start`` being the rule's order."""
         self._key = key
         kind = self._kinds.get(key)
         if kind is None:
@@ -76,8 +76,14 @@ class OrderTuner:
         if kind.costs is None:
             kind.order = tuple(sorted(start))
             return kind.order
+        if budget_bytes is None:  # not even streaming fits: core streams every block
+            kind.order, kind.phase, kind.plan = tuple(sorted(start)), "hold", None
+            kind.predicted_ms = predict(kind.costs, self._setting(kind.order)).step_ms
+            kind.reason = Reason("no VRAM left for a resident block once streaming has its room: "
+                                 "core streams every block in run order")
+            return kind.order
         current = self._setting(kind.order)
-        if budget_bytes is not None and predict(kind.costs, current).device_bytes > budget_bytes:
+        if predict(kind.costs, current).device_bytes > budget_bytes:
             kind.order = tuple(sorted(start))  # less VRAM than when it was chosen
             current = self._setting(kind.order)
             if kind.phase == "hold":
@@ -100,12 +106,16 @@ class OrderTuner:
         else:
             kind.predicted_ms = now
             kind.phase = "hold"
-            if chosen.resident != kind.order and result.chosen.prediction.bound != "compute":
-                kind.reason = Reason(f"the best order measured would save {ms_text(max(gain, 0.0))} a "
-                                     "step, under 1%: the order in force is kept, since laying VRAM "
-                                     "out again drops every page the model holds there")
-            else:
+            if chosen.resident == kind.order:
                 kind.reason = _reason(result)
+            elif gain <= 0:
+                kind.reason = Reason("the order in force is as fast as any the measurements find"
+                                     + (": copies hidden behind compute"
+                                        if result.chosen.prediction.bound == "compute" else ""))
+            else:
+                kind.reason = Reason(f"the best order measured would save {ms_text(gain)} a step, "
+                                     "under 1%: the order in force is kept, since laying VRAM out "
+                                     "again drops every page the model holds there")
         return kind.order
 
     def wants_timing(self, key: Hashable) -> bool:

@@ -136,7 +136,7 @@ def test_copies_hidden_behind_compute_keep_the_order(monkeypatch):
     tuner, start, start_step, chosen, step, planned, steps = _tune(HIDDEN, monkeypatch)
     assert chosen == start and planned["phase"] == "hold" and not planned["changes"], planned
     assert step <= min(steps.values()) * 1.03, (step, steps)
-    assert planned["reason"].startswith("copies hidden behind compute"), planned
+    assert "copies hidden behind compute" in planned["reason"], planned
 
 
 def _spans(compute, outside=0.6):
@@ -193,12 +193,20 @@ def test_a_host_that_slowed_every_order_down_keeps_the_new_order(monkeypatch):
 
 def test_another_latent_is_measured_and_planned_apart():
     tuner = OrderTuner((L, 3 * L, L), asynchronous=True)
-    tuner.order(KEY, None, (0, 1, 2))
+    tuner.order(KEY, 10 * L, (0, 1, 2))
     tuner.measured(KEY, [(0.5, 1.5), (1.5, 3.5), (3.5, 4.5)], 5.0, L / 1.5, [])
-    tuner.order(KEY, None, (0, 1, 2))
+    assert tuner.order(KEY, 10 * L, (0, 1, 2)) == (0, 1, 2)
     assert not tuner.wants_timing(KEY)
     other = (2, 16, 8, 8)
-    assert tuner.order(other, None, (1,)) == (1,) and tuner.wants_timing(other)
+    assert tuner.order(other, 10 * L, (1,)) == (1,) and tuner.wants_timing(other)
+
+
+def test_without_room_for_streaming_no_block_is_first():
+    tuner = OrderTuner((L, 3 * L, L), asynchronous=True)
+    tuner.order(KEY, None, ())
+    tuner.measured(KEY, [(0.5, 1.5), (1.5, 3.5), (3.5, 4.5)], 5.0, L / 1.5, [0, 1, 2])
+    assert tuner.order(KEY, None, ()) == () and not tuner.wants_timing(KEY)
+    assert tuner.report()["reason"].startswith("no VRAM left for a resident block"), tuner.report()
 
 
 def test_the_timer_marks_each_block_and_comes_off():
