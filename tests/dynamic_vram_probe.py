@@ -160,8 +160,32 @@ def measured_order_case(layerwise, state, path: Path) -> dict:
                      "relayouts": r["dynamic_vram"]["relayouts"],
                      "hooks_after": sum(len(m._forward_pre_hooks) + len(m._forward_hooks)
                                         for m in [diffusion_model, *coop_blocks])})
+    # An interrupt in the middle of a timed run (core raises it from inside the model, as here):
+    # the timing hooks come off with the run, and the next run is core's result, bit for bit.
+    fresh = standin.runnable(comfy.sd.load_diffusion_model(str(path)))
+    fresh_core = sample_hunyuan(fresh)
+    fresh_blocks = list(discovery.find_blocks(fresh.model.diffusion_model).blocks)
+    calls = []
+
+    def interrupt(module, args):
+        calls.append(1)
+        if len(calls) == 2:  # block 2 of the second call
+            raise comfy.model_management.InterruptProcessingException()
+
+    handle = fresh_blocks[2].register_forward_pre_hook(interrupt)
+    try:
+        sample_hunyuan(node.execute(fresh, **settings)[0])
+        interrupted = False
+    except comfy.model_management.InterruptProcessingException:
+        interrupted = True
+    finally:
+        handle.remove()
+    hooks_left = sum(len(m._forward_pre_hooks) + len(m._forward_hooks)
+                     for m in [fresh.model.diffusion_model, *fresh_blocks])
+    after = [torch.equal(sample_hunyuan(node.execute(fresh, **settings)[0]), fresh_core) for _ in range(2)]
     return {"block_bytes": sizes, "budget_bytes": int(settings["vram_budget_gb"] * 2**30), "runs": runs,
-            "report": coop.report()}
+            "report": coop.report(),
+            "interrupted": {"raised": interrupted, "hooks_left": hooks_left, "next_runs_same_as_core": after}}
 
 
 def block_hooks(model) -> int:

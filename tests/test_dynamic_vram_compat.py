@@ -252,3 +252,10 @@ def test_the_runs_measurements_choose_which_blocks_core_keeps(dynamic):
     assert third["tuning"]["phase"] == "hold" and third["auto_settings"] == ["resident"]
     assert all(r["same_as_core"] for r in case["runs"]), "an order must not change a bit of the result"
     assert all(r["hooks_after"] == 0 for r in case["runs"]), "the timing hooks come off with the run"
+
+
+def test_an_interrupt_in_a_timed_run_leaves_no_hook_and_the_next_runs_right(dynamic):
+    interrupted = dynamic["measured_order"]["interrupted"]
+    assert interrupted["raised"], "the interrupt must reach the sampler's caller"
+    assert interrupted["hooks_left"] == 0, "the timing hooks come off with the interrupted run"
+    assert interrupted["next_runs_same_as_core"] == [True, True]

@@ -23,10 +23,10 @@ settings, keeps the old one. So at every sampling run, before core's load, the n
 
 The node adds no streamer, stream or copy of its own here. While the order is measured, marks
 (events on the current stream, no wait) time the blocks of a run's first calls; the hooks that
-record them come off after those calls, and once the order holds a run carries none. Where core prefetches a model's
-blocks (`comfy/model_prefetch.py`, one block ahead, in the model loops that call it), the order
-is what feeds that queue: resident blocks are in VRAM when their turn comes and the streamed ones
-are fetched one ahead in run order. Where it does not, core copies each streamed weight when its
+record them come off after those calls, and once the order holds a run carries none. Where core
+prefetches a model's blocks (`comfy/model_prefetch.py`, one block ahead, in the model loops that
+call it), the order is what feeds that queue: resident blocks are in VRAM when their turn comes
+and the streamed ones are fetched one ahead in run order. Where it does not, core copies each streamed weight when its
 layer runs; the order is all the node changes.
 """
 from __future__ import annotations
