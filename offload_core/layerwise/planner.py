@@ -220,10 +220,10 @@ def reason(costs: Costs, result: Plan) -> Reason:
     if chosen.bound == "compute":
         if not blocks:
             return Reason(f"copies hidden behind compute: no resident block needed{free_text}", free_sizes)
-        return Reason(f"copies hidden behind compute with {blocks} resident block{_s(blocks)}{free_text}",
+        return Reason(f"copies hidden behind compute with {blocks} resident block{plural(blocks)}{free_text}",
                       free_sizes)
     if chosen.bound == "disk":
-        text = (f"disk-bound: reading {setting.read_ahead} unit{_s(setting.read_ahead)} ahead keeps "
+        text = (f"disk-bound: reading {setting.read_ahead} unit{plural(setting.read_ahead)} ahead keeps "
                 f"{chosen.hits:.3g} of {chosen.requests} streamed units cached from step to step")
         if result.more is None:
             return Reason(text)
@@ -243,7 +243,7 @@ def _more_reason(costs: Costs, result: Plan) -> Reason:
     saved = chosen.prediction.step_ms - more.prediction.step_ms
     need = more.prediction.device_bytes - chosen.prediction.device_bytes
     free = max(0, (result.budget_bytes or 0) - chosen.prediction.device_bytes)
-    what = f"{extra} more resident block{_s(extra)}" if extra > 0 else "more VRAM"
+    what = f"{extra} more resident block{plural(extra)}" if extra > 0 else "more VRAM"
     needs = "it needs" if extra <= 1 else "they need"
     return Reason(f"; {what} would save {ms_text(saved)} a step; {needs} {{}}, {{}} free", (need, free))
 
@@ -253,5 +253,6 @@ def ms_text(ms: float) -> str:
     return f"{ms:.0f} ms" if ms >= 100 else f"{ms:.1f} ms" if ms >= 10 else f"{ms:.2f} ms"
 
 
-def _s(n: int) -> str:
+def plural(n: int) -> str:
+    """The 's' of a count's noun in the reasons' words."""
     return "" if n == 1 else "s"

@@ -27,7 +27,7 @@ from typing import Any
 
 from .measure import block_costs
 from .pipeline import Costs, Setting, predict
-from .planner import TIE, Choices, Plan, Reason, ms_text, plan
+from .planner import TIE, Choices, Plan, Reason, ms_text, plan, plural
 from .tuning import slower_than_before, verdict
 
 CORE_PREFETCH = 1  # core's block prefetch fetches one block ahead
@@ -194,8 +194,8 @@ def _reason(result: Plan) -> Reason:
         if not blocks:
             return Reason("copies hidden behind compute: no block needs to come first in VRAM; "
                           "core keeps the blocks it has room for in run order")
-        return Reason(f"copies hidden behind compute with block{_s(blocks)} {which} first in VRAM")
-    text = (f"link-bound: block{_s(blocks)} {which} first in VRAM, the ones compute would wait "
+        return Reason(f"copies hidden behind compute with block{plural(len(blocks))} {which} first in VRAM")
+    text = (f"link-bound: block{plural(len(blocks))} {which} first in VRAM, the ones compute would wait "
             f"for longest; copies take {ms_text(chosen.prediction.copy_busy_ms)} a step")
     base = result.default
     if base is not None and base.setting != chosen.setting:
@@ -207,7 +207,3 @@ def _reason(result: Plan) -> Reason:
         return Reason(text + f"; more VRAM for blocks would save {ms_text(saved)} a step; it needs {{}} more",
                       (need,))
     return Reason(text)
-
-
-def _s(items: Sequence) -> str:
-    return "" if len(items) == 1 else "s"
