@@ -188,6 +188,31 @@ def measured_order_case(layerwise, state, path: Path) -> dict:
             "interrupted": {"raised": interrupted, "hooks_left": hooks_left, "next_runs_same_as_core": after}}
 
 
+def fixed_count_case(layerwise, state, path: Path) -> dict:
+    """A resident count fixed on the node, with the budget of measured_order_case: the order is
+    the user's in every run; the first run is timed, and the report says what auto would keep."""
+    import dynamic_vram_standin as standin
+    node = layerwise.ApplyLayerwiseOffload
+    dyn = standin.runnable(comfy.sd.load_diffusion_model(str(path)))
+    core = sample_hunyuan(dyn)
+    diffusion_model = dyn.model.diffusion_model
+    discovery = importlib.import_module("tiered_offload_probe.offload_core.blocks.discovery")
+    blocks = list(discovery.find_blocks(diffusion_model).blocks)
+    sizes = [comfy.model_management.module_size(b) for b in blocks]
+    settings = dict(SETTINGS, resident_blocks=1, vram_budget_gb=3 * max(sizes) / 2**30)
+    runs = []
+    for _ in range(2):
+        latent = sample_hunyuan(node.execute(dyn, **settings)[0])
+        r = state.LAYERWISE.cooperations.get(diffusion_model).report()
+        runs.append({"same_as_core": torch.equal(latent, core), "resident": r["resident_indices"],
+                     "tuning": r["tuning"], "auto_settings": r["auto_settings"],
+                     "relayouts": r["dynamic_vram"]["relayouts"],
+                     "hooks_after": sum(len(m._forward_pre_hooks) + len(m._forward_hooks)
+                                        for m in [diffusion_model, *blocks])})
+    return {"block_bytes": sizes, "runs": runs,
+            "report": state.LAYERWISE.cooperations.get(diffusion_model).report()}
+
+
 def block_hooks(model) -> int:
     """Forward hooks on the model's block modules (the engine's way in; auto must add none)."""
     return sum(len(m._forward_pre_hooks) + len(m._forward_hooks)
@@ -450,6 +475,7 @@ def main() -> None:
         tiny_models.write_tiny_hunyuan_video(hunyuan, **dict(tiny_models.MODELS["hunyuan_video"]["writer_kwargs"],
                                                              single_blocks=4, hidden=512))
         report["dynamic"]["measured_order"] = measured_order_case(layerwise, state, hunyuan)
+        report["dynamic"]["fixed_count"] = fixed_count_case(layerwise, state, hunyuan)
     print(json.dumps(report))
 
 

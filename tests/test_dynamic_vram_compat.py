@@ -259,3 +259,25 @@ def test_an_interrupt_in_a_timed_run_leaves_no_hook_and_the_next_runs_right(dyna
     assert interrupted["raised"], "the interrupt must reach the sampler's caller"
     assert interrupted["hooks_left"] == 0, "the timing hooks come off with the interrupted run"
     assert interrupted["next_runs_same_as_core"] == [True, True]
+
+
+def test_a_fixed_count_stays_and_says_what_auto_would_keep(dynamic):
+    """resident_blocks fixed on the node, the measured order's model and budget: every run keeps
+    the user's block; the first run is timed (its hooks come off), and the report gives what auto
+    would keep first (the double blocks, as auto does) and the step that would save; the second
+    run is neither timed nor laid out again; core's output never changes."""
+    case = dynamic["fixed_count"]
+    sizes = case["block_bytes"]
+    first, second = case["runs"]
+    doubles = [i for i, b in enumerate(sizes) if b == max(sizes)]
+    assert first["resident"] == second["resident"] and len(first["resident"]) == 1, case
+    assert first["resident"] != doubles and first["auto_settings"] == [] == second["auto_settings"]
+    tuning = first["tuning"]
+    assert tuning["auto"] == [] and tuning["phase"] == "hold" and not tuning["changes"], tuning
+    assert tuning["setting"]["resident_blocks"] == first["resident"], tuning
+    assert tuning["auto_choice"]["resident_blocks"] == doubles, tuning
+    assert tuning["explicit_cost_ms"] > 0 and tuning["auto_predicted_ms"] > 0, tuning
+    assert f"blocks {', '.join(map(str, doubles))} first in VRAM" in tuning["auto_reason"], tuning
+    assert second["tuning"]["passes"] == tuning["passes"] == 1, "measured once per latent shape"
+    assert second["relayouts"] == first["relayouts"], "the user's order is not laid out again"
+    assert all(r["same_as_core"] for r in case["runs"]) and all(r["hooks_after"] == 0 for r in case["runs"])

@@ -797,8 +797,9 @@ def test_dynamic_vram_model_shows_cores_residency_and_whether_the_order_is_in_fo
     url = f"/extensions/{PACK_LINK_NAME}/panel.js"
     drawn = {}
     measured = dynamic_vram_probe["dynamic"]["measured_order"]["report"]
+    fixed = dynamic_vram_probe["dynamic"]["fixed_count"]["report"]
     for name, lw in (("in force", orders["report_in_force"]), ("held", orders["held"]["report"]),
-                     ("measured", measured)):
+                     ("measured", measured), ("fixed", fixed)):
         card = {"id": "core-dynamic", "class": "WAN21", "network": lw["model_class"],
                 "kind": "diffusion model", "file": None, "device": "cuda:0", "core": True,
                 "bytes": {"total": lw["block_bytes"] + lw["rest_bytes"], "device": lw["rest_bytes"],
@@ -820,7 +821,7 @@ def test_dynamic_vram_model_shows_cores_residency_and_whether_the_order_is_in_fo
               order: lw.querySelector('[data-role="lw-order"]').textContent,
               streaming: lw.querySelector('[data-role="lw-streaming"]').textContent,
               cells: [...lw.querySelectorAll(".to-strip .to-blk")].map((c) => c.className.split("to-blk-").pop()),
-              plan: Object.fromEntries(["plan-setting", "plan-reason", "plan-check", "plan-changes"].map(
+              plan: Object.fromEntries(["plan-setting", "plan-reason", "plan-check", "plan-changes", "plan-explicit"].map(
                 (role) => [role, lw.querySelector(`[data-role="${role}"]`)?.textContent ?? null])),
               pills: [...card.querySelectorAll(".to-pill")].map((p) => p.textContent) };
             panel.unmount();
@@ -849,6 +850,16 @@ def test_dynamic_vram_model_shows_cores_residency_and_whether_the_order_is_in_fo
     assert "order already fixed by an earlier load" in held["order"]
     assert "takes effect after the model is reloaded" in held["order"]
     assert held["cells"].count("resident") == 2 and held["cells"].count("streamed") == 2
+    # A count fixed on the node: the user's setting, the step measured in it, and what auto would
+    # keep first and save (no reason of auto's own: nothing was chosen).
+    plan, tuning = drawn["fixed"]["plan"], fixed["tuning"]
+    assert plan["plan-reason"] is None and plan["plan-changes"] is None, plan
+    assert " ".join(plan["plan-setting"].split()) == f"1 of {fixed['blocks']} blocks resident", plan
+    assert "in the order fixed on the node" in plan["plan-check"], plan
+    auto_kept = len(tuning["auto_choice"]["resident_blocks"])
+    assert plan["plan-explicit"].startswith(f"auto would choose {auto_kept} of {fixed['blocks']} blocks "
+                                            "resident:"), plan
+    assert plan["plan-explicit"].endswith("a step faster"), plan
 
 
 def test_no_console_errors(ui):

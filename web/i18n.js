@@ -174,6 +174,7 @@ export const ENGLISH = {
     changesRuns: "{n} changes, the last before run {pass}: {setting}",
     measuringRun: "timing this run's blocks…",
     measuredRun: "measured {measured} a step; the next run's order is chosen from it",
+    measuredFixed: "measured {measured} a step in the order fixed on the node",
   },
   timeline: {
     head: "Last run, one pass of the model",

@@ -51,7 +51,8 @@ export function planHtml(lw, fmtBytes) {
     rows.push(`<div class="to-muted" data-role="plan-check">${esc(tr("plan.check", { predicted, measured }))}
       <span data-role="plan-verdict">${esc(t.verdict ?? "")}</span></div>`);
   } else if (t.counted === "runs" && measured) {
-    rows.push(`<div class="to-muted" data-role="plan-check">${esc(tr("plan.measuredRun", { measured }))}</div>`);
+    const words = fixed ? "plan.measuredFixed" : "plan.measuredRun";
+    rows.push(`<div class="to-muted" data-role="plan-check">${esc(tr(words, { measured }))}</div>`);
   } else if (t.phase === "measure" || t.phase === "new") {
     const words = t.counted === "runs" ? "plan.measuringRun" : "plan.measuring";
     rows.push(`<div class="to-muted" data-role="plan-check">${esc(tr(words))}</div>`);

@@ -13,7 +13,9 @@ settings, keeps the old one. So at every sampling run, before core's load, the n
    room allows (core's own room-making for a dynamic load, plus what comfy-aimdo would evict from
    dynamic models for this one), kept while the settings stay the same; left to `auto`, once a
    run has been timed, the blocks its measurements choose within that room, checked on the next
-   run and rolled back if slower (offload_core/layerwise/residency_order.py);
+   run and rolled back if slower (offload_core/layerwise/residency_order.py); a count the user
+   fixed stays, its first run timed the same way to say what auto would have kept and the
+   difference a step;
 2. reads the layout core holds, and where it is not the plan's, hands it back to core
    (`vbar_layout.reset`) so that this load lays it out afresh; where that cannot be done safely it
    says so, plainly, with the way to reload the model;
@@ -36,7 +38,7 @@ import inspect
 import logging
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -71,12 +73,13 @@ class OrderSettings:
     prefetch: int
 
     @classmethod
-    def from_streamer_kwargs(cls, kwargs: dict[str, Any]) -> "OrderSettings":
-        """The node's settings; resident blocks left to auto are the budget's, and a prefetch left
-        to auto counts as core's own, one block ahead, for the room streaming takes (the order's
+    def from_streamer_kwargs(cls, kwargs: dict[str, Any], budget_bytes: int | None) -> "OrderSettings":
+        """The node's settings; resident blocks left to auto are ``budget_bytes``' (the node's
+        vram_budget_gb; with a fixed count, what auto would have had), and a prefetch left to auto
+        counts as core's own, one block ahead, for the room streaming takes (the order's
         measurements weigh the same room)."""
         resident, prefetch = kwargs.get("resident"), kwargs["prefetch"]
-        return cls(None if resident == AUTO else resident, kwargs.get("vram_budget_bytes"),
+        return cls(None if resident == AUTO else resident, budget_bytes,
                    CORE_PREFETCH if prefetch == AUTO else prefetch)
 
 
@@ -187,8 +190,8 @@ class Cooperation:
             self.order = self._plan(patcher, settings, noise_shape, conds)
         if settings.resident is None:
             self.order = self._measured_order(settings, device)
-        else:  # a count the user fixed: nothing to measure
-            self.tuner = self.tuner_for = None
+        else:
+            self._advise(patcher, settings, noise_shape, conds, device)
         if layout is None or layout.empty() or layout.in_order(self.order.resident,
                                                                self.order.streamed):
             self.message = None
@@ -221,14 +224,32 @@ class Cooperation:
             budget = None
         else:
             budget = self._budget(patcher, settings, noise_shape, conds)
-            resident = [] if budget is None else plan_residency(
-                self.block_bytes, 0, resident=None, vram_budget_bytes=budget,
-                prefetch=settings.prefetch)
+            resident = self._rule_order(budget, settings.prefetch)
             log.info("Apply Layerwise Offload (auto): %s: %d of %d blocks resident first, from %s "
                      "of VRAM for its blocks", self.model_class, len(resident), n,
                      binary_bytes(budget or 0))
         streamed = [i for i in range(n) if i not in set(resident)]
         return Order(tuple(resident), tuple(streamed), settings, budget)
+
+    def _rule_order(self, budget: int | None, prefetch: int) -> list[int]:
+        """As many blocks as ``budget`` holds beside streaming's room, spread evenly."""
+        return [] if budget is None else plan_residency(self.block_bytes, 0, resident=None,
+                                                        vram_budget_bytes=budget, prefetch=prefetch)
+
+    def _advise(self, patcher, settings: OrderSettings, noise_shape, conds, device: torch.device) -> None:
+        """A count the user fixed stays as it is; the first run of each latent shape is measured
+        all the same, so that the report can say what auto would have kept first, with the VRAM
+        auto would have had, and what that would save or cost a step."""
+        asynchronous = torch.device(device).type == "cuda" and bool(self.prefetch)
+        if self.tuner is None or self.tuner_for != (settings, str(device)):
+            self.tuner = OrderTuner(self.block_bytes, asynchronous=asynchronous, fixed=True)
+            self.tuner_for = (settings, str(device))
+        budget, rule = None, []
+        if self.tuner.wants_timing(self.run_key):
+            auto = replace(settings, resident=None)
+            budget = self._budget(patcher, auto, noise_shape, conds, say=False)
+            rule = self._rule_order(budget, auto.prefetch)
+        self.tuner.advise(self.run_key, budget, rule, self.order.resident)
 
     def _measured_order(self, settings: OrderSettings, device: torch.device) -> Order:
         """The budget's order, or the one the run's measurements chose within the same budget."""
@@ -275,13 +296,16 @@ class Cooperation:
         spans, period_ms = timed
         self.tuner.measured(self.run_key, spans, period_ms, self.link_bytes_per_ms, streamed)
 
-    def _budget(self, patcher, settings: OrderSettings, noise_shape, conds) -> int | None:
+    def _budget(self, patcher, settings: OrderSettings, noise_shape, conds, say: bool = True) -> int | None:
         """Bytes of VRAM for resident blocks this run, or None when not even streaming fits
-        (every block then goes last; core streams them all)."""
+        (every block then goes last; core streams them all). ``say``: log what the budget does to
+        this run (not where it only sizes what auto would have done)."""
         least = slot_count(settings.prefetch, len(self.block_bytes)) * max(self.block_bytes)
         most = sum(self.block_bytes)
         available = room_for_blocks(patcher, self.rest_bytes, least, noise_shape, conds)
         budget = fit_budget(settings.budget_bytes, available, least, most)
+        if not say:
+            return budget
         if budget is None:
             log.info("Apply Layerwise Offload (auto): %s: %s left for its blocks, less than the "
                      "%s that streaming them takes; no block is kept resident, core streams them "
@@ -333,7 +357,7 @@ class Cooperation:
             "budget_bytes": order.budget_bytes if order else None,
             "bound_bytes": None,
             "granularity": "block",
-            "auto_settings": ["resident"] if self.tuner is not None else [],
+            "auto_settings": ["resident"] if self.tuner is not None and not self.tuner.fixed else [],
             "tuning": self.tuner.report() if self.tuner is not None else None,
             "active": False,
             "runs": self.runs,
@@ -397,8 +421,9 @@ def room_for_blocks(patcher, rest_bytes: int, least: int, noise_shape, conds) ->
     return free + evictable - int(others)
 
 
-def cooperate(model, streamer_kwargs: dict[str, Any]):
-    """`auto` on a dynamic model: a clone on which core streams in the node's order."""
+def cooperate(model, streamer_kwargs: dict[str, Any], budget_bytes: int | None):
+    """`auto` on a dynamic model: a clone on which core streams in the node's order.
+    ``budget_bytes``: the node's vram_budget_gb in bytes (None: what the card has free)."""
     plan = plan_blocks(model, streamer_kwargs)
     patcher = model.clone()
     # The class's own method; an instance attribute may be another clone's patch still applied.
@@ -406,7 +431,7 @@ def cooperate(model, streamer_kwargs: dict[str, Any]):
         log.info("Apply Layerwise Offload (auto): %s defines its own Dynamic VRAM units; core "
                  "streams it in its own order, the node changes nothing", plan.model_class)
         return patcher
-    settings = OrderSettings.from_streamer_kwargs(streamer_kwargs)
+    settings = OrderSettings.from_streamer_kwargs(streamer_kwargs, budget_bytes)
     diffusion_model = patcher.get_model_object("diffusion_model")
     coop = state.LAYERWISE.cooperations.get_or_create(diffusion_model, lambda: Cooperation(diffusion_model, plan))
     if coop.order is None and settings.resident is not None:

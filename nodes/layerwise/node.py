@@ -205,7 +205,8 @@ class ApplyLayerwiseOffload(io.ComfyNode):
         choice = compile_policy.NodeChoice(cls.hidden.unique_id if cls.hidden is not None else None,
                                            bool(compile_per_block))
         if dynamic_vram.check_mode(mode) == "auto" and is_dynamic(model):
-            return io.NodeOutput(dynamic_cooperation.cooperate(model, settings.streamer_kwargs()))
+            return io.NodeOutput(dynamic_cooperation.cooperate(model, settings.streamer_kwargs(),
+                                                               settings.requested_budget))
         # Checked on the input (clones carry its wrappers), so a refusal costs no copy.
         if model.get_wrappers(comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING, SWAP_KEY):
             raise ValueError(

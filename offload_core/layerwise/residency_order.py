@@ -16,6 +16,10 @@ and held against the prediction by the engine's own rule, ``tuning.slower_than_b
 than the order before, judged in the conditions just measured, and the order before comes back,
 the rejected one not tried again; a host or link that slowed every order down is no reason)
 -> hold.
+Where the user fixed the count (``fixed``), the order is theirs and never changes: the first run of
+each kind is measured all the same, and the report says what auto would have kept first with the
+same VRAM (the rule's order, or the measured one where it is faster by more than ``TIE``) and
+what that would save or cost a step, by the same model.
 Whatever the order, every block computes with the same weights.
 """
 
@@ -45,17 +49,24 @@ class _Kind:
     before: tuple[tuple[int, ...], float] | None = None  # the order replaced, and its step
     rejected: list[Setting] = field(default_factory=list)
     reason: Reason | None = None
+    # A count the user fixed: auto's budget and rule's order for this kind, and auto's choice.
+    budget_bytes: int | None = None
+    rule: tuple[int, ...] = ()
+    advice: tuple[Setting, float, Reason] | None = None
+    held: tuple[int, ...] = ()  # the blocks core held resident in the measured run
 
 
 class OrderTuner:
     """Measure, plan, check and roll back the resident blocks of one model another streamer runs.
 
     ``asynchronous``: copies run beside compute, one block ahead (core's prefetch on a GPU); else
-    a streamed block waits for its whole copy when it runs."""
+    a streamed block waits for its whole copy when it runs. ``fixed``: the user fixed the resident
+    blocks; they are measured and compared with auto's choice (``advise``), never changed."""
 
-    def __init__(self, block_bytes: Sequence[int], *, asynchronous: bool) -> None:
+    def __init__(self, block_bytes: Sequence[int], *, asynchronous: bool, fixed: bool = False) -> None:
         self.block_bytes = tuple(int(b) for b in block_bytes)
         self.asynchronous = asynchronous
+        self.fixed = fixed
         self.runs = 0
         self.changes: list[dict[str, Any]] = []
         self.link_bytes_per_ms: float | None = None
@@ -90,33 +101,34 @@ class OrderTuner:
                 kind.phase = "plan"
         if kind.phase != "plan":
             return kind.order
-        result = plan(kind.costs, Choices(prefetch=CORE_PREFETCH), budget_bytes, current, kind.rejected)
+        result, change = _weigh(kind.costs, budget_bytes, current, kind.rejected)
         kind.plan = result
-        chosen = result.chosen.setting
-        now = predict(kind.costs, current).step_ms
-        gain = now - result.chosen.prediction.step_ms
-        if chosen.resident != kind.order and gain > TIE * now:
-            kind.before = (kind.order, kind.measured_ms or now)
+        if change is not None:
+            chosen = result.chosen.setting
+            kind.before = (kind.order, kind.measured_ms or predict(kind.costs, current).step_ms)
             self.changes.append({"pass": self.runs + 1, "from": self._json(kind.order),
                                  "to": self._json(chosen.resident), "why": "planned"})
             kind.order = chosen.resident
             kind.predicted_ms = result.chosen.prediction.step_ms
             kind.phase = "check"
-            kind.reason = _reason(result)
         else:
-            kind.predicted_ms = now
+            kind.predicted_ms = predict(kind.costs, current).step_ms
             kind.phase = "hold"
-            if chosen.resident == kind.order:
-                kind.reason = _reason(result)
-            elif gain <= 0:
-                kind.reason = Reason("the order in force is as fast as any the measurements find"
-                                     + (": copies hidden behind compute"
-                                        if result.chosen.prediction.bound == "compute" else ""))
-            else:
-                kind.reason = Reason(f"the best order measured would save {ms_text(gain)} a step, "
-                                     "under 1%: the order in force is kept, since laying VRAM out "
-                                     "again drops every page the model holds there")
+        kind.reason = _kept_reason(kind.costs, result, current) if change is None else change
         return kind.order
+
+    def advise(self, key: Hashable, budget_bytes: int | None, rule: Sequence[int],
+               fixed: Sequence[int]) -> None:
+        """A run of ``key`` with the user's ``fixed`` resident blocks; auto would have had
+        ``budget_bytes`` of VRAM for blocks (None: not even streaming fits) and started from the
+        ``rule``'s order. Its first run is measured (``measured`` then works out auto's choice)."""
+        self._key = key
+        kind = self._kinds.get(key)
+        if kind is None:
+            kind = self._kinds[key] = _Kind(tuple(sorted(fixed)))
+        kind.order = tuple(sorted(fixed))
+        if kind.costs is None:
+            kind.budget_bytes, kind.rule = budget_bytes, tuple(sorted(rule))
 
     def wants_timing(self, key: Hashable) -> bool:
         """Whether a run of ``key`` is to be measured (to plan, or to check a new order)."""
@@ -134,7 +146,12 @@ class OrderTuner:
         kind.costs = block_costs(spans, self.block_bytes, period_ms, link_bytes_per_ms,
                                  self.asynchronous, streamed)
         kind.measured_ms = period_ms
-        if kind.phase == "check" and kind.predicted_ms:
+        if self.fixed:
+            # What core held resident in the run (a fixed count may be more than fits).
+            kind.held = tuple(i for i in range(len(self.block_bytes)) if i not in set(streamed))
+            kind.advice = self._auto_choice(kind)
+            kind.phase = "hold"
+        elif kind.phase == "check" and kind.predicted_ms:
             kind.verdict = verdict(kind.predicted_ms, period_ms)
             before = (self._setting(kind.before[0]), kind.before[1]) if kind.before is not None else None
             if before is not None and slower_than_before(kind.costs, self._setting(kind.order), before,
@@ -152,6 +169,19 @@ class OrderTuner:
             if kind.predicted_ms:
                 kind.verdict = verdict(kind.predicted_ms, period_ms)
 
+    def _auto_choice(self, kind: _Kind) -> tuple[Setting, float, Reason]:
+        """What auto would have kept first, as ``order`` decides it for the rule's order, with the
+        step the model predicts for it; against the blocks held, ``report`` gives the difference."""
+        start = self._setting(kind.rule)
+        if kind.budget_bytes is None:
+            return (start, predict(kind.costs, start).step_ms,
+                    Reason("no VRAM left for a resident block once streaming has its room: core "
+                           "streams every block in run order"))
+        result, change = _weigh(kind.costs, kind.budget_bytes, start, ())
+        if change is not None:
+            return result.chosen.setting, result.chosen.prediction.step_ms, change
+        return start, predict(kind.costs, start).step_ms, _kept_reason(kind.costs, result, start)
+
     def _json(self, resident: Sequence[int]) -> dict[str, Any]:
         return {"resident_blocks": sorted(resident), "resident_units": len(resident),
                 "prefetch": None, "read_ahead": 0}
@@ -163,7 +193,7 @@ class OrderTuner:
         if kind is None:
             return None
         out: dict[str, Any] = {
-            "auto": ["resident"],
+            "auto": [] if self.fixed else ["resident"],
             "phase": kind.phase,
             "setting": self._json(kind.order),
             "predicted_ms": kind.predicted_ms,
@@ -182,7 +212,39 @@ class OrderTuner:
         if kind.costs is not None:
             now = predict(kind.costs, self._setting(kind.order))
             out.update(bound=now.bound, device_bytes=now.device_bytes)
+        if kind.advice is not None:
+            auto, auto_ms, why = kind.advice
+            out.update(auto_choice=self._json(auto.resident), auto_predicted_ms=auto_ms, auto_reason=why.text)
+            if auto.resident != kind.held:
+                # The model's step for what core held of the user's order (all of it, or as much
+                # as fit), so that both sides of the difference are predictions from one run.
+                out["explicit_cost_ms"] = predict(kind.costs, self._setting(kind.held)).step_ms - auto_ms
         return out
+
+
+def _weigh(costs: Costs, budget_bytes: int, current: Setting,
+           rejected: Sequence[Setting]) -> tuple[Plan, Reason | None]:
+    """The planner's best order within the budget, and the reason to change to it: None where it is
+    the order in force or saves no more than ``TIE`` of the step (laying VRAM out again is not free)."""
+    result = plan(costs, Choices(prefetch=CORE_PREFETCH), budget_bytes, current, rejected)
+    now = predict(costs, current).step_ms
+    gain = now - result.chosen.prediction.step_ms
+    if result.chosen.setting.resident != current.resident and gain > TIE * now:
+        return result, _reason(result)
+    return result, None
+
+
+def _kept_reason(costs: Costs, result: Plan, current: Setting) -> Reason:
+    """Why the order ``current`` stays, ``result`` being the planner's best."""
+    chosen = result.chosen
+    if chosen.setting.resident == current.resident:
+        return _reason(result)
+    gain = predict(costs, current).step_ms - chosen.prediction.step_ms
+    if gain <= 0:
+        return Reason("the order in force is as fast as any the measurements find"
+                      + (": copies hidden behind compute" if chosen.prediction.bound == "compute" else ""))
+    return Reason(f"the best order measured would save {ms_text(gain)} a step, under 1%: the order "
+                  "in force is kept, since laying VRAM out again drops every page the model holds there")
 
 
 def _reason(result: Plan) -> Reason:
