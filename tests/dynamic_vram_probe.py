@@ -132,6 +132,33 @@ def sample_hunyuan(model) -> torch.Tensor:
     return comfy.sample.sample(model, noise, 2, 1.0, "euler", "simple", cond, cond, latent)
 
 
+# The stand-in has no link: a copy to its "device" is a memcpy, whose rate a busy host varies
+# several-fold, and the order the measurements choose with it. The order cases give the tuner a
+# link of 1 GB/s instead (a block's copy then outweighs its compute, as when a large DiT streams
+# over PCIe); the real timed copy (device/link.py) is recorded apart.
+STANDIN_LINK_BYTES_PER_MS = 1e6
+
+
+def fixed_link(state, diffusion_model) -> None:
+    state.LAYERWISE.cooperations.get(diffusion_model).link_bytes_per_ms = STANDIN_LINK_BYTES_PER_MS
+
+
+def fresh_hunyuan(path: Path):
+    """The tiny HunyuanVideo at ``path`` loaded afresh on the stand-in: the patcher, core's own
+    latent for it, its blocks and their sizes."""
+    import dynamic_vram_standin as standin
+    dyn = standin.runnable(comfy.sd.load_diffusion_model(str(path)))
+    core = sample_hunyuan(dyn)
+    discovery = importlib.import_module("tiered_offload_probe.offload_core.blocks.discovery")
+    blocks = list(discovery.find_blocks(dyn.model.diffusion_model).blocks)
+    return dyn, core, blocks, [comfy.model_management.module_size(b) for b in blocks]
+
+
+def hooks_on(model: torch.nn.Module, blocks) -> int:
+    """Forward hooks on the model and its blocks (the timing hooks must all come off)."""
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in [model, *blocks])
+
+
 def measured_order_case(layerwise, state, path: Path) -> dict:
     """auto with a budget on a model whose blocks differ in size (HunyuanVideo's double and single
     blocks): the first run streams in the budget's order and is timed; the next run is laid out in
@@ -139,17 +166,14 @@ def measured_order_case(layerwise, state, path: Path) -> dict:
     import dynamic_vram_standin as standin
     vbar_layout = sys.modules["tiered_offload_probe.nodes.layerwise.vbar_layout"]
     node = layerwise.ApplyLayerwiseOffload
-    dyn = standin.runnable(comfy.sd.load_diffusion_model(str(path)))
-    core = sample_hunyuan(dyn)
+    dyn, core, coop_blocks, sizes = fresh_hunyuan(path)
     diffusion_model = dyn.model.diffusion_model
-    discovery = importlib.import_module("tiered_offload_probe.offload_core.blocks.discovery")
-    coop_blocks = list(discovery.find_blocks(diffusion_model).blocks)
-    sizes = [comfy.model_management.module_size(b) for b in coop_blocks]
     # 3 double blocks' room: the budget's rule (spread evenly, prefetch 1) keeps one single block
     settings = dict(SETTINGS, resident_blocks=-1, vram_budget_gb=3 * max(sizes) / 2**30)
     runs = []
     for _ in range(3):
         patcher = node.execute(dyn, **settings)[0]
+        fixed_link(state, diffusion_model)
         latent = sample_hunyuan(patcher)
         coop = state.LAYERWISE.cooperations.get(diffusion_model)
         r = coop.report()
@@ -158,13 +182,10 @@ def measured_order_case(layerwise, state, path: Path) -> dict:
                      "in_force": bool(layout and layout.in_order(r["resident_indices"], r["streamed_indices"])),
                      "tuning": r["tuning"], "auto_settings": r["auto_settings"],
                      "relayouts": r["dynamic_vram"]["relayouts"],
-                     "hooks_after": sum(len(m._forward_pre_hooks) + len(m._forward_hooks)
-                                        for m in [diffusion_model, *coop_blocks])})
+                     "hooks_after": hooks_on(diffusion_model, coop_blocks)})
     # An interrupt in the middle of a timed run (core raises it from inside the model, as here):
     # the timing hooks come off with the run, and the next run is core's result, bit for bit.
-    fresh = standin.runnable(comfy.sd.load_diffusion_model(str(path)))
-    fresh_core = sample_hunyuan(fresh)
-    fresh_blocks = list(discovery.find_blocks(fresh.model.diffusion_model).blocks)
+    fresh, fresh_core, fresh_blocks, _ = fresh_hunyuan(path)
     calls = []
 
     def interrupt(module, args):
@@ -180,35 +201,31 @@ def measured_order_case(layerwise, state, path: Path) -> dict:
         interrupted = True
     finally:
         handle.remove()
-    hooks_left = sum(len(m._forward_pre_hooks) + len(m._forward_hooks)
-                     for m in [fresh.model.diffusion_model, *fresh_blocks])
+    hooks_left = hooks_on(fresh.model.diffusion_model, fresh_blocks)
     after = [torch.equal(sample_hunyuan(node.execute(fresh, **settings)[0]), fresh_core) for _ in range(2)]
+    link = importlib.import_module("tiered_offload_probe.offload_core.device.link")
     return {"block_bytes": sizes, "budget_bytes": int(settings["vram_budget_gb"] * 2**30), "runs": runs,
-            "report": coop.report(),
+            "report": coop.report(), "timed_copy_bytes_per_ms": link.copy_rate(standin.CPU0),
             "interrupted": {"raised": interrupted, "hooks_left": hooks_left, "next_runs_same_as_core": after}}
 
 
 def fixed_count_case(layerwise, state, path: Path) -> dict:
     """A resident count fixed on the node, with the budget of measured_order_case: the order is
     the user's in every run; the first run is timed, and the report says what auto would keep."""
-    import dynamic_vram_standin as standin
     node = layerwise.ApplyLayerwiseOffload
-    dyn = standin.runnable(comfy.sd.load_diffusion_model(str(path)))
-    core = sample_hunyuan(dyn)
+    dyn, core, blocks, sizes = fresh_hunyuan(path)
     diffusion_model = dyn.model.diffusion_model
-    discovery = importlib.import_module("tiered_offload_probe.offload_core.blocks.discovery")
-    blocks = list(discovery.find_blocks(diffusion_model).blocks)
-    sizes = [comfy.model_management.module_size(b) for b in blocks]
     settings = dict(SETTINGS, resident_blocks=1, vram_budget_gb=3 * max(sizes) / 2**30)
     runs = []
     for _ in range(2):
-        latent = sample_hunyuan(node.execute(dyn, **settings)[0])
+        patcher = node.execute(dyn, **settings)[0]
+        fixed_link(state, diffusion_model)
+        latent = sample_hunyuan(patcher)
         r = state.LAYERWISE.cooperations.get(diffusion_model).report()
         runs.append({"same_as_core": torch.equal(latent, core), "resident": r["resident_indices"],
                      "tuning": r["tuning"], "auto_settings": r["auto_settings"],
                      "relayouts": r["dynamic_vram"]["relayouts"],
-                     "hooks_after": sum(len(m._forward_pre_hooks) + len(m._forward_hooks)
-                                        for m in [diffusion_model, *blocks])})
+                     "hooks_after": hooks_on(diffusion_model, blocks)})
     return {"block_bytes": sizes, "runs": runs,
             "report": state.LAYERWISE.cooperations.get(diffusion_model).report()}
 

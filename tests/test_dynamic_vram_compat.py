@@ -234,13 +234,16 @@ def test_the_runs_measurements_choose_which_blocks_core_keeps(dynamic):
     """auto with a budget on HunyuanVideo (double blocks over twice the size of single ones): the
     first run is timed in the budget's order (one single block first), the next is laid out in
     the order the measurements chose (the double blocks first: their copies cost most), the one
-    after holds it; core's output never changes and no hook of the node's is left on the model."""
+    after holds it; core's output never changes and no hook of the node's is left on the model.
+    The link is the probe's 1 GB/s (the stand-in's copies are memcpys a busy host slows down);
+    the real timed copy is checked to give a rate."""
     case = dynamic["measured_order"]
     sizes = case["block_bytes"]
     first, second, third = case["runs"]
     assert first["resident"] == [3] and first["in_force"], first
     assert first["tuning"]["phase"] == "plan" and len(first["tuning"]["block_ms"]) == len(sizes)
-    assert all(t > 0 for t in first["tuning"]["block_ms"]) and first["tuning"]["link_bytes_per_ms"] > 0
+    assert all(t > 0 for t in first["tuning"]["block_ms"]) and case["timed_copy_bytes_per_ms"] > 0
+    assert first["tuning"]["link_bytes_per_ms"] == 1e6, "the probe's link (the stand-in has none)"
     doubles = [i for i, b in enumerate(sizes) if b == max(sizes)]
     assert second["resident"] == doubles and second["in_force"], second
     assert second["relayouts"] == first["relayouts"] + 1, "laid out again once, for the measured order"
