@@ -33,6 +33,7 @@ import pytest
 
 from browser import chromium_path, wait_for_ui
 from comfy_server import PACK_LINK_NAME, REPO
+from conftest import ARTIFACTS
 from test_panel import browser  # noqa: F401  (a fixture)
 
 sys.path.insert(0, str(REPO / "tools"))
@@ -351,6 +352,26 @@ def test_without_the_packs_chinese_the_panel_falls_back_to_english(zh_page):
 # -- node help ----------------------------------------------------------------------------------
 
 def help_heading(page, node_id: str) -> str:
+    """``shown_help_heading``; where a step of it fails, the page's state at that moment is saved
+    (a screenshot under tests/artifacts and the canvas, selection and any open dialog or toast in
+    the message), since such a failure has been seen without being reproduced."""
+    try:
+        return shown_help_heading(page, node_id)
+    except Exception as exc:
+        shot = ARTIFACTS / f"help-panel-{node_id}.png"
+        shot.parent.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(shot))
+        state = page.evaluate("""() => ({ offset: [...app.canvas.ds.offset], scale: app.canvas.ds.scale,
+            nodes: app.graph.nodes.map((n) => [n.type, [...n.pos]]),
+            selected: Object.keys(app.canvas.selected_nodes ?? {}),
+            infoButtons: document.querySelectorAll('[data-testid="info-button"]').length,
+            shown: [...document.querySelectorAll('[role="dialog"], .p-toast-message')]
+              .map((e) => e.innerText.slice(0, 200)) })""")
+        raise AssertionError(f"help panel of {node_id}: {type(exc).__name__}: {str(exc)[:300]}; page "
+                             f"state {json.dumps(state)}; screenshot {shot}") from exc
+
+
+def shown_help_heading(page, node_id: str) -> str:
     """Put the node on an empty canvas, click its title as a user selects it and press the
     selection toolbox's Info button: the frontend's help panel (1.32.9: the node library's help
     page; 1.49.6: the right side panel's Info tab) renders the node's help; return its first
