@@ -42,6 +42,7 @@ rots; no timing is asserted anywhere.
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime as dt
 import logging
 import mmap
@@ -130,7 +131,17 @@ def limit_reads(folder: Path, mib_s: int) -> dict:
     except OSError as exc:
         raise SystemExit(f"--read-limit-mib-s needs root and the kernel's block throttle (cgroup "
                          f"blkio or io) for disk {dev}: {exc}") from exc
+    atexit.register(leave_group, group)
     return {"mib_s": mib_s, "device": dev, "how": how}
+
+
+def leave_group(group: Path) -> None:
+    """Back to the parent group, and the group removed: a run leaves no cgroup behind."""
+    try:
+        (group.parent / "cgroup.procs").write_text(f"{os.getpid()}\n")
+        group.rmdir()
+    except OSError as exc:
+        print(f"could not remove the cgroup {group}: {exc}", file=sys.stderr)
 
 
 def direct_read(path: Path, drop_all: bool) -> dict:
