@@ -28,8 +28,8 @@ The node adds no streamer, stream or copy of its own here. While the order is me
 record them come off after those calls, and once the order holds a run carries none. Where core
 prefetches a model's blocks (`comfy/model_prefetch.py`, one block ahead, in the model loops that
 call it), the order is what feeds that queue: resident blocks are in VRAM when their turn comes
-and the streamed ones are fetched one ahead in run order. Where it does not, core copies each streamed weight when its
-layer runs; the order is all the node changes.
+and the streamed ones are fetched one ahead in run order. Where it does not, core copies each
+streamed weight when its layer runs; the order is all the node changes.
 """
 from __future__ import annotations
 
@@ -240,10 +240,7 @@ class Cooperation:
         """A count the user fixed stays as it is; the first run of each latent shape is measured
         all the same, so that the report can say what auto would have kept first, with the VRAM
         auto would have had, and what that would save or cost a step."""
-        asynchronous = torch.device(device).type == "cuda" and bool(self.prefetch)
-        if self.tuner is None or self.tuner_for != (settings, str(device)):
-            self.tuner = OrderTuner(self.block_bytes, asynchronous=asynchronous, fixed=True)
-            self.tuner_for = (settings, str(device))
+        self._tuner_for(settings, device, fixed=True)
         budget, rule = None, []
         if self.tuner.wants_timing(self.run_key):
             auto = replace(settings, resident=None)
@@ -251,13 +248,18 @@ class Cooperation:
             rule = self._rule_order(budget, auto.prefetch)
         self.tuner.advise(self.run_key, budget, rule, self.order.resident)
 
+    def _tuner_for(self, settings: OrderSettings, device: torch.device, fixed: bool) -> None:
+        """The tuner of these settings on this device (a new one, measuring afresh, when they
+        change: a fixed count and auto never share one, their settings differing)."""
+        if self.tuner is None or self.tuner_for != (settings, str(device)):
+            asynchronous = torch.device(device).type == "cuda" and bool(self.prefetch)
+            self.tuner = OrderTuner(self.block_bytes, asynchronous=asynchronous, fixed=fixed)
+            self.tuner_for = (settings, str(device))
+
     def _measured_order(self, settings: OrderSettings, device: torch.device) -> Order:
         """The budget's order, or the one the run's measurements chose within the same budget."""
         order = self.order
-        asynchronous = torch.device(device).type == "cuda" and bool(self.prefetch)
-        if self.tuner is None or self.tuner_for != (settings, str(device)):
-            self.tuner = OrderTuner(self.block_bytes, asynchronous=asynchronous)
-            self.tuner_for = (settings, str(device))
+        self._tuner_for(settings, device, fixed=False)
         resident = self.tuner.order(self.run_key, order.budget_bytes, order.resident)
         if resident == tuple(sorted(order.resident)):
             return order
