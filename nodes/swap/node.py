@@ -18,8 +18,12 @@ also for a clone of an already loaded encoder, where ON_LOAD does not fire) unlo
 model through core. Unloading through core (`LoadedModel.model_unload`) keeps
 `current_loaded_models` and core's free-memory figures true.
 
-One host copy: a master is kept in the machine's shared store of its file's bytes where sharing is
-on (core/host_sharing.py), so every ComfyUI process that swaps the same model maps one copy; and a
+One host copy: where the model runs on the CPU, a master is kept in the machine's shared store of
+its file's bytes where sharing is on (core/host_sharing.py), so every ComfyUI process that swaps
+the same model maps one copy. The model's tensors then show a copy-on-write mapping of the store,
+so a write in place (a hook LoRA) stays this process's own. On a GPU the master stays this
+process's own and page-locked: core copies the module's own tensors, and copy-on-write pages cannot
+be page-locked without copying them. A
 diffusion model whose blocks already live in Apply Layerwise Offload's kept pack (an earlier
 workflow streamed it) leaves them there: its master holds the rest, and the pack, which takes the
 blocks back when core moves the model out, stays valid.
@@ -70,6 +74,13 @@ class SwapMember:
         self.name = name
         self.kind = kind  # "diffusion model" or "text encoder": the words the panel's cards use
         self.share, self.share_why = host_sharing.share_for(module, share_host_memory)
+        if self.share is not None and patcher.load_device.type != "cpu":
+            # Core copies the module's own tensors to the device. From a shared store they could only
+            # show a copy-on-write mapping (a write in place must never reach the store), which is
+            # not page-locked: every turn would be a slower, pageable copy.
+            self.share, self.share_why = None, (
+                "a master on a GPU stays page-locked and this process's own: core copies the model's own "
+                "tensors, and a shared store could hand them over only unpinned")
         host_sharing.check_unchanged(self.share, "Model-Level Swap")
         self.swap = ModuleSwap(module, share=self.share, skip=_kept_pack_test(module))
         # Core copies from the master on the model's load device (ComfyUI's partial load does it
@@ -196,8 +207,9 @@ class ModelLevelSwap(io.ComfyNode):
                     "share_host_memory", default=True, optional=True,
                     tooltip="Share each master with every other ComfyUI process on this machine "
                             "that loads the same model file (workers of a multi-GPU setup): one "
-                            "copy in shared memory instead of one per process. Off: this process "
-                            "keeps its own."),
+                            "copy in shared memory instead of one per process, where the model runs "
+                            "on the CPU (on a GPU each process keeps a page-locked master of its own, "
+                            "for fast turns). Off: this process keeps its own."),
             ],
             outputs=[io.Model.Output(), io.Clip.Output()],
         )

@@ -36,7 +36,8 @@ class PackedBlock:
         buffer that starts on an ``ALIGN`` boundary (at most ``PHASE`` - 1 bytes of padding each)."""
         items = list(items)
         self.index = index
-        self.host: torch.Tensor | None = None
+        self.host: torch.Tensor | None = None  # the master: what device copies are made from
+        self.shown: torch.Tensor | None = None  # the master's bytes as the module's tensors show them
         self.layout = BlockLayout(items, index, keep_address_phase=keep_address_phase)
         self.binding = BlockBinding(items, self.layout)
         self.entries: list[PackedTensor] = self.layout.entries
@@ -77,7 +78,7 @@ class PackedBlock:
 
     def is_current(self) -> bool:
         """False if someone re-assigned a tensor of the block since we last handed it back."""
-        return self.binding.is_current(self.host)
+        return self.binding.is_current(self.shown)
 
     def pack(self, host: torch.Tensor) -> None:
         """Write the original values into ``host`` and let the pack stand in for every dense original."""
@@ -98,16 +99,22 @@ class PackedBlock:
             for e in self.entries:
                 e.view_in(buf).copy_(e.original)
 
-    def take_host(self, host: torch.Tensor) -> None:
+    def take_host(self, host: torch.Tensor, shown: torch.Tensor | None = None) -> None:
         """Let ``host``, which holds the block's values already (written by ``write``, here or in
-        another process), stand in for every dense original: the originals go, nothing is copied."""
+        another process), stand in for every dense original: the originals go, nothing is copied.
+
+        ``shown``: the same bytes in memory the module's tensors may show and anyone may write (a
+        shared store's copy-on-write mapping, when ``host`` is read-only); by default ``host``."""
         self.layout.check_buffer(host)
+        shown = host if shown is None else shown
+        self.layout.check_buffer(shown)
         with torch.no_grad(), torch.inference_mode(False):
             for e in self.entries:  # written in full: only now may originals go
                 if e.dense:
                     e.original = None
-            self.binding.hold(self.views(host))
+            self.binding.hold(self.views(shown))
         self.host = host
+        self.shown = shown
 
     def apply_transform(self, buf: torch.Tensor, transform: Transform) -> int:
         """Rewrite the block's values in ``buf`` (a device copy of the pack) through ``transform``.
@@ -148,9 +155,9 @@ class PackedBlock:
         return self._take_back(move_own=False)
 
     def _take_back(self, move_own: bool, tables: Collection[int] | None = None) -> int:
-        if self.host is None:
+        if self.shown is None:
             raise RuntimeError(f"block {self.index} is not packed")
-        return self.binding.take_back(self.host, move_own, tables)
+        return self.binding.take_back(self.shown, move_own, tables)
 
     def restore(self, keep_host: bool, skip_reassigned: bool = False) -> None:
         """Hand every original object back with its original values, device, dtype and strides.
@@ -161,7 +168,7 @@ class PackedBlock:
         ``skip_reassigned`` (only meaningful while detached) leaves alone any slot the
         caller has re-assigned since, instead of overwriting it with the old values.
         """
-        regions = self.views(self.host) if self.host is not None else None
+        regions = self.views(self.shown) if self.shown is not None else None
         values: list[torch.Tensor] = []
         with torch.no_grad():
             for i, e in enumerate(self.entries):
@@ -172,8 +179,8 @@ class PackedBlock:
                 else:
                     val = e.fresh_copy(regions.tensors[i])
                 values.append(val)
-            self.binding.hand_back(values, self.host, skip_reassigned)
+            self.binding.hand_back(values, self.shown, skip_reassigned)
         if not keep_host:
             for e, val in zip(self.entries, values):
                 e.original = val
-            self.host = None
+            self.host = self.shown = None

@@ -5,11 +5,12 @@ The order of preference: a store in shared memory, then one in a disk folder the
 allows (``HostShare.folders``), then private memory. A private copy is never silent: the reason
 goes to the log and to the figures a panel shows (``HostPack.status``).
 
-Joining a store costs no packing: the process compares a sample of its own tensors' values with
-the one the store was written with (``store_key``), then points its blocks at the store's bytes
-and lets its own go. Writing one packs as a private pack does, block by block (each block's
+Joining a store costs no packing, only one read of it: the process compares every byte of the
+store with the tensors it loaded itself (``store_key.first_difference``), then points its blocks
+at the store's bytes and lets its own go; a store that differs is never joined again. Writing one packs as a private pack does, block by block (each block's
 originals go as soon as its bytes are in the store, so a model is never held twice), into a
-writable mapping, and takes the block's host views from the read-only one. Whatever goes wrong
+writable mapping. Device copies come from the store's read-only mapping; the model's tensors show
+a copy-on-write one (``SharedHostStore.shown``), so a write in place never reaches the store. Whatever goes wrong
 part-way hands every block taken from the store its values back in fresh memory before the store
 is let go: nothing is lost, and a reason a private copy cures (no room) packs privately instead.
 """
@@ -21,13 +22,19 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from .packing import PackedBlock
 from .pinned import HostStorage, return_freed_ram
 from .shared_store import SharedHostStore
 from .store_folder import StoreFolder, StoreUnavailable
-from .store_key import StoreKey, content_sample, layout_signature, originals, packed
+from .store_key import StoreKey, first_difference, layout_signature
 
 log = logging.getLogger(__name__)
+
+# Store files (``SharedHostStore.identity``) found to hold other bytes than this process loaded:
+# never joined again by this process, whatever their header says.
+_distrusted: set[tuple[str, int, int]] = set()
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,10 @@ class HostPack:
         users = store.users()
         return {"shared": True, "folder": store.folder.path, "kind": store.folder.kind, "file": store.name,
                 "bytes": store.file_bytes, "users": users, "created_here": store.created}
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s bytes lie in the packs' memory: the storage, or what a store shows."""
+        return self.storage.holds(t) or (self.store is not None and self.store.shows(t))
 
     def release(self) -> None:
         """Free the storage; a store is let go (the last process to let go removes it)."""
@@ -109,20 +120,25 @@ def _pack_shared(packs: Sequence[PackedBlock], share: HostShare, folder: StoreFo
     storage = store.storage
     try:
         if not store.writing:
-            mine = content_sample(originals(packs))
-            if mine != store.sample:
+            if store.identity() in _distrusted:
+                raise StoreUnavailable(f"the store {store.name} differed from this process's weights before; "
+                                       "it is not joined again")
+            differs = first_difference(packs, [storage.buffer(i) for i in range(total)])
+            if differs is not None:
+                _distrusted.add(store.identity())
                 raise StoreUnavailable(
-                    f"the store {store.name} was written from other values than this process holds for the "
-                    "same file (another loader or ComfyUI version?)")
+                    f"the store {store.name} holds other bytes than this process loaded from the same file "
+                    f"(first at {differs}: another loader or ComfyUI version, weights changed in place, or a "
+                    "damaged store); it is not joined again")
         for i, p in enumerate(packs):
             if store.writing:
                 p.write(store.writable(i))
                 store.written(i)
-            p.take_host(storage.buffer(i))
+            p.take_host(storage.buffer(i), store.shown(i))
             if progress is not None:
                 progress(i + 1, total)
         if store.writing:
-            store.finish(content_sample(packed(packs, [storage.buffer(i) for i in range(total)])))
+            store.finish()
     except BaseException:
         _undo(packs, storage, store)
         raise

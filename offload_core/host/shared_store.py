@@ -13,8 +13,13 @@ part file that no one ever maps (the next look removes it) and the process waiti
 store packs it itself. Each process holds a shared ``flock`` on the file while it maps it; the
 last to let go removes it (``store_folder`` says why that is safe with processes that die).
 
-The header also keeps the whole key digest and a sample of the values (``store_key``): a store
-of the same name with another key, format or sample is never mapped.
+The header also keeps the whole key digest (``store_key``): a store of the same name with another
+key or format is never mapped, and one that passes is still compared byte for byte with what the
+joining process loaded before it is used (``shared_packing``).
+
+What the model's tensors show is a second, copy-on-write mapping of the same pages (``shown``):
+whatever core or another node writes in place lands in pages of this process's own, never in the
+store that device copies come from and other processes map.
 """
 
 from __future__ import annotations
@@ -83,7 +88,6 @@ class SharedHostStore:
         self.folder = folder
         self.key: StoreKey | None = None
         self.storage: HostStorage | None = None
-        self.sample: str | None = None  # the values' sample the store was written with
         self.writing = False
         self.created = False  # this process wrote the store
         self.file_bytes = 0
@@ -94,6 +98,7 @@ class SharedHostStore:
         self._part: str | None = None  # the part file's name while writing
         self._offsets: list[int] = []
         self._writable: dict[int, torch.Tensor] = {}  # chunk -> its writable mapping while writing
+        self._shown: dict[int, torch.Tensor] = {}  # chunk -> its copy-on-write mapping (``shown``)
         self._left: dict[int, int] = {}  # chunk -> its items not written yet
         self._released = False
 
@@ -174,7 +179,6 @@ class SharedHostStore:
         if not isinstance(info, dict) or info.get("format") != FORMAT_VERSION \
                 or info.get("key") != self.key.full_digest or os.fstat(fd).st_size != self.file_bytes:
             raise StoreUnavailable(f"{where} holds other bytes than its name says (another format or key)")
-        self.sample = info.get("sample")
 
     def _create(self) -> None:
         """Under the lock, kept: a part file, its chunks made as they are written."""
@@ -205,6 +209,58 @@ class SharedHostStore:
         region = mmap.mmap(self._fd, span, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ,
                            offset=self._offsets[index])
         return _readonly_tensor(region)
+
+    def shown(self, item: int) -> torch.Tensor:
+        """Item ``item``'s bytes as the model's tensors may show them: a private, copy-on-write
+        mapping of its chunk (never pinned).
+
+        Why a second mapping: whatever the pack hands to ComfyUI or another node may be written in
+        place (core's hook LoRAs patch weights through ``copy_to_param``; any ``add_()``). A write
+        into the read-only mapping kills the process, and a write into a shared one would change
+        every worker's weights. Here the pages are the store's own until one is written; then that
+        page alone becomes this process's, and the store (the engine's copy source) stays as it
+        was (``written_items`` finds such pages). Pinning it would unshare every page, so it stays
+        pageable.
+        """
+        chunk = self.storage.chunk_of(item)
+        data = self._shown.get(chunk)
+        if data is None:
+            span = -(-self.storage.chunk_spans[chunk] // mmap.PAGESIZE) * mmap.PAGESIZE
+            with torch.inference_mode(False):
+                if not span:
+                    data = torch.empty(0, dtype=torch.uint8)
+                else:
+                    region = mmap.mmap(self._fd, span, flags=mmap.MAP_PRIVATE,
+                                       prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=self._offsets[chunk])
+                    data = torch.frombuffer(region, dtype=torch.uint8)
+            self._shown[chunk] = data
+        start, size = self.storage.item_span(item)
+        return data[start:start + size]
+
+    def shows(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s bytes lie in one of the copy-on-write mappings (``shown``)."""
+        if t.device.type != "cpu" or not t.numel():
+            return False
+        ptr = t.data_ptr()
+        return any(d.numel() and d.data_ptr() <= ptr < d.data_ptr() + d.numel() for d in self._shown.values())
+
+    def written_items(self) -> list[int]:
+        """Items whose copy-on-write bytes (``shown``) were written since they were mapped and now
+        differ from the store's: someone changed a weight in place, and the store no longer holds
+        what the model shows. Pages are looked up in ``/proc/self/pagemap`` (a written page is this
+        process's own, no longer the file's), so only written pages are compared; where the system
+        does not say, every item is compared."""
+        out = []
+        for item in range(self.storage.num_items):
+            chunk = self.storage.chunk_of(item)
+            if chunk not in self._shown:
+                continue
+            view = self.shown(item)
+            if not view.numel() or not _own_pages(view):
+                continue
+            if not torch.equal(view, self.storage.buffer(item)):
+                out.append(item)
+        return out
 
     def writable(self, item: int) -> torch.Tensor:
         """Item ``item``'s bytes to write, in a writable mapping of its chunk. The chunk's memory is
@@ -247,12 +303,12 @@ class SharedHostStore:
         if not self._left[chunk]:
             self._writable.pop(chunk, None)
 
-    def finish(self, sample: str) -> None:
+    def finish(self) -> None:
         """Publish the store: header, then the completion mark (last), then its final name."""
         if not self.writing:
             raise RuntimeError("this store is not being written")
         self._writable.clear()
-        info = json.dumps({"format": FORMAT_VERSION, "key": self.key.full_digest, "sample": sample}).encode()
+        info = json.dumps({"format": FORMAT_VERSION, "key": self.key.full_digest}).encode()
         if _INFO_AT + 4 + len(info) > HEADER:
             raise RuntimeError("the store's header does not fit its page")
         os.pwrite(self._fd, struct.pack("<I", len(info)) + info, _INFO_AT)
@@ -260,13 +316,18 @@ class SharedHostStore:
         os.rename(self._part, self.name, src_dir_fd=self._dfd, dst_dir_fd=self._dfd)
         self._part = None
         self.writing = False
-        self.sample = sample
         self._unlock()
 
     # ------------------------------------------------------------------ figures
     @property
     def name(self) -> str:
         return self.key.digest + STORE_SUFFIX
+
+    def identity(self) -> tuple[str, int, int]:
+        """Which store file this is: its key and the file's device and inode (a store written again
+        under the same name is another file)."""
+        st = os.fstat(self._fd)
+        return self.key.full_digest, st.st_dev, st.st_ino
 
     def users(self) -> int | None:
         """Processes that map this store now (this one included); None where the system does not say."""
@@ -282,6 +343,7 @@ class SharedHostStore:
             return
         self._released = True
         self._writable.clear()
+        self._shown.clear()  # a tensor still showing them keeps its own mapping alive
         try:
             if self.storage is not None:
                 self.storage.release()
@@ -331,6 +393,26 @@ class SharedHostStore:
         if self._lock is not None:
             lock, self._lock = self._lock, None
             os.close(lock)
+
+
+def _own_pages(view: torch.Tensor) -> bool:
+    """Whether any page under ``view`` (in a private file mapping) is this process's own copy: a
+    present page that is neither the file's nor shared. True where ``/proc/self/pagemap`` cannot
+    be read, so the caller compares bytes instead of trusting nothing changed."""
+    page = mmap.PAGESIZE
+    first = view.data_ptr() // page
+    last = (view.data_ptr() + view.numel() - 1) // page
+    try:
+        with open("/proc/self/pagemap", "rb", buffering=0) as f:
+            raw = os.pread(f.fileno(), 8 * (last - first + 1), 8 * first)
+    except OSError:
+        return True
+    if len(raw) != 8 * (last - first + 1):
+        return True
+    with torch.inference_mode(False):
+        entries = torch.frombuffer(bytearray(raw), dtype=torch.int64)
+    present = entries < 0  # bit 63
+    return bool((present & ((entries >> 61) & 1 == 0)).any())
 
 
 def let_go_of_all() -> None:

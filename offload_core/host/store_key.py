@@ -8,16 +8,16 @@ engine's store format. A file that changed on disk has another identity (``file_
 it names another store: old bytes never appear under a new file's name.
 
 The key cannot see what a loader did to the file's bytes in a given process (another ComfyUI
-version may convert them differently). So the process that writes a store also writes a sample
-of its values (``content_sample``), and every process that joins compares it with the same sample
-of its own tensors first: processes that disagree never share.
+version may convert them differently), nor a store's bytes changed after it was written. So a
+process that joins a store compares every byte of it with the tensors it loaded itself
+(``first_difference``) before it lets its own go: processes that disagree never share.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,10 +26,8 @@ import torch
 from .packing import PackedBlock
 from .subclass import PLAIN_TYPES
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 TRANSFORM = "base weights; merges run on device copies"
-_WINDOW = 64  # elements per sampled window
-_WINDOWS = 4  # windows per tensor: start, a third, two thirds, end
 
 
 def layout_signature(packs: Sequence[PackedBlock], chunk_spans: Sequence[int]) -> list[Any]:
@@ -69,45 +67,31 @@ class StoreKey:
         return self.full_digest[:32]
 
 
-def _windows(t: torch.Tensor) -> torch.Tensor:
-    """The sampled elements of ``t`` in logical order, as bytes on the CPU."""
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _as_bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements as integers of the same width on the CPU: compared bit for bit (a NaN
+    equals itself, -0.0 differs from 0.0)."""
     if type(t) not in PLAIN_TYPES:
         t = t.as_subclass(torch.Tensor)  # a storage subclass: its raw elements, not its own ops
-    flat = t.detach().reshape(-1)
-    n = flat.numel()
-    if n <= _WINDOW * _WINDOWS:
-        picked = flat
-    else:
-        starts = sorted({0, n // 3, 2 * n // 3, n - _WINDOW})
-        picked = torch.cat([flat[s:s + _WINDOW] for s in starts])
-    return picked.to("cpu").contiguous().view(torch.uint8)
+    t = t.detach()
+    if t.dtype.is_complex:
+        t = torch.view_as_real(t)
+    return t.view(_SAME_SIZE_INT[t.element_size()]).to("cpu")
 
 
-def content_sample(tensors: Iterable[torch.Tensor]) -> str:
-    """A digest of a few windows of every tensor's values (in the packs' entry order).
+def first_difference(packs: Sequence[PackedBlock], buffers: Sequence[torch.Tensor]) -> str | None:
+    """The label of the first tensor whose bytes in ``buffers`` (one per pack, laid out by its
+    layout) differ from the pack's original, or None when every byte agrees.
 
-    Cheap (a few hundred bytes per tensor), and loaders that convert a file differently change
-    nearly every value, so two processes whose tensors differ disagree here."""
-    h = hashlib.sha256()
+    Why every byte: a store another process wrote is trusted only where this process checked it
+    against what it loaded itself; a sample would miss one changed element, or a flipped byte."""
     with torch.no_grad():
-        for t in tensors:
-            h.update(repr((str(t.dtype), tuple(t.size()))).encode())
-            if t.numel():
-                h.update(_windows(t).numpy().tobytes())
-    return h.hexdigest()
-
-
-def originals(packs: Sequence[PackedBlock]) -> list[torch.Tensor]:
-    """The tensors the packs were laid out from, one per entry (before they are packed)."""
-    out = []
-    for p in packs:
-        for e in p.entries:
-            if e.original is None:
-                raise RuntimeError(f"block {p.index}: {e.label} is packed already; its original is gone")
-            out.append(e.original)
-    return out
-
-
-def packed(packs: Sequence[PackedBlock], buffers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The packs' tensors over their buffers, one per entry: what ``originals`` gives, once written."""
-    return [e.view_in(buf) for p, buf in zip(packs, buffers) for e in p.entries]
+        for p, buf in zip(packs, buffers):
+            for e in p.entries:
+                if e.original is None:
+                    raise RuntimeError(f"block {p.index}: {e.label} is packed already; its original is gone")
+                if e.nbytes and not torch.equal(_as_bits(e.view_in(buf)), _as_bits(e.original)):
+                    return e.label
+    return None

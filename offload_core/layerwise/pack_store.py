@@ -166,12 +166,20 @@ class PackStore:
                 self.host.release_item(i)
         self.release()
 
+    def written_since_kept(self) -> int:
+        """How many units of a kept pack in a shared store someone changed in place since (the
+        model's tensors show a copy-on-write mapping of the store, see ``SharedHostStore.shown``):
+        the store, which device copies come from, no longer holds the model's values."""
+        if self._packed is None or self._packed.store is None:
+            return 0
+        return len(self._packed.store.written_items())
+
     def holds(self, t: torch.Tensor) -> bool:
         """Whether ``t`` (a wrapper: each of its inner tensors) lies in the kept host pack."""
         if self.host is None:
             return False
         inner = flatten(t).inner if is_wrapper(t) else (t,)
-        return bool(inner) and all(self.host.holds(x) for x in inner)
+        return bool(inner) and all(self._packed.holds(x) for x in inner)
 
     def host_store(self) -> dict | None:
         """Whether the host pack is in a shared store (its folder, file, bytes and how many processes

@@ -195,6 +195,11 @@ class LayerwiseStreamer(StreamerFigures):
         adopted = store.adopt(plan)  # a re-wrap of the same memory leaves the kept pack valid
         if adopted:
             log.info("%d block tensors were re-wrapped over the kept pack; it stays valid", adopted)
+        written = store.written_since_kept()
+        if written:
+            log.info("%d units of the kept pack were written in place since it was kept (the shared store "
+                     "holds the old values); packing again from the model's values", written)
+            store.free(plan)
         if not plan.is_current():
             if store.has_pack():
                 log.info("block tensors were re-assigned since the pack was kept; packing from scratch")
