@@ -33,6 +33,7 @@ import comfy.weight_adapter
 from ...offload_core.host.released import true_numel
 from ...offload_core.host.side_tensors import SideTensors
 from .block_budget import cached_bytes, cublas_workspace_bytes
+from .hook_weights import StreamedHooks
 
 log = logging.getLogger(__name__)
 
@@ -117,10 +118,10 @@ _MERGE_ERRORS = _MergeErrors()
 _ADAPTER = getattr(comfy.weight_adapter, "WeightAdapterBase", ())  # () matches nothing
 
 
-def _calculate_weight(patches, weight: torch.Tensor, key: str) -> torch.Tensor:
+def _calculate_weight(patches, weight: torch.Tensor, key: str, original_weights: dict | None = None) -> torch.Tensor:
     """Core's `calculate_weight`, raising MergeFailed where core reports a failure and goes on."""
     with _MERGE_ERRORS.collect() as errors:
-        merged = comfy.lora.calculate_weight(patches, weight, key)
+        merged = comfy.lora.calculate_weight(patches, weight, key, original_weights=original_weights)
     if errors:
         raise MergeFailed(
             f"Apply Layerwise Offload: the LoRA (or other weight patch) on {key} could not be merged "
@@ -260,8 +261,15 @@ class BlockPatches:
         self._side.close()
 
 
-def lora_transform(patcher, block_prefixes: Sequence[str], block_patches: BlockPatches | None = None) -> Callable:
-    """A transform that merges the patcher's weight patches the way core's full load does.
+def lora_transform(patcher, block_prefixes: Sequence[str], block_patches: BlockPatches | None = None,
+                   hooks: StreamedHooks | None = None) -> CoreMerge:
+    """A transform that merges the patcher's weight patches the way core's full load does, and,
+    with ``hooks``, the hook patches in force the way core's hook patching does (``CoreMerge``)."""
+    return CoreMerge(patcher, block_prefixes, block_patches, hooks)
+
+
+class CoreMerge:
+    """The engine's transform of a block copy: core's LoRA merge, then core's hook patches.
 
     Core's `patch_weight_to_device`: the weight in the merge dtype on the load device, the
     layer's `convert_func` (scaled fp8's scale, a quantized tensor's dequantize),
@@ -273,42 +281,76 @@ def lora_transform(patcher, block_prefixes: Sequence[str], block_patches: BlockP
     bound to the copy. A GGUF weight is merged as its own patcher merges it (see the module
     docstring).
 
+    Core's `patch_hook_weight_to_device` then patches a hooked weight as loaded (merged): in
+    fp32, `convert_func`, `calculate_weight` with the hooks' combined patches (the weight's own
+    base and patches as the originals a patch may ask for), rounded as above. ``hooks`` says
+    which patches are in force (hook_weights.py); ``now`` freezes them for a copy queued now.
+
     With ``block_patches`` the patches' tensors come from the device (uploaded with the block,
     on the stream the merge runs on), so a merge never waits on the host. A merge core fails
     and carries on from (it logs the error and keeps the base weight) raises MergeFailed.
     """
-    patches = patcher.patches
-    device = patcher.load_device
-    model = patcher.model
-    merge_dtype = lora_merge_dtype(device)
 
-    def patches_of(block_index: int, key: str):
-        on_device = None if block_patches is None else block_patches.patches(block_index, key)
-        return patches[key] if on_device is None else on_device
+    def __init__(self, patcher, block_prefixes: Sequence[str], block_patches: BlockPatches | None,
+                 hooks: StreamedHooks | None, hooked: dict[str, list] | None = None) -> None:
+        self._patcher = patcher
+        self._prefixes = block_prefixes
+        self._block_patches = block_patches
+        self._hooks = hooks
+        self._hooked = hooked  # frozen hook patches (``now``); None: ask ``hooks`` at each call
+        self._merge_dtype = lora_merge_dtype(patcher.load_device)
 
-    def transform(block_index: int, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        key = f"{block_prefixes[block_index]}.{name}"
-        if key not in patches:
+    def now(self) -> CoreMerge:
+        """This transform with the hook patches in force now (``host.transform.transform_now``)."""
+        if self._hooks is None:
+            return self
+        return CoreMerge(self._patcher, self._prefixes, self._block_patches, self._hooks, self._hooks.snapshot())
+
+    def _patches_of(self, block_index: int, key: str):
+        on_device = None if self._block_patches is None else self._block_patches.patches(block_index, key)
+        return self._patcher.patches[key] if on_device is None else on_device
+
+    def __call__(self, block_index: int, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        key = f"{self._prefixes[block_index]}.{name}"
+        hooked = self._hooked if self._hooked is not None or self._hooks is None else self._hooks.snapshot()
+        hook_patches = None if hooked is None else hooked.get(key)
+        patched = key in self._patcher.patches
+        if not patched and hook_patches is None:
             return tensor
+        model, device = self._patcher.model, self._patcher.load_device
         weight, set_func, convert_func = comfy.model_patcher.get_key_weight(model, key)
         if is_ggml(weight):
-            if ggml_quantized(weight):
-                return tensor  # applied at dequantization through weight.patches
+            if ggml_quantized(weight) or not patched:
+                return tensor  # quantized: applied at dequantization through weight.patches
             work = comfy.model_management.cast_to_device(tensor, device, torch.float32, copy=True)
-            merged = _calculate_weight(patches_of(block_index, key), work, key)
+            merged = _calculate_weight(self._patches_of(block_index, key), work, key)
             return comfy.float.stochastic_rounding(merged, tensor.dtype).to(tensor.device)
-        work = comfy.model_management.cast_to_device(tensor, device, merge_dtype, copy=True)
-        if convert_func is not None:
-            work = convert_func(work, inplace=True)
-        merged = _calculate_weight(patches_of(block_index, key), work, key)
         seed = _string_to_seed(key)
-        if set_func is None:
-            merged = comfy.float.stochastic_rounding(merged, tensor.dtype, seed=seed)
-        else:
-            merged = set_func(merged, seed=seed, return_weight=True)
+        merged = tensor
+        if patched:
+            work = comfy.model_management.cast_to_device(tensor, device, self._merge_dtype, copy=True)
+            if convert_func is not None:
+                work = convert_func(work, inplace=True)
+            merged = _round(_calculate_weight(self._patches_of(block_index, key), work, key), tensor, set_func, seed)
+        if hook_patches is not None:
+            work = comfy.model_management.cast_to_device(merged, device, torch.float32, copy=True)
+            if convert_func is not None:
+                work = convert_func(work, inplace=True)
+            originals = {key: [(tensor, convert_func or _unchanged)] + list(self._patcher.patches.get(key, []))}
+            merged = _round(_calculate_weight(hook_patches, work, key, originals), tensor, set_func, seed)
         return merged.to(tensor.device)
 
-    return transform
+
+def _unchanged(weight: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """Core's stand-in for a layer without a `convert_func`."""
+    return weight
+
+
+def _round(merged: torch.Tensor, like: torch.Tensor, set_func, seed: int) -> torch.Tensor:
+    """A merged weight as the layer stores it: its `set_func`, or stochastic rounding."""
+    if set_func is None:
+        return comfy.float.stochastic_rounding(merged, like.dtype, seed=seed)
+    return set_func(merged, seed=seed, return_weight=True)
 
 
 def is_ggml(weight: object) -> bool:

@@ -39,7 +39,8 @@ from ...offload_core.disk.model_file import ModelFileChanged
 from ...offload_core.layerwise.streamer import LayerwiseStreamer
 from ..core import host_moves, host_sharing
 from ..core.state import LAYERWISE, LAYERWISE_KEY
-from . import block_budget, comfy_weights, compile_policy, compiled_models, dynamic_vram, engine_setup, granularity
+from . import (block_budget, comfy_weights, compile_policy, compiled_models, dynamic_vram, engine_setup,
+               granularity, hook_weights)
 from .settings import LayerwiseSettings
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,8 @@ class LayerwiseSession:
         self.last_timeline: dict[str, Any] | None = None  # the last run's picture, if recorded
         self.core_view: dict[str, int] | None = None
         self.block_patches: comfy_weights.BlockPatches | None = None  # this run's, with patches
+        self.streamed_hooks: hook_weights.StreamedHooks | None = None  # this run's, with hook LoRAs
+        self.hooked_keys: set[str] = set()
         # Core's unload of the model (without this node) moves it to the host with its root's
         # `.to()`, and a partial unload under memory pressure module by module: the kept pack
         # takes the moved module's tensors back first, so nothing is copied back.
@@ -102,8 +105,12 @@ class LayerwiseSession:
         self.run_pending = False
         self._close_block_patches()
         host_sharing.check_unchanged(self.share, "Apply Layerwise Offload")
-        touched = any(key in patcher.patches for prefix, block in zip(self.prefixes, self.blocks)
-                      for key in comfy_weights.block_keys(prefix, block))
+        keys = [key for prefix, block in zip(self.prefixes, self.blocks) for key in comfy_weights.block_keys(prefix, block)]
+        touched = any(key in patcher.patches for key in keys)
+        self.hooked_keys = hook_weights.hooked_keys(patcher, keys)
+        root = compiled_models.diffusion_module(patcher)
+        if self.hooked_keys:
+            self.streamed_hooks = hook_weights.StreamedHooks(patcher, root)
         merge_bytes = 0
         if touched:
             # The patches' tensors go to the device with each block copy (no host wait in a
@@ -126,8 +133,8 @@ class LayerwiseSession:
             # While core loads, the model it sees is the part outside the blocks, which it loads.
             patcher.size = self.rest_bytes
         comfy_weights.hand_over_from_core(patcher, self.prefixes, self.blocks, self.streamer.reclaim)
-        transform = comfy_weights.lora_transform(patcher, self.prefixes, self.block_patches) \
-            if touched else None
+        transform = comfy_weights.lora_transform(patcher, self.prefixes, self.block_patches, self.streamed_hooks) \
+            if touched or self.hooked_keys else None
         self.streamer.reset_figures()
         # A picture of the run only while a panel asks for it: off, the hot path pays nothing.
         self.streamer.record_timeline(LAYERWISE.timeline.wanted())
@@ -135,10 +142,11 @@ class LayerwiseSession:
         progress = comfy.utils.ProgressBar(len(self.streamer.units) + 1)
         try:
             # The model's call is one pass over the blocks: auto settings are measured and
-            # planned at its calls.
+            # planned at its calls. Not with hook LoRAs on the blocks: core patches the resident
+            # ones in place while it samples, which a new setting would upload afresh.
             self.streamer.attach(transform=transform,
                                  progress=lambda done, total: progress.update_absolute(done, total),
-                                 compiled=compiled, root=compiled_models.diffusion_module(patcher))
+                                 compiled=compiled, root=None if self.hooked_keys else root)
         except CacheTooSmallError as e:
             remedies = "Raise host_cache_gb or lower prefetch"
             if self.granularity != "phase":
@@ -200,6 +208,11 @@ class LayerwiseSession:
         """
         self.streamer.reveal_resident()
         comfy_weights.settle_after_core_load(self.blocks)
+        if self.streamed_hooks is not None:
+            # What core cannot see now (streamed units hold no tensors) the engine hooks itself.
+            present = set(patcher.model.state_dict())
+            self.streamed_hooks.take({k for k in self.hooked_keys if k not in present},
+                                     self.streamer.refresh_transform)
         model = patcher.model
         self.accounted_bytes = self.streamer.bound_bytes()
         self.streamer.hold_within(self.accounted_bytes)  # a plan within the run keeps core's figures true
@@ -281,6 +294,10 @@ class LayerwiseSession:
                       "re-pointed at the kept pack, with no copy", self.model_class, taken)
 
     def _close_block_patches(self) -> None:
+        """The run's patches go: the block patches' device tensors, and core gets its hook patches back."""
+        if self.streamed_hooks is not None:
+            self.streamed_hooks.close()
+            self.streamed_hooks = None
         if self.block_patches is not None:
             self.block_patches.close()
             self.block_patches = None

@@ -2,7 +2,8 @@
 
 The host pack always holds the untransformed values: host RAM does not grow with a transform, the
 result is the same on every fresh copy, and ``PackedBlock.restore`` always puts the untransformed
-weights back.  A transform must hand back a tensor of the stored layout; these checks refuse one
+weights back. A transform may change between passes (``transform_now``); the streamer's
+``refresh_transform`` then copies again what was prefetched with the old one.  A transform must hand back a tensor of the stored layout; these checks refuse one
 that would not fit the bytes it is written into.
 """
 
@@ -16,6 +17,15 @@ from .layout import BlockLayout, PackedTensor, PackedUnit, same_view
 from .subclass import PLAIN_TYPES, Flat, flatten, held_tensors
 
 Transform = Callable[[int, str, torch.Tensor], torch.Tensor]
+
+
+def transform_now(transform: Transform) -> Transform:
+    """The transform as it stands now, for a copy queued now and rewritten later (on a copy
+    worker): a transform whose result may change between passes (ComfyUI's hook LoRAs: the
+    weights depend on which conditioning is sampled) has a ``now()`` that freezes its state;
+    any other is itself."""
+    now = getattr(transform, "now", None)
+    return now() if callable(now) else transform
 
 
 def transform_units(layout: BlockLayout, buf: torch.Tensor, transform: Transform) -> int:

@@ -126,6 +126,11 @@ class DeviceSchedule:
         window.ring.record(timeline)
         self._install_streamed_hooks(window)
 
+    def refresh_transform(self) -> int:
+        """The transform changed: streamed units prefetched with the old one are copied again
+        (resident units are the caller's: it rewrites them in place). Returns how many."""
+        return self._window.refresh() if self._window is not None else 0
+
     def in_flight_units(self) -> set[int]:
         """Streamed units that hold a slot now (copying, ready or running)."""
         return self._window.in_flight() if self._window is not None else set()

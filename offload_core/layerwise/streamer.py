@@ -235,6 +235,15 @@ class LayerwiseStreamer(StreamerFigures):
             "transform on device copies" if transform is not None else "no transform",
         )  # fmt: skip
 
+    def refresh_transform(self) -> int:
+        """Between two passes: the attach's transform now gives other values (see
+        ``host.transform.transform_now``), so the streamed units already copied with the old ones
+        are copied again. Resident units keep theirs: whoever changed the transform rewrites
+        those in place. Returns how many units are copied again."""
+        if not self._attached or self._schedule is None:
+            return 0
+        return self._schedule.refresh_transform()
+
     def conceal_resident(self) -> None:
         """Unset the resident blocks' tensors (and shared ones) in their modules until
         reveal_resident() or detach.

@@ -32,6 +32,7 @@ from ..device.slots import SlotRing
 from ..device.telemetry import Telemetry
 from ..disk.cache_ring import CacheRing
 from ..host.packing import Transform
+from ..host.transform import transform_now
 from .plan import StreamPlan
 
 log = logging.getLogger(__name__)
@@ -187,11 +188,27 @@ class StreamWindow:
         if transform is None:
             return None
         pack, tel = self._packs[b], self.telemetry
+        transform = transform_now(transform)  # as it stands when the copy is queued
 
         def prepare(slot: torch.Tensor) -> None:
             tel.transforms += pack.apply_transform(slot, transform)
 
         return prepare
+
+    def refresh(self) -> int:
+        """Between two passes, after the transform changed (``transform_now``): the slots that
+        hold a unit copied and rewritten with the old one are copied again; the running unit,
+        if any, keeps its slot. Returns how many units are copied again."""
+        stale = [b for b in self._slot_of if b != self.running]
+        for b in stale:
+            self._unreserve(b)
+        running_slot = self._slot_of.get(self.running) if self.running is not None else None
+        for s in range(self._nslots):
+            if s != running_slot:
+                self.ring.holds[s] = None  # no slot's bytes may be taken for the new transform's
+        self._view_cache = {}
+        self.fill()
+        return len(stale)
 
     def _unreserve(self, b: int) -> None:
         del self._slot_of[b]
