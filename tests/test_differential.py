@@ -24,7 +24,8 @@ REQUIRED = ["family:wan", "family:sd3", "family:hunyuan_video", "offload", "lora
             "file_dtype:bf16", "file_dtype:mixed_fp8", "weight_dtype:fp8_e4m3fn", "resident:-1",
             "resident:0", "resident:k", "resident:all", "offload_before_lora",
             "offload_after_lora", "strength:0", "strength:neg", "strength:>1", "vae", "pin:false", "tiny_budget",
-            "tier_manager:clip", "scenario:swap_then_drop", "rest_budgets"]
+            "tier_manager:clip", "scenario:swap_then_drop", "rest_budgets", "hook_lora",
+            "hook_lora:keyframes"]
 
 
 def offline_catalogue(excluded: list[str]) -> catalogue.Catalogue:

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from . import ARTIFACTS, campaign, minimize, report
+from .generator import HOOK_SHARE
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-interrupts", action="store_true")
     ap.add_argument("--compile-share", type=float, default=0.15,
                     help="share of chains that get a torch.compile, whole model or per block (0: none)")
+    ap.add_argument("--hook-share", type=float, default=HOOK_SHARE,
+                    help="share of prompts with a hook LoRA on the positive (0: none)")
     ap.add_argument("--name", help="run folder under tests/artifacts/differential/ (default: a timestamp and the process id)")
     ap.add_argument("--replay", type=Path, help="run the steps of a replay.json on fresh servers")
     ap.add_argument("--minimize", type=Path, help="shrink a replay.json to the fewest steps that still mismatch")
@@ -58,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = campaign.Options(seeds=seeds, prompts=a.prompts, workdir=ARTIFACTS / "work" / name,
                             out_dir=ARTIFACTS / name, models_root=models_root, big=not a.no_big,
                             interrupts=not a.no_interrupts, compile_share=a.compile_share,
-                            threads=a.threads, echo=print)
+                            hook_share=a.hook_share, threads=a.threads, echo=print)
     summary = campaign.run(opts)
     print(report.summary_text(summary))
     print(f"summary: {opts.out_dir / 'summary.json'}")

@@ -21,7 +21,7 @@ from comfy_server import COMFY_PYTHON, COMFY_ROOT
 
 from . import catalogue as catalogue_mod
 from . import probe
-from .generator import generate
+from .generator import HOOK_SHARE, generate
 from .report import node_list, step_line
 from .runner import run_step
 from .servers import ServerPair
@@ -38,6 +38,7 @@ class Options:
     interrupts: bool = True
     rest_actions: bool = True
     compile_share: float = 0.0  # chains that get a torch.compile (see generator.py)
+    hook_share: float = HOOK_SHARE  # prompts with a hook LoRA on the positive (see generator.py)
     threads: int = 2
     timeout: float = 900.0
     echo: Callable[[str], None] = field(default=lambda line: None, repr=False)
@@ -136,7 +137,8 @@ def run(opts: Options) -> dict[str, Any]:
             if n:
                 pair.restart()
             steps = generate(seed, opts.prompts, cat, interrupts=opts.interrupts,
-                             rest_actions=opts.rest_actions, compile_share=opts.compile_share)
+                             rest_actions=opts.rest_actions, compile_share=opts.compile_share,
+                             hook_share=opts.hook_share)
             run_sequence(pair, seed, steps, opts, cat, totals, coverage, log_flags, mismatches,
                          graph_differences)
     except KeyboardInterrupt:  # Ctrl-C ends a long campaign early, with its summary so far

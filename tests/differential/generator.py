@@ -11,7 +11,8 @@ A sequence is a list of steps, each a JSON-ready dict:
 Prompts are built from "chains": a loader and an ordered list of model operations (LoRA or LoHa
 loaders, Apply Layerwise Offload, VRAM Tier Manager, Model-Level Swap, a test block-replace
 patch, torch.compile of the whole model or of each block). Compile is drawn from a random stream
-of its own, so a campaign without it (`compile_share` 0) draws every other choice as before. Shapes: one sampler, two branches from one loader, or two samplers with two models.
+of its own, so a campaign without it (`compile_share` 0) draws every other choice as before; so
+is a hook LoRA on the positive (`hook_share`), which core applies while it samples. Shapes: one sampler, two branches from one loader, or two samplers with two models.
 Consecutive prompts often reuse the previous chain's model and loader with changed operations,
 because state carried between prompts is where the pack can go wrong. Two scenarios are planted
 as fixed runs of prompts: an interrupt while a LoRA'd 16-block Wan is packed (issue 10's case
@@ -42,6 +43,11 @@ SHARED_MIB = 64
 # (core's compile wrapper, one key per block); inductor, its default mode.
 COMPILES = ("whole", "blocks")
 COMPILED_FILE_DTYPES = ("fp32", "bf16", "fp16")
+# Core's hook LoRAs (CreateHookLoraModelOnly + ConditioningSetProperties on the positive): core
+# patches the hooked weights in place while it samples, which every node of the pack must take.
+# Drawn from a stream of their own, so the other draws of a seed stay as they were.
+HOOK_SHARE = 0.3
+HOOK_STRENGTHS = (1.0, 0.6, -0.5, 1.4)
 
 
 @dataclass
@@ -60,11 +66,13 @@ class Chain:
 
 class Generator:
     def __init__(self, seed: int, catalogue: Catalogue, *, interrupts: bool = True,
-                 rest_actions: bool = True, compile_share: float = 0.0) -> None:
+                 rest_actions: bool = True, compile_share: float = 0.0, hook_share: float = HOOK_SHARE) -> None:
         self.seed = seed
         self.rng = random.Random(seed)
         self.compile_rng = random.Random(f"compile-{seed}")
         self.compile_share = compile_share
+        self.hook_rng = random.Random(f"hook-{seed}")
+        self.hook_share = hook_share
         self.cat = catalogue
         self.models = [m for m in catalogue.usable() if not m.big]
         self.big = [m for m in catalogue.usable() if m.big]
@@ -279,6 +287,7 @@ class Generator:
         vae, encode_clip = links["vae"], links["clip"]
 
         pos = out(g.add("TieredTestConditioning", model_kind=model.cond_kind, seed=rng.randrange(2**31)))
+        pos = self._hook_lora(g, model, pos, tags)
         neg = out(g.add("TieredTestConditioning", model_kind=model.cond_kind, seed=rng.randrange(2**31)))
         latent = out(g.add(model.latent["node"], **model.latent["inputs"]))
         steps = steps or rng.choice((2, 3, 4))
@@ -320,6 +329,25 @@ class Generator:
                 "packing_blocks": chains[0].model.blocks if interrupt == "packing" else None,
                 "allowed_refusals": refusals, "tags": sorted(tags),
                 "models": [c.model.name for c in chains]}
+
+    def _hook_lora(self, g: Graph, model: Model, pos: list, tags: set[str]) -> list:
+        """With ``hook_share``, a hook LoRA of the model's family on the positive, sometimes with
+        keyframes that change its strength part-way through the run."""
+        hrng = self.hook_rng
+        if not model.adapters or hrng.random() >= self.hook_share:
+            return pos
+        adapter = hrng.choice(model.adapters)
+        hooks = out(g.add("CreateHookLoraModelOnly", lora_name=adapter.filename,
+                          strength_model=hrng.choice(HOOK_STRENGTHS)))
+        if hrng.random() < 0.4:
+            first = g.add("CreateHookKeyframe", strength_mult=hrng.choice((0.0, 0.5)), start_percent=0.0)
+            second = g.add("CreateHookKeyframe", strength_mult=1.0, start_percent=hrng.choice((0.3, 0.6)),
+                           prev_hook_kf=out(first))
+            hooks = out(g.add("SetHookKeyframes", hooks=hooks, hook_kf=out(second)))
+            tags.add("hook_lora:keyframes")
+        tags.add("hook_lora")
+        return out(g.add("ConditioningSetProperties", cond_NEW=pos, strength=1.0, set_cond_area="default",
+                         hooks=hooks))
 
     def _loader(self, g: Graph, chain: Chain) -> str:
         if chain.model.folder == "checkpoints":
