@@ -5,16 +5,19 @@ Two servers (each with the pack) load the same model files from one folder and s
 Apply Layerwise Offload, so they share each model's blocks through one store (the settings file
 points the store folder at a folder of the run's own). Each prompt runs on one server in turn and
 switches that server's model every other prompt (ComfyUI drops the model its loader no longer
-gives, which closes the pack's engine and lets go of the store), with a LoRA now and then; every
-latent is compared with core's own result for that model and LoRA, and `/free` runs every few
-prompts on one of them. After every prompt the run records each server's RSS and the stores it
+gives, which closes the pack's engine and lets go of the store), with a LoRA on one server, and
+goes through the ways users run a model (``MODES``): some blocks resident, every block streamed,
+Model-Level Swap, both nodes, and core alone on the model the pack handed back; half the cycles
+carry a hook LoRA on the positive, which core patches in place while it samples. Every latent is
+compared with core's own result for that model, LoRA and hook, and `/free` runs every few prompts
+on one of them. After every prompt the run records each server's RSS and the stores it
 maps (/proc/PID/smaps), and the store files in the folder.
 
-``tests/test_shared_host_store.py`` runs a short soak on its servers and asserts that the figures
-stay flat and that no store is left once both servers let go. The long one is a command (Linux
+``tests/test_shared_host_store.py`` runs 200 prompts on its servers and asserts that the figures
+stay flat and that no store is left once both servers let go. Longer runs are a command (Linux
 only, it reads /proc):
 
-    .venv/bin/python -m tests.host_store_soak --prompts 200
+    .venv/bin/python -m tests.host_store_soak --prompts 1000
 
 It writes ``tests/artifacts/host_store_soak/summary.json`` (every sample and a summary) and prints
 the summary: each server's RSS after the warm-up and at the end, its growth per 100 prompts, the
@@ -47,13 +50,18 @@ LORA = "soak_share_lora.safetensors"
 LAYERS, DIM, FFN = 4, 128, 512  # 4 blocks of 1.1 MB: a store or a copy kept per switch adds up in RSS
 LAYERWISE = {"resident_blocks": 1, "prefetch": 1}
 LORAS = (None, 1.0)  # server 0 runs without a LoRA, server 1 with one
+HOOKS = (None, 0.7)  # a hook LoRA's strength on the positive, or none
+# How a prompt runs the model: some blocks resident (a partial load of the engine), every block
+# streamed, Model-Level Swap, both nodes, or core alone (on what the pack handed back).
+MODES = ("resident_1", "streamed", "swap", "streamed_swap", "core")
 FREE_EVERY = 5  # /free on the prompt's server before every 5th prompt
-CYCLE = 4  # prompts before the pattern (server, model, LoRA) repeats
+PER_MODE = 4  # prompts in a row in one mode: each server and model once
+CYCLE = PER_MODE * len(MODES) * len(HOOKS)  # prompts before the pattern repeats
 MIB = 1 << 20
 
 
 def write_models(models: Path) -> None:
-    """Two Wan models of one shape and a LoRA for them, where ComfyUI's loaders look."""
+    """Two Wan models of one shape, a LoRA for them and a text encoder, where ComfyUI's loaders look."""
     unet = models / "diffusion_models"
     unet.mkdir(parents=True, exist_ok=True)
     for seed, name in enumerate(MODELS, start=91):
@@ -63,6 +71,10 @@ def write_models(models: Path) -> None:
     if not lora.exists():
         lora.parent.mkdir(parents=True, exist_ok=True)
         tiny_models.write_tiny_wan_lora(lora, model_layers=LAYERS, dim=DIM, ffn_dim=FFN, seed=93)
+    clip = models / "text_encoders" / tiny_models.CLIP_L_FILENAME
+    if not clip.exists():
+        clip.parent.mkdir(parents=True, exist_ok=True)
+        tiny_models.write_random_clip_l(clip)
 
 
 def prepare_base(base: Path, models: Path, store_root: Path, **settings: Any) -> Path:
@@ -139,30 +151,59 @@ def workflow(unet: str, lora: float | None, layerwise: bool, seed: int) -> dict:
     return wf
 
 
-def plan(i: int) -> tuple[int, str, float | None]:
-    """Prompt ``i``: its server, its model (each server switches every prompt it runs) and its
-    server's LoRA strength."""
+def varied_workflow(unet: str, lora: float | None, hook: float | None, mode: str, seed: int) -> dict:
+    """``workflow`` run as ``mode`` says (``MODES``), with a hook LoRA of strength ``hook``."""
+    layerwise = {"resident_1": LAYERWISE, "streamed": {"resident_blocks": 0, "prefetch": 1},
+                 "streamed_swap": {"resident_blocks": 0, "prefetch": 1}}.get(mode)
+    wf = workflow(unet, lora, False, seed)
+    model = ["lora", 0] if lora is not None else ["load", 0]
+    if layerwise is not None:
+        wf["offload"] = {"class_type": "ApplyLayerwiseOffload", "inputs": {
+            "model": model, "vram_budget_gb": 12.0, "pin": True, **layerwise}}
+        model = ["offload", 0]
+    if mode in ("swap", "streamed_swap"):
+        wf["clip"] = {"class_type": "CLIPLoader", "inputs": {
+            "clip_name": tiny_models.CLIP_L_FILENAME, "type": "stable_diffusion", "device": "default"}}
+        wf["swap"] = {"class_type": "ModelLevelSwap", "inputs": {"model": model, "clip": ["clip", 0]}}
+        wf["encode"] = {"class_type": "CLIPTextEncode", "inputs": {"clip": ["swap", 1], "text": "a soak"}}
+        wf["encode_stats"] = {"class_type": "TieredTestConditioningStats", "inputs": {"conditioning": ["encode", 0]}}
+        model = ["swap", 0]
+    wf["sample"]["inputs"]["model"] = model
+    if hook is not None:
+        wf["hook"] = {"class_type": "CreateHookLoraModelOnly", "inputs": {"lora_name": LORA, "strength_model": hook}}
+        wf["pos_hooked"] = {"class_type": "ConditioningSetProperties", "inputs": {
+            "cond_NEW": ["pos", 0], "strength": 1.0, "set_cond_area": "default", "hooks": ["hook", 0]}}
+        wf["sample"]["inputs"]["positive"] = ["pos_hooked", 0]
+    return wf
+
+
+def plan(i: int) -> tuple[int, str, float | None, float | None, str]:
+    """Prompt ``i``: its server, its model (each server switches every prompt it runs), its
+    server's LoRA strength, its hook LoRA and its mode."""
     server = i % 2
-    return server, MODELS[(i // 2) % 2], LORAS[server]
+    mode = MODES[(i // PER_MODE) % len(MODES)]
+    hook = HOOKS[(i // (PER_MODE * len(MODES))) % len(HOOKS)]
+    return server, MODELS[(i // 2) % 2], LORAS[server], hook, mode
 
 
 def soak(servers: list[ComfyServer], store_root: Path, prompts: int, *, log=None) -> dict[str, Any]:
     """Run the prompts; return every sample and a summary (``summary``)."""
-    refs: dict[tuple[str, float | None], str] = {}
+    refs: dict[tuple[str, float | None, float | None], str] = {}
     for model in MODELS:  # core's own results, before any store exists
         for lora in LORAS:
-            refs[(model, lora)] = latent_sha(servers[0].run(workflow(model, lora, False, seed=5)))
+            for hook in HOOKS:
+                refs[(model, lora, hook)] = latent_sha(servers[0].run(varied_workflow(model, lora, hook, "core", 5)))
     servers[0].free()
     samples: list[dict[str, Any]] = []
     for i in range(prompts):
-        index, model, lora = plan(i)
+        index, model, lora, hook, mode = plan(i)
         server = servers[index]
         if i and i % FREE_EVERY == 0:
             server.free()
         start = time.perf_counter()
-        got = latent_sha(server.run(workflow(model, lora, True, seed=5)))
-        sample = {"prompt": i, "server": index, "model": model, "lora": lora,
-                  "seconds": time.perf_counter() - start, "right": got == refs[(model, lora)],
+        got = latent_sha(server.run(varied_workflow(model, lora, hook, mode, seed=5)))
+        sample = {"prompt": i, "server": index, "model": model, "lora": lora, "hook": hook, "mode": mode,
+                  "seconds": time.perf_counter() - start, "right": got == refs[(model, lora, hook)],
                   "store_files": len(store_files(store_root)),
                   "rss": [rss(s.proc.pid) for s in servers],
                   "mapped": [len(mapped_stores(s.proc.pid, store_root)) for s in servers]}
