@@ -114,6 +114,8 @@ def test_the_model_after_the_node_takes_a_hook_lora(comfy, twin):
         _same_as_core(comfy, twin, sample_workflow("wan21", layerwise=layerwise, steps=2))
         _same_as_core(comfy, twin, _hooked(sample_workflow("wan21", steps=2)))
         _same_as_core(comfy, twin, sample_workflow("wan21", layerwise=layerwise, steps=2))  # and back
+        # Model-Level Swap of the model whose blocks the kept pack holds, with a hook LoRA
+        _same_as_core(comfy, twin, _hooked(with_text_encode(sample_workflow("wan21", steps=2), swap=True)))
 
 
 def test_a_hook_lora_under_model_level_swap_and_both_nodes(comfy, twin):
