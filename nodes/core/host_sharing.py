@@ -8,25 +8,39 @@ when all of these allow it, else None and the reason, which the log and the pane
 - the model: core read it from a file the pack saw it read (core/model_files.py), which names
   the store, so two processes share only the bytes of one file's one version, loaded alike.
 
-Where: below "shared_memory_dir" of the settings file (default /dev/shm, which is RAM), in a folder
-of the user's own (offload_core/host/store_folder.py). Where that has no room (a container's
+Where: below "shared_memory_dir" of the settings file, in a folder of the user's own
+(offload_core/host/store_folder.py). By default that is first the user's runtime folder
+($XDG_RUNTIME_DIR, /run/user/<uid>) where it is a folder of shared memory only the user may write
+to, then /dev/shm (also RAM) for what the runtime folder cannot hold (it is often a tenth of the
+RAM): in /dev/shm, another local user can make the store folder's name first, which only makes
+the pack keep private copies.
+One store takes at most "shared_memory_max_share" (a fraction, default 0.5) of that folder's
+size, so one model cannot fill the shared memory everything else on the machine needs too.
+Where that has no room (a container's
 64 MiB /dev/shm), in a disk folder the server's owner allows, by the rules a spill file follows:
 the node's `spill_dir` when it names one, then the folders listed under "spill_dirs", but never
 ComfyUI's temp folder, which every ComfyUI start empties (a second worker's start would take the
 first one's store away). Without room anywhere the model is packed in the process's own memory,
 and the log and the panel say so.
 
+Sharing never fails a prompt: whatever keeps a store from being used (a folder that is not the
+user's own, no room, a store file changed by someone else, a packer that stopped) gives a private
+copy, and the log and the panel say why and what to do.
+
 When a store goes: the last process to let go of it removes it, at the latest when it ends. A
 process ended by SIGTERM (how ComfyUI-Distributed, systemd and docker stop a worker) runs no exit
 handlers, so the pack lets go of its stores on that signal and then ends as it would have
-(`let_go_on_sigterm`); a process killed outright (SIGKILL, a crash) leaves them to the next
-process that starts (`sweep`) or to the last one still holding them.
+(`let_go_on_sigterm`); a process killed outright (SIGKILL, a crash) leaves them to the last one
+still holding them, or to the next look of any process (`sweep`: at start, at every pack and at
+every prompt's end).
 """
 from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
+import stat
 import threading
 from typing import Any
 
@@ -34,7 +48,14 @@ import folder_paths
 
 from ...offload_core.host import shared_store
 from ...offload_core.host.shared_packing import HostShare
-from ...offload_core.host.store_folder import DISK, SHARED_MEMORY, SUPPORTED, StoreFolder
+from ...offload_core.host.store_folder import (
+    DEFAULT_MAX_SHARE,
+    DISK,
+    SHARED_MEMORY,
+    SUPPORTED,
+    StoreFolder,
+    max_share,
+)
 from . import model_files, settings_file
 from .budgets import shorten
 
@@ -42,8 +63,9 @@ log = logging.getLogger(__name__)
 
 SWITCH = "share_host_memory"
 FOLDER = "shared_memory_dir"
+MAX_SHARE = "shared_memory_max_share"
 SPILL_DIRS = "spill_dirs"
-DEFAULT_FOLDER = "/dev/shm"
+SHARED_MEMORY_FOLDER = "/dev/shm"  # the default where the user has no runtime folder in shared memory
 
 
 def _settings() -> dict[str, Any]:
@@ -74,13 +96,63 @@ def _disk_folders(settings: dict[str, Any], spill_dir: str | None) -> list[str]:
     return out
 
 
-def memory_folder(settings: dict[str, Any] | None = None) -> str:
-    """The root of the shared-memory store folder: the settings file's, or /dev/shm."""
+def _filesystem_of(folder: str) -> str | None:
+    """The type of the filesystem ``folder`` is on (the longest mount point above it in
+    /proc/mounts), None where the system does not say."""
+    real = os.path.realpath(folder)
+    try:
+        with open("/proc/mounts") as f:
+            mounts = [line.split() for line in f]
+    except OSError:
+        return None
+    best, kind = "", None
+    for fields in mounts:
+        if len(fields) < 3:
+            continue
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[1])  # /proc/mounts writes a space as \040
+        if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+            best, kind = point, fields[2]
+    return kind
+
+
+def runtime_folder() -> str | None:
+    """The user's runtime folder ($XDG_RUNTIME_DIR, else /run/user/<uid>) where it is a real
+    folder of this user closed to everyone else, in shared memory (tmpfs; kept where the system
+    does not say): below it no other user can make the store folder first."""
+    for folder in (os.environ.get("XDG_RUNTIME_DIR"), f"/run/user/{os.geteuid()}"):
+        if not folder or not os.path.isabs(folder):
+            continue
+        try:
+            st = os.lstat(folder)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o700 \
+                and _filesystem_of(folder) in ("tmpfs", None):
+            return folder
+    return None
+
+
+def memory_folders(settings: dict[str, Any] | None = None) -> list[str]:
+    """The roots of the shared-memory store folders, in order: the settings file's alone, else the
+    user's runtime folder (``runtime_folder``, where there is one) and then /dev/shm, so a model
+    the runtime folder cannot hold is still shared."""
     settings = _settings() if settings is None else settings
-    folder = settings.get(FOLDER, DEFAULT_FOLDER)
+    if FOLDER not in settings:
+        runtime = runtime_folder()
+        return [runtime, SHARED_MEMORY_FOLDER] if runtime else [SHARED_MEMORY_FOLDER]
+    folder = settings[FOLDER]
     if not isinstance(folder, str) or not os.path.isabs(folder):
         raise ValueError(f'"{FOLDER}" in {settings_file.path()} must be an absolute folder path')
-    return folder
+    return [folder]
+
+
+def memory_store_folders(settings: dict[str, Any]) -> list[StoreFolder]:
+    """The shared-memory store folders, each with the share of it one store may take."""
+    where = f'"{MAX_SHARE}" in {settings_file.path()}'
+    share = max_share(settings.get(MAX_SHARE, DEFAULT_MAX_SHARE), where)
+    return [StoreFolder(root, SHARED_MEMORY, max_share=share,
+                        choose_another=f'set "{FOLDER}" in {settings_file.path()} to a folder of your own')
+            for root in memory_folders(settings)]
 
 
 def share_for(module, wanted: bool, *, spill_dir: str | None = None) -> tuple[HostShare | None, str | None]:
@@ -95,7 +167,7 @@ def share_for(module, wanted: bool, *, spill_dir: str | None = None) -> tuple[Ho
     source = model_files.source_of(module)
     if source is None:
         return None, "ComfyUI loaded this model in a way that names no file"
-    folders = [StoreFolder(memory_folder(settings), SHARED_MEMORY)]
+    folders = memory_store_folders(settings)
     folders += [StoreFolder(folder, DISK) for folder in _disk_folders(settings, spill_dir)]
     return HostShare(source, tuple(folders)), None
 
@@ -104,26 +176,38 @@ def check_unchanged(share: HostShare | None, who: str) -> None:
     """Refuse (ValueError) to run a model whose host copy is shared when its file changed since
     the process read it: the store holds the old file's bytes, and a process that loads the file
     now would run the new ones, so two workers of one machine would give two results for one
-    workflow without a word. ComfyUI reads the file again once it unloads the model."""
+    workflow without a word. ComfyUI reads the file again once it unloads the model.
+
+    A change of the file's metadata alone (chmod, chown, a hard link) is not refused where every
+    byte of the file reads back as witnessed (core/model_files.py `changed`): the first check of an
+    unchanged file starts that witness, once per file version, in the background."""
     if share is None:
         return
-    why = model_files.changed(dict(share.source))
-    if why is not None:
-        raise ValueError(
-            f"{who}: {shorten(why, 300)} since ComfyUI loaded this model, and its host copy is shared "
-            "with the machine's other ComfyUI processes: they would run different weights for the same "
-            "workflow. Unload the model (the Offload panel's Unload, or ComfyUI's Unload Models) so it "
-            "is read again, or turn share_host_memory off.")
+    source = dict(share.source)
+    why = model_files.changed(source, whole=True)
+    if why is None:
+        model_files.witness(source)
+        return
+    raise ValueError(
+        f"{who}: {shorten(why, 300)} since ComfyUI loaded this model, and its host copy is shared "
+        "with the machine's other ComfyUI processes: they would run different weights for the same "
+        "workflow. Unload the model (the Offload panel's Unload, or ComfyUI's Unload Models) so it "
+        "is read again, or turn share_host_memory off.")
 
 
-def sweep() -> None:
-    """At start-up: remove the stores that processes which ended left behind, in every folder."""
+def sweep(*, if_due: bool = False) -> None:
+    """Remove the stores that processes which ended left behind, in every folder: at start-up,
+    and (``if_due``: at most once a second per folder, ``StoreFolder.sweep_if_due``) at every
+    prompt's end, so a killed worker's store does not wait for a restart. Never raises."""
     try:
         settings = _settings()
-        roots = [(memory_folder(settings), SHARED_MEMORY)] + [(f, DISK) for f in _disk_folders(settings, None)]
-        for root, kind in roots:
-            if os.path.isdir(root):
-                StoreFolder(root, kind).sweep()
+        folders = [StoreFolder(root, SHARED_MEMORY) for root in memory_folders(settings)]
+        folders += [StoreFolder(f, DISK) for f in _disk_folders(settings, None)]
+        for folder in folders:
+            if if_due:
+                folder.sweep_if_due()
+            else:
+                folder.sweep()
     except Exception:
         log.exception("tiered offload: could not look for shared host stores left by ended processes")
 

@@ -8,7 +8,8 @@ from. So core's file loaders (`comfy.sd.load_diffusion_model`, `load_checkpoint_
 `load_clip`; what the UNET, checkpoint and CLIP loader nodes and the pack's Tiered loaders call)
 are wrapped once at start-up: each file's version (`file_identity.file_version`) is read before
 and after the load, and a model whose file changed meanwhile is not recorded (its bytes belong to
-no one version). A wrapper calls whatever was there before it (another pack's wrapper included)
+no one version). Whether a file is still the one read later is file_identity's rule (`changed`): a
+change of its metadata alone (chmod, chown, a hard link) is no change once its bytes are checked. A wrapper calls whatever was there before it (another pack's wrapper included)
 and records nothing when its arguments do not name files; models from other loaders have no file
 here and keep private host copies.
 """
@@ -23,7 +24,7 @@ from typing import Any
 
 import comfy.sd
 
-from ...offload_core.models.file_identity import file_version
+from ...offload_core.host.file_identity import file_version, same_bytes, witness_whole
 from . import state
 
 log = logging.getLogger(__name__)
@@ -106,13 +107,20 @@ def source_of(module) -> dict[str, Any] | None:
     return state.MODEL_FILES.get(module)
 
 
-def changed(source: dict[str, Any]) -> str | None:
-    """Why the files of ``source`` are not the ones its bytes were read from any more, or None."""
+def witness(source: dict[str, Any]) -> None:
+    """Have the bytes of ``source``'s files witnessed (once per file version, in the background),
+    so a later change of their metadata alone can be told from a change of their bytes."""
     for path, version in source["files"]:
-        try:
-            now = list(file_version(os.stat(path)))
-        except FileNotFoundError:
+        witness_whole(path, tuple(version))
+
+
+def changed(source: dict[str, Any], *, whole: bool = False) -> str | None:
+    """Why the files of ``source`` are not the ones its bytes were read from any more, or None.
+    A file whose metadata alone changed is unchanged where its bytes are checked the same
+    (`file_identity.same_bytes`; ``whole``: only a check of every byte of the file counts)."""
+    for path, version in source["files"]:
+        if not os.path.exists(path):
             return f"{path} is gone"
-        if now != version:
+        if same_bytes(path, tuple(version), whole=whole) is None:
             return f"{path} changed on disk"
     return None

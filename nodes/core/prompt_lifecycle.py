@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from typing import Any, Callable
 
 from ...offload_core.models.tier_errors import TierError
+from . import host_sharing
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,7 @@ def _started(prompt_id: str | None, graph: Any) -> None:
 def _ended(prompt_id: str | None) -> None:
     try:
         _notify(_end_listeners, prompt_id)
+        host_sharing.sweep(if_due=True)  # a store whose last holder was killed goes now, not at a restart
     finally:
         _running["prompt_id"] = None
         _running["graph"] = None

@@ -4,7 +4,9 @@ the server decides.
 Why a file there and not a frontend setting: ComfyUI's HTTP API writes a user's settings and files
 only inside that user's own folder below the user directory (`/settings`, `/userdata`), so no
 request can write this file, and no workflow or API client can widen what it allows. Keys:
-"preload" (nodes/tiers/preload.py) and "spill_dirs" (nodes/layerwise/spill_folder.py).
+"preload" (nodes/tiers/preload.py), "spill_dirs" (nodes/layerwise/spill_folder.py), and the shared
+host store's "share_host_memory", "shared_memory_dir" and "shared_memory_max_share"
+(nodes/core/host_sharing.py).
 """
 from __future__ import annotations
 

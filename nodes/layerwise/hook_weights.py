@@ -48,7 +48,14 @@ class StreamedHooks:
     ``close`` gives the patcher its hook patches back.
     """
 
-    def __init__(self, patcher, root: torch.nn.Module) -> None:
+    @classmethod
+    def for_keys(cls, patcher, root: torch.nn.Module, keys: Iterable[str]) -> StreamedHooks | None:
+        """For a run of the blocks whose weights are ``keys``: None unless a hook patches one."""
+        hooked = hooked_keys(patcher, keys)
+        return cls(patcher, root, hooked) if hooked else None
+
+    def __init__(self, patcher, root: torch.nn.Module, hooked: set[str]) -> None:
+        self._hooked = hooked  # the blocks' keys some hook patches
         self._patcher = patcher
         self._root = root  # the module whose call is one call of the model
         self._full: dict | None = None  # the patcher's own hook patches, while ours stand in
@@ -63,6 +70,11 @@ class StreamedHooks:
     @property
     def keys(self) -> set[str]:
         return {k for patches in self._streamed.values() for k in patches}
+
+    def take_unseen(self, on_change: Callable[[], int]) -> int:
+        """``take`` the hooked keys the model's state dict lacks now (its streamed units')."""
+        present = set(self._patcher.model.state_dict())
+        return self.take({k for k in self._hooked if k not in present}, on_change)
 
     def take(self, streamed_keys: set[str], on_change: Callable[[], int]) -> int:
         """Move the hook patches of ``streamed_keys`` out of the patcher; ``on_change`` is called

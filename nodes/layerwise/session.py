@@ -85,7 +85,6 @@ class LayerwiseSession:
         self.core_view: dict[str, int] | None = None
         self.block_patches: comfy_weights.BlockPatches | None = None  # this run's, with patches
         self.streamed_hooks: hook_weights.StreamedHooks | None = None  # this run's, with hook LoRAs
-        self.hooked_keys: set[str] = set()
         # Core's unload of the model (without this node) moves it to the host with its root's
         # `.to()`, and a partial unload under memory pressure module by module: the kept pack
         # takes the moved module's tensors back first, so nothing is copied back.
@@ -107,10 +106,8 @@ class LayerwiseSession:
         host_sharing.check_unchanged(self.share, "Apply Layerwise Offload")
         keys = [key for prefix, block in zip(self.prefixes, self.blocks) for key in comfy_weights.block_keys(prefix, block)]
         touched = any(key in patcher.patches for key in keys)
-        self.hooked_keys = hook_weights.hooked_keys(patcher, keys)
         root = compiled_models.diffusion_module(patcher)
-        if self.hooked_keys:
-            self.streamed_hooks = hook_weights.StreamedHooks(patcher, root)
+        self.streamed_hooks = hook_weights.StreamedHooks.for_keys(patcher, root, keys)
         merge_bytes = 0
         if touched:
             # The patches' tensors go to the device with each block copy (no host wait in a
@@ -134,7 +131,7 @@ class LayerwiseSession:
             patcher.size = self.rest_bytes
         comfy_weights.hand_over_from_core(patcher, self.prefixes, self.blocks, self.streamer.reclaim)
         transform = comfy_weights.lora_transform(patcher, self.prefixes, self.block_patches, self.streamed_hooks) \
-            if touched or self.hooked_keys else None
+            if touched or self.streamed_hooks else None
         self.streamer.reset_figures()
         # A picture of the run only while a panel asks for it: off, the hot path pays nothing.
         self.streamer.record_timeline(LAYERWISE.timeline.wanted())
@@ -146,7 +143,7 @@ class LayerwiseSession:
             # ones in place while it samples, which a new setting would upload afresh.
             self.streamer.attach(transform=transform,
                                  progress=lambda done, total: progress.update_absolute(done, total),
-                                 compiled=compiled, root=None if self.hooked_keys else root)
+                                 compiled=compiled, root=None if self.streamed_hooks else root)
         except CacheTooSmallError as e:
             remedies = "Raise host_cache_gb or lower prefetch"
             if self.granularity != "phase":
@@ -208,11 +205,8 @@ class LayerwiseSession:
         """
         self.streamer.reveal_resident()
         comfy_weights.settle_after_core_load(self.blocks)
-        if self.streamed_hooks is not None:
-            # What core cannot see now (streamed units hold no tensors) the engine hooks itself.
-            present = set(patcher.model.state_dict())
-            self.streamed_hooks.take({k for k in self.hooked_keys if k not in present},
-                                     self.streamer.refresh_transform)
+        if self.streamed_hooks is not None:  # what core cannot see now, the engine hooks itself
+            self.streamed_hooks.take_unseen(self.streamer.refresh_transform)
         model = patcher.model
         self.accounted_bytes = self.streamer.bound_bytes()
         self.streamer.hold_within(self.accounted_bytes)  # a plan within the run keeps core's figures true
@@ -295,9 +289,9 @@ class LayerwiseSession:
 
     def _close_block_patches(self) -> None:
         """The run's patches go: the block patches' device tensors, and core gets its hook patches back."""
-        if self.streamed_hooks is not None:
-            self.streamed_hooks.close()
-            self.streamed_hooks = None
+        hooks, self.streamed_hooks = self.streamed_hooks, None
+        if hooks is not None:
+            hooks.close()
         if self.block_patches is not None:
             self.block_patches.close()
             self.block_patches = None

@@ -14,7 +14,10 @@ a pread of a file overwritten in place returns the new bytes without complaint. 
 taken when the file is opened and checked again after every pass and at the end of every run; a
 file replaced, truncated or overwritten in place fails the run with ``ModelFileChanged`` before
 its result is used. The change time moves with every write and with every attempt to put the
-modification time back, so no one can change the bytes and keep the identity.
+modification time back, so no one can change the bytes and keep the identity. It moves with a
+chmod, a chown or a hard link too, which change no byte: whether only that happened is the one
+rule of host/file_identity.py (``same_bytes``), which reads back the ranges read here before
+(each digested at its first read, ``note_read``) and fails the run only where they differ.
 
 How a unit is read: its tensors' byte ranges in the file (from the file's header, by the caller)
 are merged into a few runs where they lie close together, each run widened to the file system's
@@ -36,19 +39,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ..host.file_identity import file_version, note_read, same_bytes
 from ..units import size_text
 from .raw_io import PAGE, DiskReadError, align_down, align_up, memview, open_direct, read_at, read_into
 
 log = logging.getLogger(__name__)
 
 RUN_GAP = PAGE  # tensors this close in the file are read as one run (the gap read and dropped)
-
-
-def file_version(st: os.stat_result) -> tuple[int, ...]:
-    """What moves on whenever a file's bytes may have changed: device and inode (another file
-    under the name), size, and modification and change times in ns (a write moves the change time,
-    and so does putting the modification time back)."""
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 MAX_HEADER = 100 << 20  # a larger safetensors header is a damaged file, not a model
@@ -195,6 +192,8 @@ def _how_changed(was: tuple[int, ...], now: os.stat_result | None) -> str:
         return "was replaced by another file"
     if version[2] < was[2]:
         return f"was truncated (from {size_text(was[2])} to {size_text(version[2])})"
+    if version[3] == was[3]:
+        return "was changed in place (its modification time kept or put back; its bytes read back differ)"
     return "was changed in place"
 
 
@@ -294,7 +293,7 @@ class ModelFile:
         self._fd: int | None = fd
         self._direct: int | None = open_direct(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         self._lock = threading.Lock()
-        if version is not None and version != self.version:
+        if version is not None and version != self.version and same_bytes(path, version) != self.version:
             self.close()
             raise ModelFileChanged(path, _how_changed(version, st))
 
@@ -304,17 +303,23 @@ class ModelFile:
         return self._direct is not None
 
     def check(self, version: tuple[int, ...] | None = None) -> None:
-        """Raise ModelFileChanged unless the name still leads to the file opened, unchanged (and,
-        given ``version``, the file is still that version)."""
+        """Raise ModelFileChanged unless the name still leads to the file opened, with the bytes
+        it had when opened (and, given ``version``, the bytes it had at that version): a version
+        whose change time alone moved counts where the ranges read so far read back the same."""
         want = self.version if version is None else version
         try:
             now = os.stat(self.path)
         except FileNotFoundError:
             now = None
-        if now is None or file_version(now) != want:
-            raise ModelFileChanged(self.path, _how_changed(want, now))
+        if now is not None and file_version(now) == want:
+            current = want
+        else:
+            current = same_bytes(self.path, want) if now is not None else None
+            if current is None:
+                raise ModelFileChanged(self.path, _how_changed(want, now))
+            self.version = current
         fd = self._fd
-        if fd is not None and file_version(os.fstat(fd)) != want:
+        if fd is not None and file_version(os.fstat(fd)) != current:
             raise ModelFileChanged(self.path, _how_changed(want, os.fstat(fd)))
 
     def read(self, plan: UnitRead, dst: torch.Tensor, runs: Sequence[Run] | None = None) -> int:
@@ -329,8 +334,16 @@ class ModelFile:
                 raise ModelFileChanged(self.path, f"ends at byte {run.start + got}, before the tensors "
                                                   f"at bytes {run.start} to {run.start + run.needed}: it "
                                                   f"was truncated or replaced")
+            self._witness(view[: run.needed], run.start)
             total += got
         return total
+
+    def _witness(self, data: memoryview, offset: int) -> None:
+        """Digest a range at its first read (file_identity.note_read): what a later change of the
+        file's metadata alone is checked against."""
+        fd = self._fd
+        if fd is not None:
+            note_read(fd, self.version, offset, data)
 
     def _read_run(self, view: memoryview, offset: int, address: int) -> int:
         fd = self._direct if address % PAGE == 0 else None

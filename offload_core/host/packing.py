@@ -104,7 +104,7 @@ class PackedBlock:
         another process), stand in for every dense original: the originals go, nothing is copied.
 
         ``shown``: the same bytes in memory the module's tensors may show and anyone may write (a
-        shared store's copy-on-write mapping, when ``host`` is read-only); by default ``host``."""
+        shared store's copy-on-write view, when ``host`` is read-only); by default ``host``."""
         self.layout.check_buffer(host)
         shown = host if shown is None else shown
         self.layout.check_buffer(shown)

@@ -7,12 +7,13 @@ goes to the log and to the figures a panel shows (``HostPack.status``).
 
 Joining a store costs no packing, only one read of it: the process compares every byte of the
 store with the tensors it loaded itself (``store_key.first_difference``), then points its blocks
-at the store's bytes and lets its own go; a store that differs is never joined again. Writing one packs as a private pack does, block by block (each block's
-originals go as soon as its bytes are in the store, so a model is never held twice), into a
-writable mapping. Device copies come from the store's read-only mapping; the model's tensors show
-a copy-on-write one (``SharedHostStore.shown``), so a write in place never reaches the store. Whatever goes wrong
-part-way hands every block taken from the store its values back in fresh memory before the store
-is let go: nothing is lost, and a reason a private copy cures (no room) packs privately instead.
+at the store's bytes and lets its own go; a store that differs is never joined again. Writing one
+packs as a private pack does, block by block (each block's originals go as soon as its bytes are
+in the store, so a model is never held twice), into a writable mapping. Device copies come from
+the store's read-only mapping; the model's tensors show a copy-on-write one (``store_view``), so
+a write in place never reaches the store. Whatever goes wrong part-way hands every block taken
+from the store its values back in fresh memory before the store is let go: nothing is lost, and
+a reason a private copy cures (no room) packs privately instead.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class HostPack:
 
     def holds(self, t: torch.Tensor) -> bool:
         """Whether ``t``'s bytes lie in the packs' memory: the storage, or what a store shows."""
-        return self.storage.holds(t) or (self.store is not None and self.store.shows(t))
+        return self.storage.holds(t) or (self.store is not None and self.store.view.shows(t))
 
     def release(self) -> None:
         """Free the storage; a store is let go (the last process to let go removes it)."""
@@ -85,16 +86,16 @@ def pack_host(packs: Sequence[PackedBlock], *, pin: bool, ram_budget_bytes: int 
     and it can be had, else into private host storage."""
     why = None
     if share is not None:
-        for folder in share.folders:
+        reasons = []
+        for folder in share.folders:  # the next folder is tried where one cannot hold the store
             try:
                 return _pack_shared(packs, share, folder, pin=pin, ram_budget_bytes=ram_budget_bytes,
                                     chunk_bytes=chunk_bytes, label=label, progress=progress)
             except StoreUnavailable as e:
-                why = str(e)
-                log.warning("%s: not in a shared store in %s: %s", label, folder.path, why)
-        if why is None:
-            why = "no folder for shared host stores"
-        log.warning("%s: packed in this process's own memory (%s)", label, why)
+                reasons.append(str(e))
+                log.debug("%s: not in a shared store in %s: %s", label, folder.path, e)
+        why = "; ".join(reasons) or "no folder for shared host stores"
+        log.warning("%s: packed in this process's own memory, not shared with other processes: %s", label, why)
     storage = HostStorage([p.nbytes for p in packs], pin=pin, ram_budget_bytes=ram_budget_bytes,
                           chunk_bytes=chunk_bytes, label=label)
     try:
@@ -114,6 +115,7 @@ def _pack_shared(packs: Sequence[PackedBlock], share: HostShare, folder: StoreFo
                  progress: Callable[[int, int], None] | None) -> HostPack:
     total = len(packs)
     waiting = None if progress is None else (lambda: progress(0, total))  # an interrupt ends the wait
+    folder.sweep_if_due()  # stores of processes that ended since the last look go first
     store = SharedHostStore.open(folder, lambda spans: StoreKey(share.source, layout_signature(packs, spans)),
                                  [p.nbytes for p in packs], pin=pin, ram_budget_bytes=ram_budget_bytes,
                                  chunk_bytes=chunk_bytes, label=label, waiting=waiting)
@@ -134,7 +136,7 @@ def _pack_shared(packs: Sequence[PackedBlock], share: HostShare, folder: StoreFo
             if store.writing:
                 p.write(store.writable(i))
                 store.written(i)
-            p.take_host(storage.buffer(i), store.shown(i))
+            p.take_host(storage.buffer(i), store.view.shown(i))
             if progress is not None:
                 progress(i + 1, total)
         if store.writing:

@@ -17,9 +17,9 @@ The header also keeps the whole key digest (``store_key``): a store of the same 
 key or format is never mapped, and one that passes is still compared byte for byte with what the
 joining process loaded before it is used (``shared_packing``).
 
-What the model's tensors show is a second, copy-on-write mapping of the same pages (``shown``):
-whatever core or another node writes in place lands in pages of this process's own, never in the
-store that device copies come from and other processes map.
+What the model's tensors show is a second, copy-on-write mapping of the same pages (``view``,
+``store_view``): whatever core or another node writes in place lands in pages of this process's
+own, never in the store that device copies come from and other processes map.
 """
 
 from __future__ import annotations
@@ -39,19 +39,24 @@ import torch
 
 from ..units import size_text
 from .pinned import DEFAULT_RESERVE_BYTES, HostStorage, available_ram_bytes
+from . import store_folder
 from .store_folder import (
     LOCK_SUFFIX,
     PART_SUFFIX,
     STORE_SUFFIX,
+    SUPPORTED,
     StoreFolder,
     StoreUnavailable,
-    check_own_file,
+    drop_inherited_holds,
     hold_shared,
     holders,
     no_room,
+    open_own_file,
     try_exclusive,
+    unlock,
 )
 from .store_key import FORMAT_VERSION, StoreKey
+from .store_view import CopyOnWriteView
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +93,7 @@ class SharedHostStore:
         self.folder = folder
         self.key: StoreKey | None = None
         self.storage: HostStorage | None = None
+        self.view: CopyOnWriteView | None = None  # what the model's tensors show (``store_view``)
         self.writing = False
         self.created = False  # this process wrote the store
         self.file_bytes = 0
@@ -98,7 +104,6 @@ class SharedHostStore:
         self._part: str | None = None  # the part file's name while writing
         self._offsets: list[int] = []
         self._writable: dict[int, torch.Tensor] = {}  # chunk -> its writable mapping while writing
-        self._shown: dict[int, torch.Tensor] = {}  # chunk -> its copy-on-write mapping (``shown``)
         self._left: dict[int, int] = {}  # chunk -> its items not written yet
         self._released = False
 
@@ -111,9 +116,10 @@ class SharedHostStore:
         """Join the complete store for these items, or start writing it (``writing``).
 
         ``key_for(chunk_spans)`` gives the key once the items' chunks are known. Waits (calling
-        ``waiting``, which may raise to give up) while another process writes the same store.
-        Raises ``StoreUnavailable`` when a private copy is the way on, ``FolderRefused`` when the
-        folder is not the user's.
+        ``waiting``, which may raise to give up) while another process writes the same store, as
+        long as it makes progress (``store_folder.LOCK_WAIT_S``). Raises ``StoreUnavailable``
+        (``FolderRefused`` too is one) whenever a private copy is the way on: a folder or file that
+        is not the user's, no room, a system error opening the files.
         """
         self = cls(folder, reserve_bytes)
         self.storage = HostStorage(sizes, pin=pin, ram_budget_bytes=ram_budget_bytes, chunk_bytes=chunk_bytes,
@@ -125,6 +131,7 @@ class SharedHostStore:
             self._offsets.append(offset)
             offset += span
         self.file_bytes = offset
+        self.view = CopyOnWriteView(self.storage, self._offsets, lambda: self._fd)
         for i in range(self.storage.num_items):
             c = self.storage.chunk_of(i)
             self._left[c] = self._left.get(c, 0) + 1
@@ -137,6 +144,10 @@ class SharedHostStore:
                 self._unlock()
             else:
                 self._create()
+        except OSError as e:
+            self._abandon()
+            raise StoreUnavailable(f"the store could not be opened in {folder.path} ({e}); this process keeps a "
+                                   "private copy") from e
         except BaseException:
             self._abandon()
             raise
@@ -148,11 +159,10 @@ class SharedHostStore:
         bytes a crash cut short)."""
         name = self.name
         try:
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dfd)
+            fd = open_own_file(self._dfd, name, os.O_RDONLY, os.path.join(self.folder.path, name))
         except FileNotFoundError:
             return False
         try:
-            check_own_file(fd, os.path.join(self.folder.path, name))
             if try_exclusive(fd):
                 log.info("shared host store %s: no live process held it; removed, packed again", name)
                 StoreFolder.remove(self._dfd, name)
@@ -182,6 +192,7 @@ class SharedHostStore:
 
     def _create(self) -> None:
         """Under the lock, kept: a part file, its chunks made as they are written."""
+        self.folder.check_share(self.file_bytes)
         free = self.folder.free_bytes()
         if free < self.file_bytes:
             raise StoreUnavailable(f"{self.folder.path} has {size_text(free)} free and the store needs "
@@ -191,8 +202,8 @@ class SharedHostStore:
             log.info("shared host store %s: removed %s, left by a packer that ended before it was done",
                      self.name, ", ".join(left))
         self._part = f"{self.key.digest}.{os.getpid()}{PART_SUFFIX}"
-        self._fd = os.open(self._part, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                           dir_fd=self._dfd)
+        self._fd = open_own_file(self._dfd, self._part, os.O_RDWR | os.O_CREAT | os.O_EXCL,
+                                 os.path.join(self.folder.path, self._part))
         hold_shared(self._fd)  # held from the start: the store never lacks a holder
         try:
             os.pwrite(self._fd, _MAGIC, 0)  # the file grows as its chunks are made (``writable``)
@@ -209,58 +220,6 @@ class SharedHostStore:
         region = mmap.mmap(self._fd, span, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ,
                            offset=self._offsets[index])
         return _readonly_tensor(region)
-
-    def shown(self, item: int) -> torch.Tensor:
-        """Item ``item``'s bytes as the model's tensors may show them: a private, copy-on-write
-        mapping of its chunk (never pinned).
-
-        Why a second mapping: whatever the pack hands to ComfyUI or another node may be written in
-        place (core's hook LoRAs patch weights through ``copy_to_param``; any ``add_()``). A write
-        into the read-only mapping kills the process, and a write into a shared one would change
-        every worker's weights. Here the pages are the store's own until one is written; then that
-        page alone becomes this process's, and the store (the engine's copy source) stays as it
-        was (``written_items`` finds such pages). Pinning it would unshare every page, so it stays
-        pageable.
-        """
-        chunk = self.storage.chunk_of(item)
-        data = self._shown.get(chunk)
-        if data is None:
-            span = -(-self.storage.chunk_spans[chunk] // mmap.PAGESIZE) * mmap.PAGESIZE
-            with torch.inference_mode(False):
-                if not span:
-                    data = torch.empty(0, dtype=torch.uint8)
-                else:
-                    region = mmap.mmap(self._fd, span, flags=mmap.MAP_PRIVATE,
-                                       prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=self._offsets[chunk])
-                    data = torch.frombuffer(region, dtype=torch.uint8)
-            self._shown[chunk] = data
-        start, size = self.storage.item_span(item)
-        return data[start:start + size]
-
-    def shows(self, t: torch.Tensor) -> bool:
-        """Whether ``t``'s bytes lie in one of the copy-on-write mappings (``shown``)."""
-        if t.device.type != "cpu" or not t.numel():
-            return False
-        ptr = t.data_ptr()
-        return any(d.numel() and d.data_ptr() <= ptr < d.data_ptr() + d.numel() for d in self._shown.values())
-
-    def written_items(self) -> list[int]:
-        """Items whose copy-on-write bytes (``shown``) were written since they were mapped and now
-        differ from the store's: someone changed a weight in place, and the store no longer holds
-        what the model shows. Pages are looked up in ``/proc/self/pagemap`` (a written page is this
-        process's own, no longer the file's), so only written pages are compared; where the system
-        does not say, every item is compared."""
-        out = []
-        for item in range(self.storage.num_items):
-            chunk = self.storage.chunk_of(item)
-            if chunk not in self._shown:
-                continue
-            view = self.shown(item)
-            if not view.numel() or not _own_pages(view):
-                continue
-            if not torch.equal(view, self.storage.buffer(item)):
-                out.append(item)
-        return out
 
     def writable(self, item: int) -> torch.Tensor:
         """Item ``item``'s bytes to write, in a writable mapping of its chunk. The chunk's memory is
@@ -343,7 +302,8 @@ class SharedHostStore:
             return
         self._released = True
         self._writable.clear()
-        self._shown.clear()  # a tensor still showing them keeps its own mapping alive
+        if self.view is not None:
+            self.view.clear()  # a tensor still showing them keeps its own mapping alive
         try:
             if self.storage is not None:
                 self.storage.release()
@@ -359,21 +319,38 @@ class SharedHostStore:
 
     def _abandon(self) -> None:
         """Let go of the files: a part file goes (its lock is still ours), a store goes when no
-        other process holds it."""
+        other process holds it, and so does its lock file when no store is left under its name.
+        Never raises: a folder or file removed underneath (a logout that removes the user's IPC
+        objects) or a lock another process keeps for ``store_folder.LET_GO_WAIT_S`` leaves the
+        files as they are, with one log line (a sweep removes whatever no process holds)."""
         try:
-            if self._fd is not None and self._dfd is not None:
-                if self._part is not None:  # our lock is held: no one else can have this part or store
-                    StoreFolder.remove(self._dfd, self._part)
-                    StoreFolder.remove(self._dfd, self.key.digest + LOCK_SUFFIX)
-                    self._part = None
-                else:
-                    if self._lock is None:
-                        self._lock = self.folder.lock(self._dfd, self.key.digest)
-                    if try_exclusive(self._fd) and self._still_named():
-                        StoreFolder.remove(self._dfd, self.name)
-                        StoreFolder.remove(self._dfd, self.key.digest + LOCK_SUFFIX)
-                        log.info("shared host store %s: the last process let go; removed", self.name)
+            if self._dfd is None:
+                return
+            if os.fstat(self._dfd).st_nlink == 0:
+                if self._fd is not None:
+                    log.info("shared host store %s: its folder %s was removed while this process held it; "
+                             "nothing left to remove", self.name, self.folder.path)
+                return
+            if self._part is not None:  # our lock is held: no one else can have this part or store
+                StoreFolder.remove(self._dfd, self._part)
+            elif self._fd is not None:
+                if self._lock is None:
+                    self._lock = self.folder.lock(self._dfd, self.key.digest,
+                                                  bound_s=store_folder.LET_GO_WAIT_S)
+                named = _named(self._dfd, self.name)
+                if named is None:
+                    log.info("shared host store %s: its file was removed from %s while this process held it; "
+                             "nothing left to remove", self.name, self.folder.path)
+                elif named == _named(self._fd) and try_exclusive(self._fd):
+                    StoreFolder.remove(self._dfd, self.name)
+                    log.info("shared host store %s: the last process let go; removed", self.name)
+            if self._lock is not None and _named(self._dfd, self.name) is None:
+                StoreFolder.remove(self._dfd, self.key.digest + LOCK_SUFFIX)
+        except Exception as e:
+            log.warning("shared host store %s in %s: let go without removing it (%s); the next sweep removes it "
+                        "once no process holds it", self.key.digest if self.key else "?", self.folder.path, e)
         finally:
+            self._part = None
             self._unlock()
             for attr in ("_fd", "_dfd"):
                 fd = getattr(self, attr)
@@ -381,38 +358,20 @@ class SharedHostStore:
                     setattr(self, attr, None)
                     os.close(fd)
 
-    def _still_named(self) -> bool:
-        try:
-            named = os.stat(self.name, dir_fd=self._dfd, follow_symlinks=False)
-        except FileNotFoundError:
-            return False
-        mine = os.fstat(self._fd)
-        return (named.st_dev, named.st_ino) == (mine.st_dev, mine.st_ino)
-
     def _unlock(self) -> None:
         if self._lock is not None:
             lock, self._lock = self._lock, None
-            os.close(lock)
+            unlock(lock)
 
 
-def _own_pages(view: torch.Tensor) -> bool:
-    """Whether any page under ``view`` (in a private file mapping) is this process's own copy: a
-    present page that is neither the file's nor shared. True where ``/proc/self/pagemap`` cannot
-    be read, so the caller compares bytes instead of trusting nothing changed."""
-    page = mmap.PAGESIZE
-    first = view.data_ptr() // page
-    last = (view.data_ptr() + view.numel() - 1) // page
+def _named(dfd: int, name: str | None = None) -> tuple[int, int] | None:
+    """The device and inode of ``name`` in the folder ``dfd`` (of the open file ``dfd`` without a
+    name), None when there is no such file."""
     try:
-        with open("/proc/self/pagemap", "rb", buffering=0) as f:
-            raw = os.pread(f.fileno(), 8 * (last - first + 1), 8 * first)
-    except OSError:
-        return True
-    if len(raw) != 8 * (last - first + 1):
-        return True
-    with torch.inference_mode(False):
-        entries = torch.frombuffer(bytearray(raw), dtype=torch.int64)
-    present = entries < 0  # bit 63
-    return bool((present & ((entries >> 61) & 1 == 0)).any())
+        st = os.fstat(dfd) if name is None else os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def let_go_of_all() -> None:
@@ -427,4 +386,34 @@ def let_go_of_all() -> None:
             log.exception("shared host store: could not let go of %s at exit", store.folder.path)
 
 
+def _let_go_in_child() -> None:
+    """After a fork without exec, in the child: let go of every store the parent maps, so a child
+    that outlives its parent does not keep the parent's stores held (a flock belongs to the open
+    file, which parent and child share). The child's mappings stay readable (``drop_inherited_holds``)."""
+    global _open_lock
+    _open_lock = threading.Lock()  # another thread of the parent may have held it: it is gone here
+    stores = [s for s in list(_open_stores) if not s._released]
+    fds = [s._fd for s in stores if s._fd is not None]
+    try:
+        if fds:
+            drop_inherited_holds(fds)
+    except Exception as e:
+        log.warning("shared host store: a forked child could not map its stores from files of its own (%s); "
+                    "their descriptors are closed, their mappings kept", e)
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    for store in stores:  # the parent's: nothing is removed or unpinned, and the child never lets go
+        store._released = True
+        store._part = None
+        store._fd = store._lock = None  # closed above and by store_folder's own fork handler
+        if store._dfd is not None:
+            dfd, store._dfd = store._dfd, None
+            os.close(dfd)
+
+
 atexit.register(let_go_of_all)
+if SUPPORTED:
+    os.register_at_fork(after_in_child=_let_go_in_child)

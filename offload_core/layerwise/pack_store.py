@@ -166,13 +166,19 @@ class PackStore:
                 self.host.release_item(i)
         self.release()
 
-    def written_since_kept(self) -> int:
-        """How many units of a kept pack in a shared store someone changed in place since (the
-        model's tensors show a copy-on-write mapping of the store, see ``SharedHostStore.shown``):
-        the store, which device copies come from, no longer holds the model's values."""
+    def free_if_written(self, plan: StreamPlan) -> int:
+        """Free a kept pack in a shared store whose units someone changed in place since (the
+        model's tensors show a copy-on-write mapping of it, ``host/store_view.py``): the store,
+        which device copies come from, no longer holds the model's values; the next pack starts
+        from them. Returns how many units were written."""
         if self._packed is None or self._packed.store is None:
             return 0
-        return len(self._packed.store.written_items())
+        written = len(self._packed.store.view.written_items())
+        if written:
+            log.info("%d units of the kept pack were written in place since it was kept (the shared store "
+                     "holds the old values); packing again from the model's values", written)
+            self.free(plan)
+        return written
 
     def holds(self, t: torch.Tensor) -> bool:
         """Whether ``t`` (a wrapper: each of its inner tensors) lies in the kept host pack."""

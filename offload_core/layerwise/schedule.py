@@ -127,8 +127,9 @@ class DeviceSchedule:
         self._install_streamed_hooks(window)
 
     def refresh_transform(self) -> int:
-        """The transform changed: streamed units prefetched with the old one are copied again
-        (resident units are the caller's: it rewrites them in place). Returns how many."""
+        """Between two passes, the transform changed (``host.transform.transform_now``): streamed
+        units prefetched with the old one are copied again (resident units are the changer's to
+        rewrite in place). Returns how many."""
         return self._window.refresh() if self._window is not None else 0
 
     def in_flight_units(self) -> set[int]:

@@ -192,14 +192,9 @@ class LayerwiseStreamer(StreamerFigures):
                                          disk.options.cap_bytes if disk else None, _start_read_ahead(disk))
             if not compiled:  # under a compile the plan the caller checked it against stands
                 plan.apply(start.resident, start.prefetch, start.read_ahead or None)
-        adopted = store.adopt(plan)  # a re-wrap of the same memory leaves the kept pack valid
-        if adopted:
+        if adopted := store.adopt(plan):  # a re-wrap of the same memory leaves the kept pack valid
             log.info("%d block tensors were re-wrapped over the kept pack; it stays valid", adopted)
-        written = store.written_since_kept()
-        if written:
-            log.info("%d units of the kept pack were written in place since it was kept (the shared store "
-                     "holds the old values); packing again from the model's values", written)
-            store.free(plan)
+        store.free_if_written(plan)  # a shared store no longer holds what the model shows
         if not plan.is_current():
             if store.has_pack():
                 log.info("block tensors were re-assigned since the pack was kept; packing from scratch")
@@ -236,13 +231,8 @@ class LayerwiseStreamer(StreamerFigures):
         )  # fmt: skip
 
     def refresh_transform(self) -> int:
-        """Between two passes: the attach's transform now gives other values (see
-        ``host.transform.transform_now``), so the streamed units already copied with the old ones
-        are copied again. Resident units keep theirs: whoever changed the transform rewrites
-        those in place. Returns how many units are copied again."""
-        if not self._attached or self._schedule is None:
-            return 0
-        return self._schedule.refresh_transform()
+        """The transform changed between passes (``transform_now``): see ``DeviceSchedule``'s."""
+        return self._schedule.refresh_transform() if self._attached and self._schedule is not None else 0
 
     def conceal_resident(self) -> None:
         """Unset the resident blocks' tensors (and shared ones) in their modules until

@@ -2,7 +2,7 @@
 processes (tests/unit/test_shared_store.py): run by the test's Python, never by ComfyUI.
 
     python shared_store_probe.py FOLDER [--disk FOLDER] [--seed N] [--source NAME] [--chunk BYTES]
-                                        [--pause-at K] [--hold]
+                                        [--pause-at K] [--hold] [--wait-bound S] [--fork]
 
 It builds ``toy_models.ToyDiT(seed)``, attaches a streamer that shares its host pack under the
 key ``--source`` (folders: FOLDER as shared memory, then ``--disk``), runs the model and prints one
@@ -13,12 +13,19 @@ it packs), then ``{"event":
 "ready", "out": <sha256 of the output's bytes>, "ref": <the same model's own output, before any
 packing>, "store": <the streamer's host_store()>, "pid": ...}``. With ``--hold`` it keeps the pack
 until a line arrives on stdin, then closes the streamer and prints ``{"event": "closed"}``.
+``--wait-bound S``: a packer that writes nothing for S seconds is waited for no longer (the
+store folder's ``LOCK_WAIT_S``). ``--fork`` (before ``--hold``): after "ready" it writes into the
+first block's weights in place, says ``{"event": "weights", "sha": <sha256 of every parameter's
+bytes>}``, forks without exec, and the child says ``{"event": "forked", "sha": <the same, as the
+child reads them>, "pid": ...}``, then waits for a line on stdin and ends without exit handlers.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -28,6 +35,7 @@ sys.path.insert(0, str(HERE.parents[1]))
 
 import torch  # noqa: E402
 
+from offload_core.host import store_folder  # noqa: E402
 from offload_core.host.shared_packing import HostShare  # noqa: E402
 from offload_core.host.store_folder import DISK, SHARED_MEMORY, StoreFolder  # noqa: E402
 from offload_core.layerwise.streamer import LayerwiseStreamer  # noqa: E402
@@ -42,6 +50,14 @@ def sha(t: torch.Tensor) -> str:
     return hashlib.sha256(bits(t).numpy().tobytes()).hexdigest()
 
 
+def memory_sha(model: torch.nn.Module) -> str:
+    """The parameters' bytes read straight from memory (no torch op: safe in a forked child)."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(ctypes.string_at(p.data_ptr(), p.numel() * p.element_size()))
+    return h.hexdigest()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("folder")
@@ -51,7 +67,11 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=64 << 10)
     ap.add_argument("--pause-at", type=int, default=None)
     ap.add_argument("--hold", action="store_true")
+    ap.add_argument("--wait-bound", type=float, default=None)
+    ap.add_argument("--fork", action="store_true")
     args = ap.parse_args()
+    if args.wait_bound is not None:
+        store_folder.LOCK_WAIT_S = args.wait_bound
     torch.set_num_threads(1)
     model = ToyDiT(depth=6, dim=64, seed=args.seed)
     x, t = inputs()
@@ -73,7 +93,15 @@ def main() -> None:
     streamer.detach(keep_pack=True)
     with torch.no_grad():
         kept = sha(model(x, t))  # computing straight from the store's read-only bytes
-    say(event="ready", out=out, kept=kept, ref=ref, store=streamer.host_store(), pid=__import__("os").getpid())
+    say(event="ready", out=out, kept=kept, ref=ref, store=streamer.host_store(), pid=os.getpid())
+    if args.fork:
+        with torch.no_grad():
+            model.blocks[0].mlp_out.weight.add_(0.25)  # pages of this process's own, in the store's mapping
+        say(event="weights", sha=memory_sha(model))
+        if os.fork() == 0:
+            say(event="forked", sha=memory_sha(model), pid=os.getpid())
+            sys.stdin.readline()
+            os._exit(0)
     if args.hold:
         sys.stdin.readline()
         streamer.close()

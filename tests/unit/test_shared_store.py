@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import signal
 import stat
@@ -28,7 +29,6 @@ from offload_core.host.store_folder import (
     DISK,
     SHARED_MEMORY,
     SUPPORTED,
-    FolderRefused,
     StoreFolder,
     StoreUnavailable,
     check_name,
@@ -119,28 +119,26 @@ def test_store_files_are_private_and_named_inside_their_folder(tmp_path):
             check_name(bad)
 
 
-def test_a_folder_open_to_others_or_a_link_is_refused_clearly(tmp_path):
+def test_a_folder_open_to_others_or_a_link_is_never_used(tmp_path):
+    """A store folder that is not the user's own is refused, never read or written: the model is
+    packed privately, with the reason (tests/unit/test_store_adversarial.py: another user's)."""
     open_root = tmp_path / "open"
     (open_root / user_folder_name()).mkdir(parents=True, mode=0o755)
     os.chmod(open_root / user_folder_name(), 0o755)
-    model, ref = _model()
-    before, keys = snapshot(model), list(model.state_dict())
-    s = LayerwiseStreamer(list(model.blocks), "cpu", share=_share(open_root))
-    with pytest.raises(FolderRefused, match="not this user's own folder.*mode 755"):
-        s.attach()
-    assert_restored(model, before, keys)  # refused before anything moved; nothing is lost
     linked = tmp_path / "linked"
     linked.mkdir()
     (linked / user_folder_name()).symlink_to(tmp_path, target_is_directory=True)
-    with pytest.raises(FolderRefused, match="not a folder"):
-        LayerwiseStreamer(list(model.blocks), "cpu", share=_share(linked)).attach()
-    if os.geteuid() == 0:  # only root can give a folder to someone else
-        foreign = tmp_path / "foreign" / user_folder_name()
-        foreign.mkdir(parents=True, mode=0o700)
-        os.chown(foreign, 12345, 12345)
-        with pytest.raises(FolderRefused, match="owner uid 12345"):
-            LayerwiseStreamer(list(model.blocks), "cpu", share=_share(foreign.parent)).attach()
-    assert torch.equal(bits(_run(model)), bits(ref))
+    for root, why in ((open_root, "not this user's own folder.*mode 755"), (linked, "is not a folder")):
+        model, ref = _model()
+        s = LayerwiseStreamer(list(model.blocks), "cpu", share=_share(root))
+        s.attach()
+        store = s.host_store()
+        assert not store["shared"] and re.search(why, store["why"]), store
+        assert torch.equal(bits(_run(model)), bits(ref))
+        s.close()
+        assert torch.equal(bits(_run(model)), bits(ref))
+    assert os.listdir(open_root / user_folder_name()) == []
+    assert sorted(os.listdir(tmp_path)) == ["linked", "open"]  # nothing written through the link
 
 
 def test_a_store_without_its_completion_mark_is_never_mapped(tmp_path):
