@@ -320,6 +320,11 @@ class CoreMerge:
         model, device = self._patcher.model, self._patcher.load_device
         weight, set_func, convert_func = comfy.model_patcher.get_key_weight(model, key)
         if is_ggml(weight):
+            if hook_patches is not None:
+                raise MergeFailed(
+                    f"Apply Layerwise Offload: a hook LoRA patches {key}, a GGUF weight of a streamed block, "
+                    "which the engine cannot patch as ComfyUI-GGUF would. Keep every block resident "
+                    "(resident_blocks set to the block count) for hook LoRAs on a GGUF model.")
             if ggml_quantized(weight) or not patched:
                 return tensor  # quantized: applied at dequantization through weight.patches
             work = comfy.model_management.cast_to_device(tensor, device, torch.float32, copy=True)
