@@ -184,6 +184,7 @@ export const ENGLISH = {
       link: "link (compute waited for copies)",
       disk: "disk (compute waited for reads)",
       compute: "compute (copies hidden behind it)",
+      compute_between_copies: "compute (copies ran between blocks, briefly)",
     },
     kind: {
       disk: "disk read",

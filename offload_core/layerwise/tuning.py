@@ -47,6 +47,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ..device.residency import bound_bytes
+from ..disk.tier import cache_holds
 from ..device.timeline import Timeline
 from ..ordering import Event, for_device
 from .measure import PassMeter
@@ -153,12 +154,15 @@ class Tuner:
         if auto["read_ahead"]:
             rules.update(read_ahead=None)
         for prefetch in ([fixed] if fixed else range(DEFAULT_PREFETCH, 0, -1)):
-            try:  # under auto, the engine's default prefetch, or less where the budget is too small
+            try:  # under auto, the engine's default prefetch, or less where the budget or cache is too small
                 p.restore(dict(rules, prefetch=prefetch))
-                break
             except ValueError:
                 if prefetch == 1 or fixed:
                     raise
+                continue
+            if fixed or prefetch == 1 or disk_cap is None or cache_holds(
+                    disk_cap, [p.packs[i].nbytes for i in p.streamed_indices], p.nslots):
+                break
         read_ahead = (p.settings["read_ahead"] or disk_read_ahead) if disk_cap else 0
         self.default = Setting(tuple(p.resident_indices), prefetch, read_ahead)
         self.choices = Choices(resident=None if auto["resident"] else self.default.resident,
@@ -288,7 +292,7 @@ class Tuner:
         current = self.current()
         kind.plans += 1
         kind.plan = plan(kind.costs, self.choices, self._budget(), current, kind.rejected)
-        if not all(self._auto.values()):  # what auto would choose, in the same device memory
+        if self._fixed():  # what auto would choose, in the same device memory
             budget = self.budget_bytes
             if budget is None:
                 budget = predict(kind.costs, current).device_bytes
@@ -358,6 +362,10 @@ class Tuner:
         caps = [c for c in (self.budget_bytes, self.run_cap) if c is not None]
         return min(caps) if caps else None
 
+    def _fixed(self) -> list[str]:
+        """The settings the user fixed that count for this run (read-ahead only from disk)."""
+        return [k for k, on in self._auto.items() if not on and (k != "read_ahead" or self.disk_cap)]
+
     def _fits(self, setting: Setting) -> bool:
         budget = self._budget()
         if budget is None:
@@ -410,13 +418,16 @@ def _report(tuner: Tuner, kind: _Kind | None) -> dict[str, Any] | None:
     if costs is not None:
         now = predict(costs, current)
         out.update(bound=now.bound, device_bytes=now.device_bytes, hit_rate=now.hit_rate)
-    if kind.advice is not None:
+    if kind.advice is not None and tuner._fixed():
         auto = kind.advice.chosen
         out["auto_choice"] = _setting_json(auto.setting, tuner._plan)
         out["auto_predicted_ms"] = auto.prediction.step_ms
         out["auto_reason"] = kind.advice.reason.text
         if costs is not None and auto.setting != current:
-            out["explicit_cost_ms"] = predict(costs, current).step_ms - auto.prediction.step_ms
+            cost = predict(costs, current).step_ms - auto.prediction.step_ms
+            # Only a gain beyond what a check counts as noise is advice; auto is never said slower.
+            if cost > CHECK_TOLERANCE * max(kind.measured_ms or 0.0, auto.prediction.step_ms):
+                out["explicit_cost_ms"] = cost
     return out
 
 

@@ -130,6 +130,18 @@ def test_a_fixed_setting_is_kept_and_auto_says_what_it_would_save(monkeypatch):
     assert tuning["explicit_cost_ms"] > 0
 
 
+def test_no_advice_where_every_setting_that_counts_is_auto(monkeypatch):
+    """From RAM, read-ahead is nothing to choose: a run with resident blocks and prefetch left to
+    auto has no "auto would choose" line to contradict its own setting."""
+    shape = SHAPES[0]
+    clock = shape.clock()
+    with installed(clock, monkeypatch):
+        auto = run(shape, clock, shape.build(clock), 6, auto=True)
+    tuning = auto.tuning
+    assert "read_ahead" not in tuning["auto"], tuning  # the case: read-ahead counted as fixed
+    assert "auto_choice" not in tuning and "explicit_cost_ms" not in tuning, tuning
+
+
 def test_a_larger_input_is_measured_and_planned_apart(monkeypatch):
     """The link-bound shape, whose blocks then get inputs four times as large (as from a larger
     latent): compute then hides the copies, so the plan for the new inputs keeps fewer blocks
