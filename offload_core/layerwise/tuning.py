@@ -25,6 +25,13 @@ apart):
 5. hold: recording stops (unless the panel asks for the picture). The next run starts with the
    held setting and checks it once more.
 
+Short runs (a distilled model's 4 steps) are the sum of their few passes, so nothing a run learns
+waits for a long one: its last pass is measured at the detach like any other (a plan made from
+it, or a failed check, is where the next run starts), steps measured toward a phase carry over to
+the next run of that kind, a planned setting not yet checked is checked by the next run instead
+of being given up, plans count per run, and after a kind's first run the first pass of a run is
+measured too (the schedule was made at the attach; only a new setting needs a warm-up pass).
+
 Inputs whose kind changes from call to call (a cond and an uncond batch of other sizes) keep the
 run's setting after two changes: a schedule made again at every call would cost more than any
 plan saves. Within an attach a new setting takes no more device memory than the caller said the
@@ -90,7 +97,40 @@ class _Kind:
     rejected: list[Setting] = field(default_factory=list)
     advice: Plan | None = None  # with a setting fixed: what auto would choose
     verdict: str = "measuring"
-    plans: int = 0
+    plans: int = 0  # this run's
+    # Steps measured toward a phase a run ended in (``Tuner.stop``), with the setting they were
+    # measured under: the next run of this kind goes on from them instead of starting over.
+    periods: list[float] = field(default_factory=list)
+    periods_of: Setting | None = None
+    runs: int = 0  # runs that measured this kind: after the first, a run's first pass is warm
+
+
+def default_setting(p: StreamPlan, auto: dict[str, bool], budget_bytes: int | None, disk_cap: int | None,
+                    disk_read_ahead: int) -> tuple[Setting, Choices]:
+    """The setting a run has without a plan (the user's rules; for resident blocks left to auto,
+    the most the budget holds; for prefetch left to auto, the engine's default or less, as the
+    budget and the disk cache allow), applied to ``p``, and what the planner may change."""
+    fixed = None if auto["prefetch"] else p.settings["prefetch"]
+    rules = dict(p.settings)
+    if auto["resident"]:
+        rules.update(resident=None, vram_budget_bytes=budget_bytes, resident_units=None)
+    if auto["read_ahead"]:
+        rules.update(read_ahead=None)
+    for prefetch in ([fixed] if fixed else range(DEFAULT_PREFETCH, 0, -1)):
+        try:
+            p.restore(dict(rules, prefetch=prefetch))
+        except ValueError:
+            if prefetch == 1 or fixed:
+                raise
+            continue
+        if fixed or prefetch == 1 or disk_cap is None or cache_holds(
+                disk_cap, [p.packs[i].nbytes for i in p.streamed_indices], p.nslots):
+            break
+    read_ahead = (p.settings["read_ahead"] or disk_read_ahead) if disk_cap else 0
+    default = Setting(tuple(p.resident_indices), prefetch, read_ahead)
+    return default, Choices(resident=None if auto["resident"] else default.resident,
+                            prefetch=None if auto["prefetch"] else prefetch,
+                            read_ahead=None if auto["read_ahead"] or not disk_cap else read_ahead)
 
 
 def _short_of_memory(error: BaseException) -> bool:
@@ -116,6 +156,7 @@ class Tuner:
         self._hook: RemovableHandle | None = None
         self._phase = "off"
         self._skip = 0
+        self._final = False  # the run's last pass (``stop``): a new setting waits for the next run
         self._periods: list[float] = []  # the steps measured in this phase so far
         self._misses = 0  # passes of this phase that could not be measured
         self._recording = False
@@ -146,28 +187,9 @@ class Tuner:
         self.events = []
         self.passes = 0
         self._switches = 0
-        p, auto = self._plan, self._auto
-        fixed = None if auto["prefetch"] else p.settings["prefetch"]
-        rules = dict(p.settings)
-        if auto["resident"]:
-            rules.update(resident=None, vram_budget_bytes=budget_bytes, resident_units=None)
-        if auto["read_ahead"]:
-            rules.update(read_ahead=None)
-        for prefetch in ([fixed] if fixed else range(DEFAULT_PREFETCH, 0, -1)):
-            try:  # under auto, the engine's default prefetch, or less where the budget or cache is too small
-                p.restore(dict(rules, prefetch=prefetch))
-            except ValueError:
-                if prefetch == 1 or fixed:
-                    raise
-                continue
-            if fixed or prefetch == 1 or disk_cap is None or cache_holds(
-                    disk_cap, [p.packs[i].nbytes for i in p.streamed_indices], p.nslots):
-                break
-        read_ahead = (p.settings["read_ahead"] or disk_read_ahead) if disk_cap else 0
-        self.default = Setting(tuple(p.resident_indices), prefetch, read_ahead)
-        self.choices = Choices(resident=None if auto["resident"] else self.default.resident,
-                               prefetch=None if auto["prefetch"] else prefetch,
-                               read_ahead=None if auto["read_ahead"] or not disk_cap else read_ahead)
+        for kind in self._kinds.values():
+            kind.plans = 0  # plans count per run: runs that end before their check still plan
+        self.default, self.choices = default_setting(self._plan, self._auto, budget_bytes, disk_cap, disk_read_ahead)
         # The kind of pass this run most likely makes: the last one with a LoRA, or without.
         last = self._last_kind.get(transform)
         kind = self._kinds.get(last) if last is not None else None
@@ -192,10 +214,16 @@ class Tuner:
         return True
 
     def stop(self) -> None:
-        """At detach: the hook and the resident blocks' timing go (the report keeps the last phase)."""
+        """At detach: the run's last pass is measured like the others (a short run is the sum of
+        its few passes), what the phase gathered is kept for the next run of its kind, then the
+        hook and the resident blocks' timing go (the report keeps the last phase)."""
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+            if self._kind is not None:
+                if self._phase in ("measure", "check"):
+                    _last_pass(self)
+                self._kinds[self._kind].runs += 1
         self._meter.off()
         self._recording = False
 
@@ -269,7 +297,8 @@ class Tuner:
             self._plan_kind(kind, period)
 
     def _begin_kind(self, kind: _Kind) -> None:
-        """A run's first pass, or a kind of pass other than the last: start from what is known."""
+        """A run's first pass, or a kind of pass other than the last: start from what is known
+        (the setting held, and the steps an earlier run measured toward its phase)."""
         current = self.current()
         if kind.held is not None and self._fits(kind.held) and self.choices.free:
             if kind.held != current and not self._apply(kind, kind.held, "the setting held for these inputs"):
@@ -277,8 +306,13 @@ class Tuner:
                 return
             kind.predicted_ms = predict(kind.costs, kind.held).step_ms if kind.costs else kind.predicted_ms
             self._enter("check")
-            return
-        self._enter("measure")
+        else:
+            self._enter("measure")
+        if kind.runs and self.current() == current:
+            self._skip = 0  # the schedule was made at the attach: the first pass is no colder than the rest
+        if kind.periods and kind.periods_of == self.current():
+            self._periods = kind.periods
+        kind.periods, kind.periods_of = [], None
 
     def _enter(self, phase: str) -> None:
         self._phase = phase
@@ -336,8 +370,12 @@ class Tuner:
     # ------------------------------------------------------------------ applying
     def _apply(self, kind: _Kind, setting: Setting, why: str) -> bool:
         """Make ``setting`` the streamer's; False (the setting before kept) when the device is short
-        of memory for it."""
+        of memory for it. On the run's last pass, the next run's start (``kind.held``) instead."""
         before = self.current()
+        if self._final:
+            kind.held = setting
+            self.events.append({"pass": self.passes, "from": before, "to": setting, "why": f"{why} (from the next run)"})
+            return True
         try:
             self._rebuild(setting, record=True)
         except BaseException as e:
@@ -376,6 +414,8 @@ class Tuner:
 
     # ------------------------------------------------------------------ recording
     def _record(self, on: bool) -> None:
+        if self._final:  # the device schedule is going: nothing to record into
+            return
         on = on or self._wanted_picture
         if on == self._recording:
             if on:
@@ -392,6 +432,28 @@ class Tuner:
     def report(self) -> dict[str, Any] | None:
         """What the tuner chose and why, for the panel (None before anything was measured)."""
         return _report(self, self._kinds.get(self._kind) if self._kind is not None else None)
+
+def _last_pass(tuner: Tuner) -> None:
+    """``Tuner.stop``: the pass that ended the run, as a boundary would see it, with no new setting
+    applied now (the device schedule is going): a plan made from it, or a check that fails, is the
+    setting the next run starts with; a check that cannot end yet leaves the planned setting to be
+    checked then; steps measured toward the phase are kept for the next run of the kind."""
+    timeline = tuner._timeline()
+    previous, mark, complete = tuner._meter.pass_starts(timeline)
+    kind = tuner._kinds[tuner._kind]
+    tuner._final = True
+    try:
+        if complete:
+            tuner._step(tuner._kind, previous, mark, timeline, complete)
+    except Exception:  # the plan is advice: never the detach's failure
+        log.exception("layerwise auto settings: the run's last pass could not be planned on")
+    finally:
+        tuner._final = False
+    if tuner._phase in ("measure", "check"):
+        kind.periods, kind.periods_of = list(tuner._periods), tuner.current()
+        if tuner._phase == "check" and kind.held is None:
+            kind.held = tuner.current()  # planned, not checked yet: the next run checks it
+
 
 def _report(tuner: Tuner, kind: _Kind | None) -> dict[str, Any] | None:
     """``Tuner.report`` for ``kind``, the kind of pass last seen."""

@@ -27,7 +27,8 @@ from toy_models import ToyDiT, inputs
 
 from offload_core.device.residency import bound_bytes
 from offload_core.layerwise.streamer import LayerwiseStreamer
-from offload_core.layerwise.pipeline import Costs, DiskCosts, Setting
+from offload_core.disk.tier import DiskOptions
+from offload_core.layerwise.pipeline import DISK_STEADY, Costs, DiskCosts, Setting
 from offload_core.layerwise.planner import DEFAULT_PREFETCH, Choices, candidates
 
 # Acceptance figures of the auto settings: run on both lanes (0.3.75 and 0.33).
@@ -128,6 +129,43 @@ def test_a_fixed_setting_is_kept_and_auto_says_what_it_would_save(monkeypatch):
     assert tuning["auto_choice"] != tuning["setting"], tuning
     assert tuning["explicit_cost_ms"] == pytest.approx(fixed.steady(2) - tuning["auto_predicted_ms"], rel=0.05)
     assert tuning["explicit_cost_ms"] > 0
+
+
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[3]], ids=["ram", "disk"])
+@pytest.mark.parametrize("calls", [1, 2, 3, 4, 8])
+def test_short_runs_stream_with_the_plan_from_an_early_run(monkeypatch, tmp_path, shape, calls):
+    """Runs of a few calls each (a distilled model's 4 steps) on one streamer: what a run measured
+    is kept for the next (its last pass included), so runs of two calls or more stream with what
+    a long run plans from their second run on, runs of one call from their third (from disk,
+    whose step is a mean of four passes, once four passes were measured); and the planned setting
+    is never given up for the default."""
+    clock = shape.clock()
+    with installed(clock, monkeypatch):
+        planned = run(shape, clock, shape.build(clock), PASSES, auto=True, spill_dir=str(tmp_path / "long")).tuning
+        stack = shape.build(clock)
+        disk = shape.disk("auto")
+        if disk is not None:
+            disk = DiskOptions(cap_bytes=disk.cap_bytes, workers=disk.workers, read_ahead="auto",
+                               spill_dir=str(tmp_path / "short"))
+        streamer = LayerwiseStreamer(list(stack.blocks), "cpu", resident="auto", prefetch="auto",
+                                     vram_budget_bytes=shape.budget, disk=disk)
+        starts = []
+        with torch.no_grad():
+            for _ in range(6):
+                streamer.attach(root=stack)
+                plan = streamer._plan
+                starts.append((sorted({plan.units[u].block for u in plan.resident_indices}),
+                               plan.settings["prefetch"], plan.settings["read_ahead"] or 0))
+                for _ in range(calls):
+                    stack(torch.zeros(4))
+                streamer.detach(keep_pack=True)
+        streamer.close()
+    want = (planned["setting"]["resident_blocks"], planned["setting"]["prefetch"], planned["setting"]["read_ahead"])
+    # Passes measured after r runs: the first run's first pass is left out (a cold start), then
+    # every pass counts; the plan needs one step (from disk, a mean of DISK_STEADY).
+    steady = DISK_STEADY if shape.disk_rate is not None else 1
+    first = next(r for r in range(1, 10) if (calls - 1) + (r - 1) * calls >= steady)
+    assert starts[first:] == [want] * (len(starts) - first) and want not in starts[:first], (starts, want)
 
 
 def test_no_advice_where_every_setting_that_counts_is_auto(monkeypatch):
