@@ -165,6 +165,7 @@ export const ENGLISH = {
     readAhead: "read-ahead {n}",
     check: "predicted {predicted} a step, measured {measured}:",
     measuring: "measuring the first steps of this run…",
+    planning: "choosing a setting from the steps measured (the run goes on meanwhile)…",
     autoWould: "auto would choose {setting}: {ms} a step {how}",
     faster: "faster",
     slower: "slower",

@@ -45,7 +45,9 @@ computes with the same weights, so results do not change with it.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -60,7 +62,7 @@ from ..ordering import Event, for_device
 from .measure import PassMeter
 from .pipeline import DISK_STEADY, Costs, Setting, predict
 from .plan import StreamPlan
-from .planner import DEFAULT_PREFETCH, Choices, Plan, plan
+from .planner import DEFAULT_PREFETCH, MAX_PREFETCH, MAX_READ_AHEAD, Choices, Plan, plan
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +135,37 @@ def default_setting(p: StreamPlan, auto: dict[str, bool], budget_bytes: int | No
                             read_ahead=None if auto["read_ahead"] or not disk_cap else read_ahead)
 
 
+# Candidate units a plan may weigh on the sampling thread (a few milliseconds of predictions);
+# a larger search (many units, from disk) runs on the planner's thread.
+SYNC_PLAN_WORK = 4000
+_planner: ThreadPoolExecutor | None = None
+_planner_lock = threading.Lock()
+
+
+def plan_work(costs: Costs, choices: Choices) -> int:
+    """About how many units the planner's predictions walk through for ``costs`` and ``choices``
+    (settings it weighs times units each prediction covers)."""
+    counts = 1 if choices.resident is not None else 2 * (len(set(costs.unit_blocks)) + 1)
+    prefetches = MAX_PREFETCH if choices.prefetch is None else 1
+    depths = MAX_READ_AHEAD if costs.disk is not None and choices.read_ahead is None else 1
+    return counts * prefetches * depths * costs.units
+
+
+def _plans(costs: Costs, choices: Choices, budget: int | None, current: Setting, rejected: tuple[Setting, ...],
+           advice_budget: int | None) -> tuple[Plan, Plan | None]:
+    """The plan, and with ``advice_budget`` what auto would choose within it."""
+    planned = plan(costs, choices, budget, current, rejected)
+    return planned, None if advice_budget is None else plan(costs, Choices(), advice_budget, None)
+
+
+def _planner_thread() -> ThreadPoolExecutor:
+    global _planner
+    with _planner_lock:
+        if _planner is None:
+            _planner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-offload-planner")
+        return _planner
+
+
 def _short_of_memory(error: BaseException) -> bool:
     return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error)
 
@@ -157,6 +190,7 @@ class Tuner:
         self._phase = "off"
         self._skip = 0
         self._final = False  # the run's last pass (``stop``): a new setting waits for the next run
+        self._pending: tuple[_Kind, float, Future] | None = None  # a plan on the planner's thread
         self._periods: list[float] = []  # the steps measured in this phase so far
         self._misses = 0  # passes of this phase that could not be measured
         self._recording = False
@@ -188,7 +222,9 @@ class Tuner:
         self.passes = 0
         self._switches = 0
         for kind in self._kinds.values():
-            kind.plans = 0  # plans count per run: runs that end before their check still plan
+            # Plans count per run (runs that end before their check still plan), and a rollback
+            # speaks of the conditions of its run, not of every later one.
+            kind.plans, kind.rejected = 0, []
         self.default, self.choices = default_setting(self._plan, self._auto, budget_bytes, disk_cap, disk_read_ahead)
         # The kind of pass this run most likely makes: the last one with a LoRA, or without.
         last = self._last_kind.get(transform)
@@ -221,7 +257,7 @@ class Tuner:
             self._hook.remove()
             self._hook = None
             if self._kind is not None:
-                if self._phase in ("measure", "check"):
+                if self._phase in ("measure", "check", "planning"):
                     _last_pass(self)
                 self._kinds[self._kind].runs += 1
         self._meter.off()
@@ -273,6 +309,9 @@ class Tuner:
             return
         if self._phase == "hold":
             return
+        if self._phase == "planning":
+            self._take_plan()
+            return
         if self._skip > 0:
             self._skip -= 1
             return
@@ -291,7 +330,7 @@ class Tuner:
         self._periods = []
         kind.measured_ms = period
         if self._phase == "check":
-            self._check(kind, costs, period)
+            _check(self, kind, costs, period)
         else:
             kind.costs = costs
             self._plan_kind(kind, period)
@@ -316,6 +355,7 @@ class Tuner:
 
     def _enter(self, phase: str) -> None:
         self._phase = phase
+        self._pending = None
         self._skip = WARMUP_PASSES
         self._periods = []
         self._misses = 0
@@ -323,14 +363,30 @@ class Tuner:
 
     # ------------------------------------------------------------------ measure, plan, check
     def _plan_kind(self, kind: _Kind, period: float) -> None:
+        """Plan from ``kind.costs``: on the sampling thread where it is quick (``plan_work``), else
+        on the planner's thread while the passes go on, its plan taken at a later boundary."""
         current = self.current()
         kind.plans += 1
-        kind.plan = plan(kind.costs, self.choices, self._budget(), current, kind.rejected)
+        advice = None
         if self._fixed():  # what auto would choose, in the same device memory
-            budget = self.budget_bytes
-            if budget is None:
-                budget = predict(kind.costs, current).device_bytes
-            kind.advice = plan(kind.costs, Choices(), budget, None)
+            advice = self.budget_bytes if self.budget_bytes is not None else predict(kind.costs, current).device_bytes
+        job = (kind.costs, self.choices, self._budget(), current, tuple(kind.rejected), advice)
+        if self._final or plan_work(kind.costs, self.choices if advice is None else Choices()) <= SYNC_PLAN_WORK:
+            self._planned(kind, period, *_plans(*job))
+            return
+        self._pending = (kind, period, _planner_thread().submit(_plans, *job))
+        self._phase = "planning"
+
+    def _take_plan(self) -> None:
+        """A boundary while the planner's thread plans: its plan, once it is ready."""
+        kind, period, future = self._pending
+        if future.done():
+            self._pending = None
+            self._planned(kind, period, *future.result())
+
+    def _planned(self, kind: _Kind, period: float, planned: Plan, advice: Plan | None) -> None:
+        current = self.current()
+        kind.plan, kind.advice = planned, advice if advice is not None else kind.advice
         chosen = kind.plan.chosen
         if chosen.setting == current or not self.choices.free or kind.plans > MAX_PLANS:
             kind.held = current
@@ -346,26 +402,6 @@ class Tuner:
             return
         kind.predicted_ms = chosen.prediction.step_ms
         self._enter("check")
-
-    def _check(self, kind: _Kind, costs: Costs, period: float) -> None:
-        predicted = kind.predicted_ms or period
-        current = self.current()
-        if period <= predicted * (1 + CHECK_TOLERANCE):
-            kind.held, kind.costs = current, costs
-            kind.verdict = verdict(predicted, period)
-            self._enter("hold")
-            return
-        before = kind.before
-        if before is not None and before[0] != current and slower_than_before(costs, current, before, predicted, period):
-            kind.rejected.append(current)
-            kind.held = before[0]
-            kind.verdict = "slower than predicted, and than the setting before: rolled back"
-            self._apply(kind, before[0], "rolled back: slower than predicted")
-            kind.predicted_ms, kind.before = predict(costs, before[0]).step_ms, None
-            self._enter("hold")
-            return
-        kind.costs = costs  # slower than predicted, but no slower than before: measured again
-        self._plan_kind(kind, period)
 
     # ------------------------------------------------------------------ applying
     def _apply(self, kind: _Kind, setting: Setting, why: str) -> bool:
@@ -433,6 +469,29 @@ class Tuner:
         """What the tuner chose and why, for the panel (None before anything was measured)."""
         return _report(self, self._kinds.get(self._kind) if self._kind is not None else None)
 
+def _check(tuner: Tuner, kind: _Kind, costs: Costs, period: float) -> None:
+    """A steady pass of a planned setting against its prediction: held, rolled back to the setting
+    before it, or planned again (the module docstring's step 4)."""
+    predicted = kind.predicted_ms or period
+    current = tuner.current()
+    if period <= predicted * (1 + CHECK_TOLERANCE):
+        kind.held, kind.costs = current, costs
+        kind.verdict = verdict(predicted, period)
+        tuner._enter("hold")
+        return
+    before = kind.before
+    if before is not None and before[0] != current and slower_than_before(costs, current, before, predicted, period):
+        kind.rejected.append(current)
+        kind.held = before[0]
+        kind.verdict = "slower than predicted, and than the setting before: rolled back"
+        tuner._apply(kind, before[0], "rolled back: slower than predicted")
+        kind.predicted_ms, kind.before = predict(costs, before[0]).step_ms, None
+        tuner._enter("hold")
+        return
+    kind.costs = costs  # slower than predicted, but no slower than before: measured again
+    tuner._plan_kind(kind, period)
+
+
 def _last_pass(tuner: Tuner) -> None:
     """``Tuner.stop``: the pass that ended the run, as a boundary would see it, with no new setting
     applied now (the device schedule is going): a plan made from it, or a check that fails, is the
@@ -443,7 +502,10 @@ def _last_pass(tuner: Tuner) -> None:
     kind = tuner._kinds[tuner._kind]
     tuner._final = True
     try:
-        if complete:
+        if tuner._phase == "planning":  # a plan still being made is left to the next run's passes
+            if tuner._pending[2].done():
+                tuner._take_plan()
+        elif complete:
             tuner._step(tuner._kind, previous, mark, timeline, complete)
     except Exception:  # the plan is advice: never the detach's failure
         log.exception("layerwise auto settings: the run's last pass could not be planned on")

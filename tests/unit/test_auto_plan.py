@@ -168,6 +168,59 @@ def test_short_runs_stream_with_the_plan_from_an_early_run(monkeypatch, tmp_path
     assert starts[first:] == [want] * (len(starts) - first) and want not in starts[:first], (starts, want)
 
 
+def test_a_large_search_is_planned_off_the_sampling_thread(monkeypatch):
+    """Sixty link-bound blocks: the search is too large for the sampling thread, so the planner's
+    thread makes the plan while the passes go on with the setting in force, and it is applied at
+    a later boundary; the result is the plan the same costs give, and the output core's."""
+    import threading
+
+    from offload_core.layerwise import tuning as tuning_mod
+
+    shape = Shape("many-blocks", (L,) * 60, (1.0,) * 60, 0.6, L / 2.0, budget=30 * L + 64)
+    threads = []
+    real_plan = tuning_mod.plan
+
+    def recording_plan(*args, **kwargs):
+        threads.append(threading.current_thread())
+        return real_plan(*args, **kwargs)
+
+    monkeypatch.setattr(tuning_mod, "plan", recording_plan)
+    clock = shape.clock()
+    with installed(clock, monkeypatch):
+        stack = shape.build(clock)
+        reference = run(shape, clock, stack, 2, setting=Setting(tuple(range(60)), 1))
+        streamer = LayerwiseStreamer(list(stack.blocks), "cpu", resident="auto", prefetch="auto",
+                                     vram_budget_bytes=shape.budget)
+        streamer.attach(root=stack)
+        tuner = streamer._tuner
+        with torch.no_grad():
+            calls = 0
+            while tuner._pending is None and calls < 10:  # measured, then handed to the planner's thread
+                stack(torch.zeros(4))
+                calls += 1
+            assert tuner._pending is not None and streamer.tuning()["phase"] == "planning"
+            started, before = tuner.passes, tuner.current()
+            tuner._pending[2].result()
+            assert tuner.current() == before  # the pass it was measured on went on as it was
+            for _ in range(4):
+                out = stack(torch.zeros(4))
+        tuning = streamer.tuning()
+        streamer.detach()
+        streamer.close()
+    assert threads and all(t is not threading.main_thread() for t in threads), threads
+    assert tuning["phase"] in ("check", "hold") and tuning["changes"], tuning
+    assert tuning["changes"][0]["pass"] > started, tuning  # applied at a later boundary
+    assert plan_work_over_limit(shape)
+    assert torch.equal(out, reference.output)
+
+
+def plan_work_over_limit(shape: Shape) -> bool:
+    from offload_core.layerwise.tuning import SYNC_PLAN_WORK, plan_work
+    costs = Costs(compute_ms=(1.0,) * len(shape.sizes), copy_ms=(2.0,) * len(shape.sizes), unit_bytes=shape.sizes,
+                  unit_blocks=tuple(range(len(shape.sizes))), shared_bytes=0, outside_ms=0.6, asynchronous=True)
+    return plan_work(costs, Choices()) > SYNC_PLAN_WORK
+
+
 def test_no_advice_where_every_setting_that_counts_is_auto(monkeypatch):
     """From RAM, read-ahead is nothing to choose: a run with resident blocks and prefetch left to
     auto has no "auto would choose" line to contradict its own setting."""
