@@ -17,7 +17,8 @@ pytestmark = pytest.mark.skipif(not __import__("pathlib").Path(CHROMIUM or "").e
                                 reason="needs Debian's chromium (make test installs it)")
 
 VERDICT = {"link": "link (compute waited for copies)", "disk": "disk (compute waited for reads)",
-           "compute": "compute (copies hidden behind it)"}
+           "compute": "compute (copies hidden behind it)",
+           "compute_between_copies": "compute (copies ran between blocks, briefly)"}
 
 
 def _workflow(seed: int) -> dict:

@@ -165,6 +165,7 @@ export const ENGLISH = {
     readAhead: "read-ahead {n}",
     check: "predicted {predicted} a step, measured {measured}:",
     measuring: "measuring the first steps of this run…",
+    planning: "choosing a setting from the steps measured (the run goes on meanwhile)…",
     autoWould: "auto would choose {setting}: {ms} a step {how}",
     faster: "faster",
     slower: "slower",
@@ -184,6 +185,7 @@ export const ENGLISH = {
       link: "link (compute waited for copies)",
       disk: "disk (compute waited for reads)",
       compute: "compute (copies hidden behind it)",
+      compute_between_copies: "compute (copies ran between blocks, briefly)",
     },
     kind: {
       disk: "disk read",

@@ -53,6 +53,8 @@ export function planHtml(lw, fmtBytes) {
   } else if (t.counted === "runs" && measured) {
     const words = fixed ? "plan.measuredFixed" : "plan.measuredRun";
     rows.push(`<div class="to-muted" data-role="plan-check">${esc(tr(words, { measured }))}</div>`);
+  } else if (t.phase === "planning") {
+    rows.push(`<div class="to-muted" data-role="plan-check">${esc(tr("plan.planning"))}</div>`);
   } else if (t.phase === "measure" || t.phase === "new") {
     const words = t.counted === "runs" ? "plan.measuringRun" : "plan.measuring";
     rows.push(`<div class="to-muted" data-role="plan-check">${esc(tr(words))}</div>`);

@@ -145,7 +145,8 @@ class LayerwiseSession:
                                  progress=lambda done, total: progress.update_absolute(done, total),
                                  compiled=compiled, root=None if self.streamed_hooks else root)
         except CacheTooSmallError as e:
-            remedies = "Raise host_cache_gb or lower prefetch"
+            # Auto started from the most the cache holds: only what it does not own is the user's.
+            remedies = "Raise host_cache_gb" if self.settings.auto_prefetch else "Raise host_cache_gb or lower prefetch"
             if self.granularity != "phase":
                 remedies += ", or use granularity 'phase' (smaller units)"
             raise ValueError(

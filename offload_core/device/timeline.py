@@ -243,7 +243,8 @@ def verdict(spans: Sequence[dict]) -> dict[str, Any]:
     sampling thread outside a wait, which counts whole), for the disk when the unit's read was
     still running as the wait began (a wait measured on the GPU is the GPU's; a host that waited
     is counted where it waited longer). The run's ``Telemetry.compute_wait_s`` counts by the
-    same rule. A pass whose waits are under a tenth of its compute time is bound by compute.
+    same rule. A pass whose waits are under a tenth of its compute time is bound by compute
+    ("compute_between_copies" where the copies ran on the sampling thread, between the blocks).
     """
     compute = sum(s["end_ms"] - s["start_ms"] for s in spans if s["kind"] == "compute")
     copy_busy = _busy([s for s in spans if s["kind"] == "copy"])
@@ -262,7 +263,10 @@ def verdict(spans: Sequence[dict]) -> dict[str, Any]:
             else:
                 link_wait += waited
     if link_wait + disk_wait < _WAIT_SHARE_BOUND * compute:
-        bound = "compute"
+        # Copies that ran on the sampling thread (a CPU) were not hidden: compute waited for
+        # each, only briefly.
+        blocking = any(s["kind"] == "copy" and s.get("blocking") for s in spans)
+        bound = "compute_between_copies" if blocking else "compute"
     else:
         bound = "disk" if disk_wait > link_wait else "link"
     return {"totals": {"compute_ms": compute, "copy_busy_ms": copy_busy, "disk_busy_ms": disk_busy,

@@ -31,6 +31,20 @@ STAGING_BYTES = 64 << 20
 AUTO_READERS = 1
 
 
+
+def entries_needed(nslots: int, streamed: int) -> int:
+    """Cache entries disk streaming needs at once: every slot's copy in flight plus one unit read
+    ahead, unless every streamed unit fits."""
+    return min(nslots + 1, streamed)
+
+
+def cache_holds(cap_bytes: int, unit_bytes: Sequence[int], nslots: int) -> bool:
+    """Whether a host cache of ``cap_bytes`` holds what streaming ``unit_bytes`` (the streamed
+    units' packed sizes) through ``nslots`` slots needs at once."""
+    if not unit_bytes:
+        return True
+    return cap_bytes // align_up(max(unit_bytes), PAGE) >= entries_needed(nslots, len(unit_bytes))
+
 @dataclass(frozen=True)
 class DiskOptions:
     """``cap_bytes``: host RAM for the streamed weights (the cache); ``workers``: read threads;
@@ -93,8 +107,7 @@ class DiskTier:
         cap = self.options.cap_bytes
         if order:
             entry = align_up(max(unit_bytes[u] for u in order), PAGE)
-            # Every slot's copy in flight plus one unit read ahead, unless every streamed unit fits.
-            need = min(nslots + 1, len(order))
+            need = entries_needed(nslots, len(order))
         else:
             entry = align_up(max(PAGE, min(largest_pack, STAGING_BYTES, cap)), PAGE)
             need = 1

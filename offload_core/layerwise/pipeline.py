@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from ..device.residency import bound_bytes, slot_count
 from ..disk.host_cache import pick_victim, protected_units, read_ahead
 from ..disk.store import PAGE, align_up
+from ..disk.tier import entries_needed
 
 PASSES = 6  # passes simulated from a cold start; the last two are the steady state
 STEADY = 2  # a steady state may alternate between two passes: their mean is the step
@@ -128,7 +129,7 @@ def cache_shape(costs: Costs, streamed: Sequence[int], nslots: int) -> tuple[int
     if costs.disk is None or not streamed:
         return 0, 0, 0
     entry = align_up(max(costs.unit_bytes[u] for u in streamed), PAGE)
-    return entry, costs.disk.cap_bytes // entry, min(nslots + 1, len(streamed))
+    return entry, costs.disk.cap_bytes // entry, entries_needed(nslots, len(streamed))
 
 
 def most_read_ahead(costs: Costs, streamed: Sequence[int], nslots: int) -> int:

@@ -217,6 +217,11 @@ def reason(costs: Costs, result: Plan) -> Reason:
     blocks = len({costs.unit_blocks[u] for u in setting.resident})
     free = None if result.budget_bytes is None else max(0, result.budget_bytes - chosen.device_bytes)
     free_text, free_sizes = (", {} of VRAM left free", (free,)) if free is not None else ("", ())
+    if not costs.asynchronous:  # a CPU: every copy runs on the sampling thread, between blocks
+        if len(setting.resident) == costs.units:
+            return Reason("every block resident: nothing is copied while it samples")
+        return Reason(f"copies run between blocks ({ms_text(chosen.stall_ms)} a step) with {blocks} resident "
+                      f"block{plural(blocks)}")
     if chosen.bound == "compute":
         if not blocks:
             return Reason(f"copies hidden behind compute: no resident block needed{free_text}", free_sizes)

@@ -81,6 +81,11 @@ def _start_read_ahead(disk: DiskTier | None) -> int:
     return ahead if isinstance(ahead, int) else 1 if ahead == AUTO else disk.options.workers
 
 
+def _streaming_disk(disk: DiskTier | None, plan: StreamPlan) -> DiskTier | None:
+    """The disk tier where the packs go to disk (over its RAM cap); None where they stay in RAM."""
+    return disk if disk is not None and (disk.placed or disk.wanted(plan.packed_bytes)) else None
+
+
 class LayerwiseStreamer(StreamerFigures):
     """Streams the weights of ``blocks`` (run in this order each pass) onto ``device``."""
 
@@ -187,7 +192,7 @@ class LayerwiseStreamer(StreamerFigures):
             raise RuntimeError("already attached; call detach() first")
         plan, store, tuner = self._plan, self._store, self._tuner
         if tuner is not None:
-            disk = store.disk
+            disk = _streaming_disk(store.disk, plan)
             start = tuner.attach_setting(plan.settings["vram_budget_bytes"], transform is not None,
                                          disk.options.cap_bytes if disk else None, _start_read_ahead(disk))
             if not compiled:  # under a compile the plan the caller checked it against stands

@@ -25,6 +25,13 @@ apart):
 5. hold: recording stops (unless the panel asks for the picture). The next run starts with the
    held setting and checks it once more.
 
+Short runs (a distilled model's 4 steps) are the sum of their few passes, so nothing a run learns
+waits for a long one: its last pass is measured at the detach like any other (a plan made from
+it, or a failed check, is where the next run starts), steps measured toward a phase carry over to
+the next run of that kind, a planned setting not yet checked is checked by the next run instead
+of being given up, plans count per run, and after a kind's first run the first pass of a run is
+measured too (the schedule was made at the attach; only a new setting needs a warm-up pass).
+
 Inputs whose kind changes from call to call (a cond and an uncond batch of other sizes) keep the
 run's setting after two changes: a schedule made again at every call would cost more than any
 plan saves. Within an attach a new setting takes no more device memory than the caller said the
@@ -38,7 +45,9 @@ computes with the same weights, so results do not change with it.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -47,12 +56,13 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ..device.residency import bound_bytes
+from ..disk.tier import cache_holds
 from ..device.timeline import Timeline
 from ..ordering import Event, for_device
 from .measure import PassMeter
 from .pipeline import DISK_STEADY, Costs, Setting, predict
 from .plan import StreamPlan
-from .planner import DEFAULT_PREFETCH, Choices, Plan, plan
+from .planner import DEFAULT_PREFETCH, MAX_PREFETCH, MAX_READ_AHEAD, Choices, Plan, plan
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +99,71 @@ class _Kind:
     rejected: list[Setting] = field(default_factory=list)
     advice: Plan | None = None  # with a setting fixed: what auto would choose
     verdict: str = "measuring"
-    plans: int = 0
+    plans: int = 0  # this run's
+    # Steps measured toward a phase a run ended in (``Tuner.stop``), with the setting they were
+    # measured under: the next run of this kind goes on from them instead of starting over.
+    periods: list[float] = field(default_factory=list)
+    periods_of: Setting | None = None
+    runs: int = 0  # runs that measured this kind: after the first, a run's first pass is warm
+
+
+def default_setting(p: StreamPlan, auto: dict[str, bool], budget_bytes: int | None, disk_cap: int | None,
+                    disk_read_ahead: int) -> tuple[Setting, Choices]:
+    """The setting a run has without a plan (the user's rules; for resident blocks left to auto,
+    the most the budget holds; for prefetch left to auto, the engine's default or less, as the
+    budget and the disk cache allow), applied to ``p``, and what the planner may change."""
+    fixed = None if auto["prefetch"] else p.settings["prefetch"]
+    rules = dict(p.settings)
+    if auto["resident"]:
+        rules.update(resident=None, vram_budget_bytes=budget_bytes, resident_units=None)
+    if auto["read_ahead"]:
+        rules.update(read_ahead=None)
+    for prefetch in ([fixed] if fixed else range(DEFAULT_PREFETCH, 0, -1)):
+        try:
+            p.restore(dict(rules, prefetch=prefetch))
+        except ValueError:
+            if prefetch == 1 or fixed:
+                raise
+            continue
+        if fixed or prefetch == 1 or disk_cap is None or cache_holds(
+                disk_cap, [p.packs[i].nbytes for i in p.streamed_indices], p.nslots):
+            break
+    read_ahead = (p.settings["read_ahead"] or disk_read_ahead) if disk_cap else 0
+    default = Setting(tuple(p.resident_indices), prefetch, read_ahead)
+    return default, Choices(resident=None if auto["resident"] else default.resident,
+                            prefetch=None if auto["prefetch"] else prefetch,
+                            read_ahead=None if auto["read_ahead"] or not disk_cap else read_ahead)
+
+
+# Candidate units a plan may weigh on the sampling thread (a few milliseconds of predictions);
+# a larger search (many units, from disk) runs on the planner's thread.
+SYNC_PLAN_WORK = 4000
+_planner: ThreadPoolExecutor | None = None
+_planner_lock = threading.Lock()
+
+
+def plan_work(costs: Costs, choices: Choices) -> int:
+    """About how many units the planner's predictions walk through for ``costs`` and ``choices``
+    (settings it weighs times units each prediction covers)."""
+    counts = 1 if choices.resident is not None else 2 * (len(set(costs.unit_blocks)) + 1)
+    prefetches = MAX_PREFETCH if choices.prefetch is None else 1
+    depths = MAX_READ_AHEAD if costs.disk is not None and choices.read_ahead is None else 1
+    return counts * prefetches * depths * costs.units
+
+
+def _plans(costs: Costs, choices: Choices, budget: int | None, current: Setting, rejected: tuple[Setting, ...],
+           advice_budget: int | None) -> tuple[Plan, Plan | None]:
+    """The plan, and with ``advice_budget`` what auto would choose within it."""
+    planned = plan(costs, choices, budget, current, rejected)
+    return planned, None if advice_budget is None else plan(costs, Choices(), advice_budget, None)
+
+
+def _planner_thread() -> ThreadPoolExecutor:
+    global _planner
+    with _planner_lock:
+        if _planner is None:
+            _planner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-offload-planner")
+        return _planner
 
 
 def _short_of_memory(error: BaseException) -> bool:
@@ -115,6 +189,8 @@ class Tuner:
         self._hook: RemovableHandle | None = None
         self._phase = "off"
         self._skip = 0
+        self._final = False  # the run's last pass (``stop``): a new setting waits for the next run
+        self._pending: tuple[_Kind, float, Future] | None = None  # a plan on the planner's thread
         self._periods: list[float] = []  # the steps measured in this phase so far
         self._misses = 0  # passes of this phase that could not be measured
         self._recording = False
@@ -145,25 +221,11 @@ class Tuner:
         self.events = []
         self.passes = 0
         self._switches = 0
-        p, auto = self._plan, self._auto
-        fixed = None if auto["prefetch"] else p.settings["prefetch"]
-        rules = dict(p.settings)
-        if auto["resident"]:
-            rules.update(resident=None, vram_budget_bytes=budget_bytes, resident_units=None)
-        if auto["read_ahead"]:
-            rules.update(read_ahead=None)
-        for prefetch in ([fixed] if fixed else range(DEFAULT_PREFETCH, 0, -1)):
-            try:  # under auto, the engine's default prefetch, or less where the budget is too small
-                p.restore(dict(rules, prefetch=prefetch))
-                break
-            except ValueError:
-                if prefetch == 1 or fixed:
-                    raise
-        read_ahead = (p.settings["read_ahead"] or disk_read_ahead) if disk_cap else 0
-        self.default = Setting(tuple(p.resident_indices), prefetch, read_ahead)
-        self.choices = Choices(resident=None if auto["resident"] else self.default.resident,
-                               prefetch=None if auto["prefetch"] else prefetch,
-                               read_ahead=None if auto["read_ahead"] or not disk_cap else read_ahead)
+        for kind in self._kinds.values():
+            # Plans count per run (runs that end before their check still plan), and a rollback
+            # speaks of the conditions of its run, not of every later one.
+            kind.plans, kind.rejected = 0, []
+        self.default, self.choices = default_setting(self._plan, self._auto, budget_bytes, disk_cap, disk_read_ahead)
         # The kind of pass this run most likely makes: the last one with a LoRA, or without.
         last = self._last_kind.get(transform)
         kind = self._kinds.get(last) if last is not None else None
@@ -188,10 +250,16 @@ class Tuner:
         return True
 
     def stop(self) -> None:
-        """At detach: the hook and the resident blocks' timing go (the report keeps the last phase)."""
+        """At detach: the run's last pass is measured like the others (a short run is the sum of
+        its few passes), what the phase gathered is kept for the next run of its kind, then the
+        hook and the resident blocks' timing go (the report keeps the last phase)."""
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+            if self._kind is not None:
+                if self._phase in ("measure", "check", "planning"):
+                    _last_pass(self)
+                self._kinds[self._kind].runs += 1
         self._meter.off()
         self._recording = False
 
@@ -241,6 +309,9 @@ class Tuner:
             return
         if self._phase == "hold":
             return
+        if self._phase == "planning":
+            self._take_plan()
+            return
         if self._skip > 0:
             self._skip -= 1
             return
@@ -259,13 +330,14 @@ class Tuner:
         self._periods = []
         kind.measured_ms = period
         if self._phase == "check":
-            self._check(kind, costs, period)
+            _check(self, kind, costs, period)
         else:
             kind.costs = costs
             self._plan_kind(kind, period)
 
     def _begin_kind(self, kind: _Kind) -> None:
-        """A run's first pass, or a kind of pass other than the last: start from what is known."""
+        """A run's first pass, or a kind of pass other than the last: start from what is known
+        (the setting held, and the steps an earlier run measured toward its phase)."""
         current = self.current()
         if kind.held is not None and self._fits(kind.held) and self.choices.free:
             if kind.held != current and not self._apply(kind, kind.held, "the setting held for these inputs"):
@@ -273,11 +345,17 @@ class Tuner:
                 return
             kind.predicted_ms = predict(kind.costs, kind.held).step_ms if kind.costs else kind.predicted_ms
             self._enter("check")
-            return
-        self._enter("measure")
+        else:
+            self._enter("measure")
+        if kind.runs and self.current() == current:
+            self._skip = 0  # the schedule was made at the attach: the first pass is no colder than the rest
+        if kind.periods and kind.periods_of == self.current():
+            self._periods = kind.periods
+        kind.periods, kind.periods_of = [], None
 
     def _enter(self, phase: str) -> None:
         self._phase = phase
+        self._pending = None
         self._skip = WARMUP_PASSES
         self._periods = []
         self._misses = 0
@@ -285,14 +363,30 @@ class Tuner:
 
     # ------------------------------------------------------------------ measure, plan, check
     def _plan_kind(self, kind: _Kind, period: float) -> None:
+        """Plan from ``kind.costs``: on the sampling thread where it is quick (``plan_work``), else
+        on the planner's thread while the passes go on, its plan taken at a later boundary."""
         current = self.current()
         kind.plans += 1
-        kind.plan = plan(kind.costs, self.choices, self._budget(), current, kind.rejected)
-        if not all(self._auto.values()):  # what auto would choose, in the same device memory
-            budget = self.budget_bytes
-            if budget is None:
-                budget = predict(kind.costs, current).device_bytes
-            kind.advice = plan(kind.costs, Choices(), budget, None)
+        advice = None
+        if self._fixed():  # what auto would choose, in the same device memory
+            advice = self.budget_bytes if self.budget_bytes is not None else predict(kind.costs, current).device_bytes
+        job = (kind.costs, self.choices, self._budget(), current, tuple(kind.rejected), advice)
+        if self._final or plan_work(kind.costs, self.choices if advice is None else Choices()) <= SYNC_PLAN_WORK:
+            self._planned(kind, period, *_plans(*job))
+            return
+        self._pending = (kind, period, _planner_thread().submit(_plans, *job))
+        self._phase = "planning"
+
+    def _take_plan(self) -> None:
+        """A boundary while the planner's thread plans: its plan, once it is ready."""
+        kind, period, future = self._pending
+        if future.done():
+            self._pending = None
+            self._planned(kind, period, *future.result())
+
+    def _planned(self, kind: _Kind, period: float, planned: Plan, advice: Plan | None) -> None:
+        current = self.current()
+        kind.plan, kind.advice = planned, advice if advice is not None else kind.advice
         chosen = kind.plan.chosen
         if chosen.setting == current or not self.choices.free or kind.plans > MAX_PLANS:
             kind.held = current
@@ -309,31 +403,15 @@ class Tuner:
         kind.predicted_ms = chosen.prediction.step_ms
         self._enter("check")
 
-    def _check(self, kind: _Kind, costs: Costs, period: float) -> None:
-        predicted = kind.predicted_ms or period
-        current = self.current()
-        if period <= predicted * (1 + CHECK_TOLERANCE):
-            kind.held, kind.costs = current, costs
-            kind.verdict = verdict(predicted, period)
-            self._enter("hold")
-            return
-        before = kind.before
-        if before is not None and before[0] != current and slower_than_before(costs, current, before, predicted, period):
-            kind.rejected.append(current)
-            kind.held = before[0]
-            kind.verdict = "slower than predicted, and than the setting before: rolled back"
-            self._apply(kind, before[0], "rolled back: slower than predicted")
-            kind.predicted_ms, kind.before = predict(costs, before[0]).step_ms, None
-            self._enter("hold")
-            return
-        kind.costs = costs  # slower than predicted, but no slower than before: measured again
-        self._plan_kind(kind, period)
-
     # ------------------------------------------------------------------ applying
     def _apply(self, kind: _Kind, setting: Setting, why: str) -> bool:
         """Make ``setting`` the streamer's; False (the setting before kept) when the device is short
-        of memory for it."""
+        of memory for it. On the run's last pass, the next run's start (``kind.held``) instead."""
         before = self.current()
+        if self._final:
+            kind.held = setting
+            self.events.append({"pass": self.passes, "from": before, "to": setting, "why": f"{why} (from the next run)"})
+            return True
         try:
             self._rebuild(setting, record=True)
         except BaseException as e:
@@ -358,6 +436,10 @@ class Tuner:
         caps = [c for c in (self.budget_bytes, self.run_cap) if c is not None]
         return min(caps) if caps else None
 
+    def _fixed(self) -> list[str]:
+        """The settings the user fixed that count for this run (read-ahead only from disk)."""
+        return [k for k, on in self._auto.items() if not on and (k != "read_ahead" or self.disk_cap)]
+
     def _fits(self, setting: Setting) -> bool:
         budget = self._budget()
         if budget is None:
@@ -368,6 +450,8 @@ class Tuner:
 
     # ------------------------------------------------------------------ recording
     def _record(self, on: bool) -> None:
+        if self._final:  # the device schedule is going: nothing to record into
+            return
         on = on or self._wanted_picture
         if on == self._recording:
             if on:
@@ -384,6 +468,54 @@ class Tuner:
     def report(self) -> dict[str, Any] | None:
         """What the tuner chose and why, for the panel (None before anything was measured)."""
         return _report(self, self._kinds.get(self._kind) if self._kind is not None else None)
+
+def _check(tuner: Tuner, kind: _Kind, costs: Costs, period: float) -> None:
+    """A steady pass of a planned setting against its prediction: held, rolled back to the setting
+    before it, or planned again (the module docstring's step 4)."""
+    predicted = kind.predicted_ms or period
+    current = tuner.current()
+    if period <= predicted * (1 + CHECK_TOLERANCE):
+        kind.held, kind.costs = current, costs
+        kind.verdict = verdict(predicted, period)
+        tuner._enter("hold")
+        return
+    before = kind.before
+    if before is not None and before[0] != current and slower_than_before(costs, current, before, predicted, period):
+        kind.rejected.append(current)
+        kind.held = before[0]
+        kind.verdict = "slower than predicted, and than the setting before: rolled back"
+        tuner._apply(kind, before[0], "rolled back: slower than predicted")
+        kind.predicted_ms, kind.before = predict(costs, before[0]).step_ms, None
+        tuner._enter("hold")
+        return
+    kind.costs = costs  # slower than predicted, but no slower than before: measured again
+    tuner._plan_kind(kind, period)
+
+
+def _last_pass(tuner: Tuner) -> None:
+    """``Tuner.stop``: the pass that ended the run, as a boundary would see it, with no new setting
+    applied now (the device schedule is going): a plan made from it, or a check that fails, is the
+    setting the next run starts with; a check that cannot end yet leaves the planned setting to be
+    checked then; steps measured toward the phase are kept for the next run of the kind."""
+    timeline = tuner._timeline()
+    previous, mark, complete = tuner._meter.pass_starts(timeline)
+    kind = tuner._kinds[tuner._kind]
+    tuner._final = True
+    try:
+        if tuner._phase == "planning":  # a plan still being made is left to the next run's passes
+            if tuner._pending[2].done():
+                tuner._take_plan()
+        elif complete:
+            tuner._step(tuner._kind, previous, mark, timeline, complete)
+    except Exception:  # the plan is advice: never the detach's failure
+        log.exception("layerwise auto settings: the run's last pass could not be planned on")
+    finally:
+        tuner._final = False
+    if tuner._phase in ("measure", "check"):
+        kind.periods, kind.periods_of = list(tuner._periods), tuner.current()
+        if tuner._phase == "check" and kind.held is None:
+            kind.held = tuner.current()  # planned, not checked yet: the next run checks it
+
 
 def _report(tuner: Tuner, kind: _Kind | None) -> dict[str, Any] | None:
     """``Tuner.report`` for ``kind``, the kind of pass last seen."""
@@ -410,13 +542,16 @@ def _report(tuner: Tuner, kind: _Kind | None) -> dict[str, Any] | None:
     if costs is not None:
         now = predict(costs, current)
         out.update(bound=now.bound, device_bytes=now.device_bytes, hit_rate=now.hit_rate)
-    if kind.advice is not None:
+    if kind.advice is not None and tuner._fixed():
         auto = kind.advice.chosen
         out["auto_choice"] = _setting_json(auto.setting, tuner._plan)
         out["auto_predicted_ms"] = auto.prediction.step_ms
         out["auto_reason"] = kind.advice.reason.text
         if costs is not None and auto.setting != current:
-            out["explicit_cost_ms"] = predict(costs, current).step_ms - auto.prediction.step_ms
+            cost = predict(costs, current).step_ms - auto.prediction.step_ms
+            # Only a gain beyond what a check counts as noise is advice; auto is never said slower.
+            if cost > CHECK_TOLERANCE * max(kind.measured_ms or 0.0, auto.prediction.step_ms):
+                out["explicit_cost_ms"] = cost
     return out
 
 

@@ -27,7 +27,8 @@ from toy_models import ToyDiT, inputs
 
 from offload_core.device.residency import bound_bytes
 from offload_core.layerwise.streamer import LayerwiseStreamer
-from offload_core.layerwise.pipeline import Costs, DiskCosts, Setting
+from offload_core.disk.tier import DiskOptions
+from offload_core.layerwise.pipeline import DISK_STEADY, Costs, DiskCosts, Setting
 from offload_core.layerwise.planner import DEFAULT_PREFETCH, Choices, candidates
 
 # Acceptance figures of the auto settings: run on both lanes (0.3.75 and 0.33).
@@ -128,6 +129,108 @@ def test_a_fixed_setting_is_kept_and_auto_says_what_it_would_save(monkeypatch):
     assert tuning["auto_choice"] != tuning["setting"], tuning
     assert tuning["explicit_cost_ms"] == pytest.approx(fixed.steady(2) - tuning["auto_predicted_ms"], rel=0.05)
     assert tuning["explicit_cost_ms"] > 0
+
+
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[3]], ids=["ram", "disk"])
+@pytest.mark.parametrize("calls", [1, 2, 3, 4, 8])
+def test_short_runs_stream_with_the_plan_from_an_early_run(monkeypatch, tmp_path, shape, calls):
+    """Runs of a few calls each (a distilled model's 4 steps) on one streamer: what a run measured
+    is kept for the next (its last pass included), so runs of two calls or more stream with what
+    a long run plans from their second run on, runs of one call from their third (from disk,
+    whose step is a mean of four passes, once four passes were measured); and the planned setting
+    is never given up for the default."""
+    clock = shape.clock()
+    with installed(clock, monkeypatch):
+        planned = run(shape, clock, shape.build(clock), PASSES, auto=True, spill_dir=str(tmp_path / "long")).tuning
+        stack = shape.build(clock)
+        disk = shape.disk("auto")
+        if disk is not None:
+            disk = DiskOptions(cap_bytes=disk.cap_bytes, workers=disk.workers, read_ahead="auto",
+                               spill_dir=str(tmp_path / "short"))
+        streamer = LayerwiseStreamer(list(stack.blocks), "cpu", resident="auto", prefetch="auto",
+                                     vram_budget_bytes=shape.budget, disk=disk)
+        starts = []
+        with torch.no_grad():
+            for _ in range(6):
+                streamer.attach(root=stack)
+                plan = streamer._plan
+                starts.append((sorted({plan.units[u].block for u in plan.resident_indices}),
+                               plan.settings["prefetch"], plan.settings["read_ahead"] or 0))
+                for _ in range(calls):
+                    stack(torch.zeros(4))
+                streamer.detach(keep_pack=True)
+        streamer.close()
+    want = (planned["setting"]["resident_blocks"], planned["setting"]["prefetch"], planned["setting"]["read_ahead"])
+    # Passes measured after r runs: the first run's first pass is left out (a cold start), then
+    # every pass counts; the plan needs one step (from disk, a mean of DISK_STEADY).
+    steady = DISK_STEADY if shape.disk_rate is not None else 1
+    first = next(r for r in range(1, 10) if (calls - 1) + (r - 1) * calls >= steady)
+    assert starts[first:] == [want] * (len(starts) - first) and want not in starts[:first], (starts, want)
+
+
+def test_a_large_search_is_planned_off_the_sampling_thread(monkeypatch):
+    """Sixty link-bound blocks: the search is too large for the sampling thread, so the planner's
+    thread makes the plan while the passes go on with the setting in force, and it is applied at
+    a later boundary; the result is the plan the same costs give, and the output core's."""
+    import threading
+
+    from offload_core.layerwise import tuning as tuning_mod
+
+    shape = Shape("many-blocks", (L,) * 60, (1.0,) * 60, 0.6, L / 2.0, budget=30 * L + 64)
+    threads = []
+    real_plan = tuning_mod.plan
+
+    def recording_plan(*args, **kwargs):
+        threads.append(threading.current_thread())
+        return real_plan(*args, **kwargs)
+
+    monkeypatch.setattr(tuning_mod, "plan", recording_plan)
+    clock = shape.clock()
+    with installed(clock, monkeypatch):
+        stack = shape.build(clock)
+        reference = run(shape, clock, stack, 2, setting=Setting(tuple(range(60)), 1))
+        streamer = LayerwiseStreamer(list(stack.blocks), "cpu", resident="auto", prefetch="auto",
+                                     vram_budget_bytes=shape.budget)
+        streamer.attach(root=stack)
+        tuner = streamer._tuner
+        with torch.no_grad():
+            calls = 0
+            while tuner._pending is None and calls < 10:  # measured, then handed to the planner's thread
+                stack(torch.zeros(4))
+                calls += 1
+            assert tuner._pending is not None and streamer.tuning()["phase"] == "planning"
+            started, before = tuner.passes, tuner.current()
+            tuner._pending[2].result()
+            assert tuner.current() == before  # the pass it was measured on went on as it was
+            for _ in range(4):
+                out = stack(torch.zeros(4))
+        tuning = streamer.tuning()
+        streamer.detach()
+        streamer.close()
+    assert threads and all(t is not threading.main_thread() for t in threads), threads
+    assert tuning["phase"] in ("check", "hold") and tuning["changes"], tuning
+    assert tuning["changes"][0]["pass"] > started, tuning  # applied at a later boundary
+    assert plan_work_over_limit(shape)
+    assert torch.equal(out, reference.output)
+
+
+def plan_work_over_limit(shape: Shape) -> bool:
+    from offload_core.layerwise.tuning import SYNC_PLAN_WORK, plan_work
+    costs = Costs(compute_ms=(1.0,) * len(shape.sizes), copy_ms=(2.0,) * len(shape.sizes), unit_bytes=shape.sizes,
+                  unit_blocks=tuple(range(len(shape.sizes))), shared_bytes=0, outside_ms=0.6, asynchronous=True)
+    return plan_work(costs, Choices()) > SYNC_PLAN_WORK
+
+
+def test_no_advice_where_every_setting_that_counts_is_auto(monkeypatch):
+    """From RAM, read-ahead is nothing to choose: a run with resident blocks and prefetch left to
+    auto has no "auto would choose" line to contradict its own setting."""
+    shape = SHAPES[0]
+    clock = shape.clock()
+    with installed(clock, monkeypatch):
+        auto = run(shape, clock, shape.build(clock), 6, auto=True)
+    tuning = auto.tuning
+    assert "read_ahead" not in tuning["auto"], tuning  # the case: read-ahead counted as fixed
+    assert "auto_choice" not in tuning and "explicit_cost_ms" not in tuning, tuning
 
 
 def test_a_larger_input_is_measured_and_planned_apart(monkeypatch):

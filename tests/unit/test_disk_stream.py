@@ -360,6 +360,25 @@ def test_a_cache_too_small_is_refused_before_anything_moves(tmp_path):
     assert_restored(model, before, keys)
 
 
+def test_auto_prefetch_starts_from_what_a_small_cache_holds(tmp_path):
+    """A cache of three units: prefetch 2 (3 slots + 1 read ahead) would not fit, so auto starts at
+    1 where a fixed 2 is refused; the run is right."""
+    model = ToyDiT(depth=6)
+    x, t = inputs()
+    with torch.no_grad():
+        ref = model(x, t)
+    fixed = _disk_streamer(model, tmp_path / "fixed", "block", 0, 2, 3)
+    with pytest.raises(CacheTooSmallError, match="needs 4 at once"):
+        fixed.attach()
+    st = _disk_streamer(model, tmp_path / "auto", "block", 0, "auto", 3)
+    st.attach()
+    assert st._plan.settings["prefetch"] == 1
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(model(x, t), ref)
+    st.close()
+
+
 def test_a_model_that_fits_the_cap_stays_in_ram(tmp_path):
     model = ToyDiT(depth=4)
     st = LayerwiseStreamer(model.blocks, "cpu", resident=0, prefetch=1,
