@@ -326,7 +326,8 @@ def test_a_soak_of_200_prompts_with_hooks_swaps_and_partial_loads_leaves_no_stor
         server_rss = summary[f"rss_server{k}"]
         # Each cycle switches each server's model ten times; a copy or store of a model's blocks
         # (4.2 MiB) kept per switch would add 42 MiB per cycle, 126 MiB from the first steady
-        # cycle to the last. A step once after the warm-up cycle (seen: 21 MiB on one server in
-        # CI, none on the other) does not grow after, so the warm-up bound is looser.
-        assert server_rss["last_cycle_max"] - server_rss["first_cycle_max"] < 8 * MIB, figures
+        # cycle to the last (a cycle's peak varies by up to 7 MiB here). A step once after the
+        # warm-up cycle (seen: 21 MiB on one server in CI, none on the other) does not grow
+        # after, so the warm-up bound is looser.
+        assert server_rss["last_cycle_max"] - server_rss["first_cycle_max"] < 16 * MIB, figures
         assert server_rss["last_cycle_max"] - server_rss["warmup_max"] < 32 * MIB, figures
