@@ -42,10 +42,9 @@ def hooked_keys(patcher, keys: Iterable[str]) -> set[str]:
 class StreamedHooks:
     """The hook patches of the streamed blocks' keys for one run, out of core's reach.
 
-    ``take`` moves them out of the patcher once the streamed keys are known; ``patches_of`` gives
-    a key's combined patches under the hook group core applied last (as core's
-    `get_combined_hook_patches` combines them); ``version`` moves on whenever they change.
-    ``close`` gives the patcher its hook patches back.
+    ``take`` moves them out of the patcher once the streamed keys are known; ``snapshot`` gives
+    the combined patches of each key under the hook group core applied last (as core's
+    `get_combined_hook_patches` combines them). ``close`` gives the patcher its hook patches back.
     """
 
     @classmethod
@@ -63,7 +62,6 @@ class StreamedHooks:
         self._streamed: dict[Any, dict[str, list]] = {}  # hook_ref -> key -> patches
         self._current: dict[str, list] = {}
         self._signature: tuple = ()
-        self.version = 0
         self._on_change: Callable[[], int] | None = None
         self._handle = None
 
@@ -124,14 +122,9 @@ class StreamedHooks:
         if signature == self._signature:
             return
         self._signature, self._current = signature, current
-        self.version += 1
         copied = self._on_change() if self._on_change is not None else 0
         log.debug("hook patches of streamed blocks changed (%d weights); %d prefetched units copied again",
                   len(current), copied)
-
-    def patches_of(self, key: str) -> list | None:
-        """The combined hook patches of ``key`` in force now, or None."""
-        return self._current.get(key)
 
     def snapshot(self) -> dict[str, list]:
         """The patches in force now, for a copy queued now and rewritten later."""
