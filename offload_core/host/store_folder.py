@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from ..units import size_text
+from .store_view import own_pages
 
 try:
     import fcntl
@@ -232,9 +233,6 @@ if SUPPORTED:
     os.register_at_fork(after_in_child=_close_lock_files_in_child)
 
 _MAP_FIXED = 0x10  # Linux, every architecture
-# The top byte of a /proc/self/pagemap entry -> 1 for a page of the process's own: present (bit 63)
-# or swapped (62), and not a page of the file or shared (61).
-_OWN_PAGE = bytes(1 if b & 0xC0 and not b & 0x20 else 0 for b in range(256))
 
 
 def drop_inherited_holds(fds: list[int]) -> None:
@@ -293,10 +291,10 @@ def drop_inherited_holds(fds: list[int]) -> None:
 def _written_pages(start: int, end: int) -> dict[int, bytes]:
     """The pages between ``start`` and ``end`` (a private file mapping) that are this process's own
     copies (written since they were mapped), by address, with their bytes."""
+    own = own_pages(start, end)
+    if own is None:
+        raise OSError("/proc/self/pagemap cannot be read: the pages written here are unknown")
     page = mmap.PAGESIZE
-    with open("/proc/self/pagemap", "rb", buffering=0) as f:
-        raw = os.pread(f.fileno(), 8 * ((end - start) // page), 8 * (start // page))
-    own = raw[7::8].translate(_OWN_PAGE)  # little-endian: byte 7 of each entry holds bits 56-63
     out = {}
     i = own.find(1)
     while i >= 0:

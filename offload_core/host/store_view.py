@@ -76,21 +76,32 @@ class CopyOnWriteView:
         self._chunks.clear()
 
 
-def _own_pages(view: torch.Tensor) -> bool:
-    """Whether any page under ``view`` (in a private file mapping) is this process's own copy: a
-    present page that is neither the file's nor shared. True where ``/proc/self/pagemap`` cannot
-    be read, so the caller compares bytes instead of trusting that nothing changed."""
+# The top byte of a /proc/self/pagemap entry -> 1 for a page of the process's own: present (bit 63)
+# or swapped (62), and neither a page of the file nor shared (61).
+_OWN_PAGE = bytes(1 if b & 0xC0 and not b & 0x20 else 0 for b in range(256))
+
+
+def own_pages(start: int, end: int) -> bytes | None:
+    """One byte per page from ``start`` to ``end`` (page-aligned addresses): 1 where the page is
+    this process's own copy (written since a private file mapping was made), else 0; None where
+    ``/proc/self/pagemap`` cannot be read."""
     page = mmap.PAGESIZE
-    first = view.data_ptr() // page
-    last = (view.data_ptr() + view.numel() - 1) // page
+    count = (end - start) // page
     try:
         with open("/proc/self/pagemap", "rb", buffering=0) as f:
-            raw = os.pread(f.fileno(), 8 * (last - first + 1), 8 * first)
+            raw = os.pread(f.fileno(), 8 * count, 8 * (start // page))
     except OSError:
-        return True
-    if len(raw) != 8 * (last - first + 1):
-        return True
-    with torch.inference_mode(False):
-        entries = torch.frombuffer(bytearray(raw), dtype=torch.int64)
-    present = entries < 0  # bit 63
-    return bool((present & ((entries >> 61) & 1 == 0)).any())  # bit 61: a file page or shared
+        return None
+    if len(raw) != 8 * count:
+        return None
+    return raw[7::8].translate(_OWN_PAGE)  # little-endian: byte 7 of each entry holds bits 56-63
+
+
+def _own_pages(view: torch.Tensor) -> bool:
+    """Whether any page under ``view`` is this process's own copy; True where the system does not
+    say, so the caller compares bytes instead of trusting that nothing changed."""
+    page = mmap.PAGESIZE
+    first = view.data_ptr() // page * page
+    end = (view.data_ptr() + view.numel() - 1) // page * page + page
+    flags = own_pages(first, end)
+    return flags is None or 1 in flags
