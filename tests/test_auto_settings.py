@@ -108,6 +108,8 @@ def test_the_panel_shows_the_plan_and_its_reason(comfy, browser):  # noqa: F811
         assert f"prefetch {setting['prefetch']}" in shown, shown
         check = plan.locator('[data-role="plan-check"]').inner_text()
         assert "predicted" in check and "measured" in check and tuning["verdict"] in check, check
+        first, last = tuning["measured_passes"]  # which calls the measured step is the mean of
+        assert f"the mean of calls {first}–{last}" in check, check
         changes = plan.locator('[data-role="plan-changes"]')
         assert changes.get_attribute("data-changes") == str(len(tuning["changes"]))
         assert not [c for c in page.console if "pageerror" in c["text"] or "plan.js" in c["url"]], page.console

@@ -68,3 +68,28 @@ def test_the_open_panel_draws_the_last_run(comfy, browser):  # noqa: F811
     finally:
         page.page.close()
         comfy.post("/offload/timeline", {"enabled": False})
+
+
+def test_a_run_that_streams_nothing_says_so_in_the_full_view(comfy, browser):  # noqa: F811
+    """Every block fits the budget, so the run copies nothing: with the panel open through the
+    run, the full view says that nothing streamed, not that the panel should have been open."""
+    comfy.post("/offload/timeline", {"enabled": False})
+    page = PanelPage(browser, comfy.url)
+    try:
+        page.load()
+        page.open_tab()
+        wf = sample_workflow("hunyuan_video", seed=17, layerwise={"resident_blocks": -1, "vram_budget_gb": 12.0})
+        wf["load"]["class_type"] = "TieredUNETLoader"
+        comfy.run(wf)
+        truth = max((m for m in comfy.get("/api/offload/tiers")["models"] if m.get("layerwise")),
+                    key=lambda m: m["layerwise"].get("finished_at") or 0)
+        assert truth["layerwise"]["streamed_indices"] == [] and not truth["layerwise"]["timeline"], truth["layerwise"]
+        sync_api.expect(page.row(truth["id"])).to_be_visible(timeout=20_000)
+        page.page.evaluate("(id) => window.app.extensionManager.command.execute(id)",
+                           "Workspace.ToggleBottomPanelTab.tiered-offload-timeline")
+        hint = page.page.locator('#tiered-offload-timeline [data-role="tl-none"]')
+        sync_api.expect(hint).to_have_text(
+            "Nothing streamed in the last run: every block stayed in VRAM, so there were no copies to picture.")
+    finally:
+        page.page.close()
+        comfy.post("/offload/timeline", {"enabled": False})

@@ -398,14 +398,14 @@ function partsLine(parts) {
 // A tier-managed model's streaming report: its own, or that of its part in core.
 const managedLayerwise = (m, parts) => m.layerwise ?? parts.find((l) => l.layerwise)?.layerwise;
 
-// Every card whose last run has a picture, as the full view picks from them: {id, name, lw}.
+// Every card with a picture or a finished layerwise run, as the full view picks from them: {id, name, lw}.
 export function timelineCards(payload) {
   const managed = Array.isArray(payload?.models) ? payload.models : [];
   const loaded = Array.isArray(payload?.loaded) ? payload.loaded : [];
   return [
     ...managed.map((m) => ({ id: m.id, name: m.name ?? m.id, lw: managedLayerwise(m, loaded.filter((l) => l.tier_id === m.id)) })),
     ...loaded.filter((l) => !l.tier_id).map((l) => ({ id: l.id, name: l.file ?? l.class ?? l.id, lw: l.layerwise })),
-  ].filter((c) => c.lw?.timeline);
+  ].filter((c) => c.lw?.timeline || c.lw?.finished_at);
 }
 
 // A model the tier manager owns: tier, its parts in core, policy and tier actions.

@@ -47,8 +47,13 @@ export function planHtml(lw, fmtBytes) {
       <span class="to-muted" data-role="plan-setting">${esc(settingText(t.setting, blocks))}</span></div>`,
   ];
   if (!fixed && t.reason) rows.push(`<div data-role="plan-reason">${esc(reasonText(t, fmtBytes))}</div>`);
+  // Which calls the measured step is the mean of: the progress bar's step may hold more than one
+  // call of the model, and the sampler's own work between them.
+  const calls = Array.isArray(t.measured_passes) && t.measured_passes.length === 2 ? t.measured_passes : null;
   if (predicted && measured) {
-    rows.push(`<div class="to-muted" data-role="plan-check">${esc(tr("plan.check", { predicted, measured }))}
+    const words = calls ? tr("plan.checkCalls", { predicted, measured, first: num(calls[0]), last: num(calls[1]) })
+      : tr("plan.check", { predicted, measured });
+    rows.push(`<div class="to-muted" data-role="plan-check">${esc(words)}
       <span data-role="plan-verdict">${esc(t.verdict ?? "")}</span></div>`);
   } else if (t.counted === "runs" && measured) {
     const words = fixed ? "plan.measuredFixed" : "plan.measuredRun";

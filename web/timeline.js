@@ -383,8 +383,11 @@ function fmtRate(perSecond) {
 export function fullTimelineHtml(card) {
   const tl = card?.lw?.timeline;
   if (!hasPicture(tl)) {
+    // A run that kept every block in VRAM copies nothing: there is no picture to keep the panel open for.
+    const allResident = !!card?.lw?.finished_at && Array.isArray(card.lw.streamed_indices)
+      && card.lw.streamed_indices.length === 0;
     return `<div class="to-head"><span class="to-title">${esc(tr("timeline.head"))}</span></div>
-      <div class="to-empty" data-role="tl-none">${esc(tr("timeline.noPicture"))}</div>`;
+      <div class="to-empty" data-role="tl-none">${esc(tr(allResident ? "timeline.nothingStreamed" : "timeline.noPicture"))}</div>`;
   }
   const fig = figure(tl, card.lw);
   // The chart takes the panel's height; its title, the verdict and the figures stand beside it.
@@ -407,7 +410,7 @@ export function fullTimelineHtml(card) {
 // The full view in the bottom panel. It shows the picture of the card the user opened it from
 // (state.timelineCard), or, opened from the panel's tab bar, the latest picture of any card.
 export class TimelineView extends View {
-  // `cards()`: [{id, name, lw}] of every card whose layerwise report holds a picture.
+  // `cards()`: [{id, name, lw}] of every card whose layerwise report holds a picture or a finished run.
   constructor({ state, cards }) {
     super("tiered-offload-timeline", "to-panel to-tl-view");
     this.state = state;

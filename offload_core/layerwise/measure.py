@@ -22,7 +22,7 @@ from torch import nn
 
 from ..device.hooks import BlockHooks
 from ..device.timeline import Timeline
-from ..ordering import Event, for_device
+from ..ordering import Event, Ordering, for_device
 from .pipeline import Costs, DiskCosts
 from .plan import StreamPlan
 
@@ -189,6 +189,76 @@ class PassMeter:
             self._hooks.remove()
             self._hooks = None
         self._marks = {}
+
+
+class PeriodWatch:
+    """The steps of a held setting, watched at the cost of one timing event per call and never
+    waiting for the device: a held setting was right in the conditions it was measured in, and a
+    link that slows, a host that gets busy or a GPU that clocks down move every step after it.
+
+    Steps are read in pairs (a model whose calls alternate in cost repeats over two calls). The
+    first ``BASE_PAIRS`` pairs are the base and its spread; the watch reports the conditions moved
+    when ``MOVED_PAIRS`` pairs in a row lie beyond the spread (at least ``tolerance``) on one side."""
+
+    BASE_PAIRS = 2
+    MOVED_PAIRS = 2
+    MAX_MARKS = 8  # calls the device may run behind before the watch starts over
+
+    def __init__(self, ordering: Ordering, tolerance: float) -> None:
+        self._ordering = ordering
+        self._tolerance = tolerance
+        self._marks: list[Event] = []
+        self._periods: list[float] = []
+        self._pairs: list[float] = []
+        self._beyond: list[float] = []
+        self._skip = 0
+        self.base: float | None = None
+
+    def restart(self, skip: int) -> None:
+        """Watch anew, leaving out the next ``skip`` steps (a schedule just made)."""
+        self._marks, self._periods, self._pairs, self._beyond = [], [], [], []
+        self._skip = skip
+        self.base = None
+
+    def call(self) -> tuple[float, float] | None:
+        """A call of the model starts. Returns (the base step, the step now) once the conditions
+        moved, else None."""
+        mark = self._ordering.event(timing=True)
+        mark.record(self._ordering.current_stream())
+        self._marks.append(mark)
+        if len(self._marks) > self.MAX_MARKS:
+            self.restart(0)
+            self._marks.append(mark)
+        while len(self._marks) >= 2 and self._marks[1].query():
+            start = self._marks.pop(0)
+            if self._skip > 0:
+                self._skip -= 1
+                continue
+            self._periods.append(start.elapsed_time(self._marks[0]))
+            if len(self._periods) == 2:
+                moved = self._pair(sum(self._periods) / 2)
+                self._periods = []
+                if moved is not None:
+                    return moved
+        return None
+
+    def _pair(self, step: float) -> tuple[float, float] | None:
+        if self.base is None:
+            self._pairs.append(step)
+            if len(self._pairs) == self.BASE_PAIRS:
+                self.base = sum(self._pairs) / len(self._pairs)
+            return None
+        spread = max(abs(p - self.base) for p in self._pairs) / self.base if self.base > 0 else 0.0
+        limit = max(self._tolerance, 2 * spread)
+        off = step / self.base - 1 if self.base > 0 else 0.0
+        if abs(off) <= limit or (self._beyond and (off > 0) != (self._beyond[-1] > self.base)):
+            self._beyond = [] if abs(off) <= limit else [step]
+            return None
+        self._beyond.append(step)
+        if len(self._beyond) < self.MOVED_PAIRS:
+            return None
+        now = sum(self._beyond) / len(self._beyond)
+        return self.base, now
 
 
 # ------------------------------------------------------------------ passes another streamer runs

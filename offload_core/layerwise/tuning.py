@@ -16,14 +16,22 @@ apart):
 2. plan: the fastest setting the pipeline model finds within the budgets (planner.py);
 3. apply it at the next boundary (the streamer makes its device schedule again); a setting that
    does not fit the device (out of memory) is rolled back there and then;
-4. check: the next steady pass is held against the prediction; a pass slower than predicted (by
-   more than ``CHECK_TOLERANCE``) whose setting is slower than the one before is rolled back to
-   it, and that setting is not tried again for this kind of pass; slower than before is judged
-   in the conditions of the pass just measured (``slower_than_before``: a busy host or a slower link slows
-   every setting, which no comparison with an earlier step can tell); a pass slower than
-   predicted but not slower than before is kept and measured again;
-5. hold: recording stops (unless the panel asks for the picture). The next run starts with the
-   held setting and checks it once more.
+4. check: the next steady passes are held against the prediction; a pass slower than predicted
+   (by more than ``CHECK_TOLERANCE``) whose setting is slower than the one before is rolled back to
+   it, and that setting is not tried again in these conditions; slower than before is judged in
+   the conditions of the pass just measured (``slower_than_before``: a slower link slows every
+   setting, which no comparison with an earlier step can tell, while time that grew outside the
+   units may be the new setting's own); a pass slower than predicted but not slower than before
+   is kept and planned again, though never back to a setting this run measured no faster;
+5. hold: recording stops (unless the panel asks for the picture), and the held setting's steps
+   are watched at one timing event per call (``measure.PeriodWatch``). When they move beyond
+   their spread (a link that slows, a host that gets busy), what the run learned belongs to other
+   conditions: rollbacks are forgotten and the kind is measured and planned again. The next run
+   starts with the held setting and checks it once more.
+
+Steps are the mean of an even number of passes (``MEASURE_PASSES``; from disk ``DISK_STEADY``):
+calls that alternate in cost with one input shape (a cond and an uncond call) are measured and
+checked over the same mix.
 
 Short runs (a distilled model's 4 steps) are the sum of their few passes, so nothing a run learns
 waits for a long one: its last pass is measured at the detach like any other (a plan made from
@@ -48,7 +56,7 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -59,10 +67,10 @@ from ..device.residency import bound_bytes
 from ..disk.tier import cache_holds
 from ..device.timeline import Timeline
 from ..ordering import Event, for_device
-from .measure import PassMeter
+from .measure import PassMeter, PeriodWatch
 from .pipeline import DISK_STEADY, Costs, Setting, predict
 from .plan import StreamPlan
-from .planner import DEFAULT_PREFETCH, MAX_PREFETCH, MAX_READ_AHEAD, Choices, Plan, plan
+from .planner import DEFAULT_PREFETCH, MAX_PREFETCH, MAX_READ_AHEAD, Choices, Plan, ms_text, plan
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +80,10 @@ WARMUP_PASSES = 1  # passes left out after an attach or a new setting before one
 MAX_PLANS = 3  # plans per kind of pass and run: a model that keeps missing stops re-planning
 MAX_SWITCHES = 2  # changes of the kind of pass a run follows; more, and its setting stays
 MAX_MISSES = 4  # passes of a phase that could not be measured before the setting is held
+# Passes a step is the mean of, from RAM: an even number, so that a model whose calls alternate in
+# cost with one input shape (a cond call, then an uncond call) is measured and checked over the
+# same mix of calls (from disk, DISK_STEADY, also even).
+MEASURE_PASSES = 2
 
 
 class ScheduleLost(RuntimeError):
@@ -97,6 +109,10 @@ class _Kind:
     measured_ms: float | None = None  # the last steady pass measured
     before: tuple[Setting, float] | None = None  # the setting a plan replaced, with its step
     rejected: list[Setting] = field(default_factory=list)
+    # The steps measured of each setting tried in this run's conditions: a plan never goes back
+    # to a setting already measured no faster than the one in force (no A -> B -> A re-uploads).
+    tried: dict[Setting, float] = field(default_factory=dict)
+    measured_passes: tuple[int, int] | None = None  # the passes ``measured_ms`` is the mean of
     advice: Plan | None = None  # with a setting fixed: what auto would choose
     verdict: str = "measuring"
     plans: int = 0  # this run's
@@ -194,6 +210,8 @@ class Tuner:
         self._periods: list[float] = []  # the steps measured in this phase so far
         self._misses = 0  # passes of this phase that could not be measured
         self._recording = False
+        self._watch = PeriodWatch(self._ordering, CHECK_TOLERANCE)
+        self._watching = False  # a held setting whose steps are watched for conditions that move
         self._wanted_picture = False
         self._transform = False
         self._timeline: Callable[[], Timeline | None] = lambda: None
@@ -224,7 +242,7 @@ class Tuner:
         for kind in self._kinds.values():
             # Plans count per run (runs that end before their check still plan), and a rollback
             # speaks of the conditions of its run, not of every later one.
-            kind.plans, kind.rejected = 0, []
+            kind.plans, kind.rejected, kind.tried = 0, [], {}
         self.default, self.choices = default_setting(self._plan, self._auto, budget_bytes, disk_cap, disk_read_ahead)
         # The kind of pass this run most likely makes: the last one with a LoRA, or without.
         last = self._last_kind.get(transform)
@@ -277,7 +295,11 @@ class Tuner:
         kind_key = (self._transform, _signature(args, kwargs))
         if self._phase == "hold" and kind_key == self._kind:
             self.passes += 1
-            self._meter.forget()  # holding: nothing to time, one check of the inputs per call
+            self._meter.forget()  # holding: one timing event and one check of the inputs per call
+            if self._watching:
+                moved = self._watch.call()
+                if moved is not None:
+                    self._conditions_moved(self._kinds[kind_key], *moved)
             return
         timeline = self._timeline()
         previous, mark, complete = self._meter.pass_starts(timeline)
@@ -324,11 +346,16 @@ class Tuner:
             return
         costs, period = measured
         self._periods.append(period)
-        if len(self._periods) < (DISK_STEADY if self.disk_cap else 1):
-            return  # from disk the cache's state repeats only every few passes: their mean counts
-        period = sum(self._periods) / len(self._periods)
+        # From disk the cache's state repeats only every few passes: their mean counts. A run's
+        # last pass ends what it has (a run of one call has no pair of calls to measure).
+        if len(self._periods) < (DISK_STEADY if self.disk_cap else 1 if self._final else MEASURE_PASSES):
+            return
+        count = len(self._periods)
+        period = sum(self._periods) / count
         self._periods = []
         kind.measured_ms = period
+        kind.measured_passes = (self.passes - count, self.passes - 1)
+        kind.tried[self.current()] = period
         if self._phase == "check":
             _check(self, kind, costs, period)
         else:
@@ -353,13 +380,25 @@ class Tuner:
             self._periods = kind.periods
         kind.periods, kind.periods_of = [], None
 
-    def _enter(self, phase: str) -> None:
+    def _enter(self, phase: str, watch: bool = False) -> None:
+        """Go to ``phase``; a hold with ``watch`` keeps timing the steps, for conditions that move."""
         self._phase = phase
         self._pending = None
         self._skip = WARMUP_PASSES
         self._periods = []
         self._misses = 0
+        self._watching = watch and phase == "hold" and bool(self.choices.free)
+        self._watch.restart(WARMUP_PASSES)
         self._record(phase != "hold")
+
+    def _conditions_moved(self, kind: _Kind, base_ms: float, now_ms: float) -> None:
+        """A held setting's steps moved beyond their spread (a link that slows, a host that gets
+        busy): what was tried and rolled back in the old conditions says nothing of the new ones,
+        so the kind is measured and planned again."""
+        kind.rejected, kind.tried, kind.plans, kind.before = [], {}, 0, None
+        kind.verdict = f"the step moved from {ms_text(base_ms)} to {ms_text(now_ms)}: measuring again"
+        log.info("layerwise auto settings: pass %d: %s", self.passes, kind.verdict)
+        self._enter("measure")
 
     # ------------------------------------------------------------------ measure, plan, check
     def _plan_kind(self, kind: _Kind, period: float) -> None:
@@ -388,17 +427,20 @@ class Tuner:
         current = self.current()
         kind.plan, kind.advice = planned, advice if advice is not None else kind.advice
         chosen = kind.plan.chosen
-        if chosen.setting == current or not self.choices.free or kind.plans > MAX_PLANS:
+        tried = kind.tried.get(chosen.setting)
+        no_faster = tried is not None and chosen.setting != current and tried >= period * (1 - CHECK_TOLERANCE)
+        if chosen.setting == current or not self.choices.free or kind.plans > MAX_PLANS or no_faster:
             kind.held = current
             kind.predicted_ms = predict(kind.costs, current).step_ms
-            kind.verdict = verdict(kind.predicted_ms, period)
-            self._enter("hold")
+            kind.verdict = ("the planned setting measured no faster in this run: the setting stays" if no_faster
+                            else verdict(kind.predicted_ms, period))
+            self._enter("hold", watch=True)
             return
         kind.before = (current, period)
         if not self._apply(kind, chosen.setting, kind.plan.reason.text):
             kind.held = current
             kind.predicted_ms = predict(kind.costs, current).step_ms
-            self._enter("hold")
+            self._enter("hold", watch=True)
             return
         kind.predicted_ms = chosen.prediction.step_ms
         self._enter("check")
@@ -477,16 +519,18 @@ def _check(tuner: Tuner, kind: _Kind, costs: Costs, period: float) -> None:
     if period <= predicted * (1 + CHECK_TOLERANCE):
         kind.held, kind.costs = current, costs
         kind.verdict = verdict(predicted, period)
-        tuner._enter("hold")
+        tuner._enter("hold", watch=True)
         return
     before = kind.before
-    if before is not None and before[0] != current and slower_than_before(costs, current, before, predicted, period):
+    planned_outside = kind.costs.outside_ms if kind.costs is not None else None
+    if before is not None and before[0] != current and slower_than_before(costs, current, before, predicted, period,
+                                                                           planned_outside):
         kind.rejected.append(current)
         kind.held = before[0]
         kind.verdict = "slower than predicted, and than the setting before: rolled back"
         tuner._apply(kind, before[0], "rolled back: slower than predicted")
         kind.predicted_ms, kind.before = predict(costs, before[0]).step_ms, None
-        tuner._enter("hold")
+        tuner._enter("hold", watch=True)
         return
     kind.costs = costs  # slower than predicted, but no slower than before: measured again
     tuner._plan_kind(kind, period)
@@ -523,17 +567,20 @@ def _report(tuner: Tuner, kind: _Kind | None) -> dict[str, Any] | None:
         return None
     costs = kind.costs
     current = tuner.current()
+    # A plan's reason describes its own setting: after a rollback that is not the one in force.
+    in_force = kind.plan if kind.plan is not None and kind.plan.chosen.setting == current else None
     out: dict[str, Any] = {
         "auto": [k for k, on in tuner._auto.items() if on],
         "phase": tuner._phase,
         "setting": _setting_json(current, tuner._plan),
         "predicted_ms": kind.predicted_ms,
         "measured_ms": kind.measured_ms,
+        "measured_passes": list(kind.measured_passes) if kind.measured_passes else None,
         "verdict": kind.verdict,
-        "reason": kind.plan.reason.text if kind.plan is not None else None,
+        "reason": in_force.reason.text if in_force is not None else None,
         # the same words with {} for each size, and the sizes in bytes: the panel's own units
-        "reason_template": kind.plan.reason.template if kind.plan is not None else None,
-        "reason_sizes": list(kind.plan.reason.sizes) if kind.plan is not None else None,
+        "reason_template": in_force.reason.template if in_force is not None else None,
+        "reason_sizes": list(in_force.reason.sizes) if in_force is not None else None,
         "budget_bytes": tuner.budget_bytes,
         "passes": tuner.passes,
         "changes": [{"pass": e["pass"], "from": _setting_json(e["from"], tuner._plan),
@@ -556,13 +603,17 @@ def _report(tuner: Tuner, kind: _Kind | None) -> dict[str, Any] | None:
 
 
 def slower_than_before(costs: Costs, current: Setting, before: tuple[Setting, float], predicted: float,
-           period: float) -> bool:
+                       period: float, outside_ms: float | None = None) -> bool:
     """Whether the setting in force is slower than the one before it, its pass having been
     slower than predicted. Where the units themselves now cost more than when the plan was
-    made (the model predicts the slower pass from what was just measured: a busier host, a
-    slower link), both settings are judged by the model in these new conditions, since a step
+    made (the model predicts the slower pass from what was just measured: a slower link, a
+    busier device), both settings are judged by the model in these new conditions, since a step
     measured before them says nothing of them. Where they do not (the model was wrong about
-    this setting), by the steps measured."""
+    this setting), by the steps measured. ``outside_ms``: the time outside the units when the
+    plan was made; time that grew outside the units is not the units' and may be the setting's
+    own (the host's work per streamed unit), so it is judged by the steps measured."""
+    if outside_ms is not None:
+        costs = replace(costs, outside_ms=outside_ms)
     now = predict(costs, current).step_ms
     if now > predicted * (1 + CHECK_TOLERANCE):
         return predict(costs, before[0]).step_ms * (1 + CHECK_TOLERANCE) < now

@@ -90,11 +90,13 @@ class Run:
 
 def run(shape: Shape, clock: TimedStreamModel, stack: TimedStack, passes: int, *,
         setting: Setting | None = None, auto: bool = False, spill_dir: str | None = None,
-        on_pass=None, advise: bool = False, inputs=None) -> Run:
+        on_pass=None, advise: bool = False, inputs=None, host_ms_per_streamed_unit: float = 0.0) -> Run:
     """``passes`` calls of ``stack`` under ``clock``: with a fixed ``setting``, or with every
     setting left to auto (the tuner hooked to the stack's calls). ``on_pass(k)`` runs before
     call ``k``; ``advise``: a fixed setting's calls are hooked too, for what auto would choose;
-    ``inputs(k)``: call ``k``'s input (default 4 zeros)."""
+    ``inputs(k)``: call ``k``'s input (default 4 zeros); ``host_ms_per_streamed_unit``: a cost of
+    every call that grows with the units streamed, which the pipeline model does not know of (the
+    host's work per hooked block)."""
     disk = shape.disk("auto" if auto else None)
     if disk is not None and spill_dir is not None:
         disk = DiskOptions(cap_bytes=disk.cap_bytes, workers=disk.workers, read_ahead=disk.read_ahead,
@@ -115,6 +117,7 @@ def run(shape: Shape, clock: TimedStreamModel, stack: TimedStack, passes: int, *
                 for k in range(passes):
                     if on_pass is not None:
                         on_pass(k)
+                    clock.spend(host_ms_per_streamed_unit * len(streamer._plan.streamed_indices))
                     out = stack(x if inputs is None else inputs(k))
                     ends.append(clock.device_time())
             periods = [b - a for a, b in zip(ends[1:], ends[2:])]

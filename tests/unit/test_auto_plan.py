@@ -30,6 +30,7 @@ from offload_core.layerwise.streamer import LayerwiseStreamer
 from offload_core.disk.tier import DiskOptions
 from offload_core.layerwise.pipeline import DISK_STEADY, Costs, DiskCosts, Setting
 from offload_core.layerwise.planner import DEFAULT_PREFETCH, Choices, candidates
+from offload_core.layerwise.tuning import CHECK_TOLERANCE
 
 # Acceptance figures of the auto settings: run on both lanes (0.3.75 and 0.33).
 pytestmark = pytest.mark.comfy_tree
@@ -347,3 +348,103 @@ def test_a_plan_short_of_memory_is_rolled_back_where_it_is_applied(monkeypatch):
     assert "short of memory" in tuning["verdict"], tuning
     assert tuning["changes"] and tuning["changes"][-1]["to"] == tuning["changes"][-1]["from"], tuning
     assert torch.equal(auto.output, reference.output)
+
+
+def _applied(tuning: dict) -> list[tuple]:
+    """The settings the run's changes applied, in order (a rollback included)."""
+    return [(tuple(c["to"]["resident_blocks"]), c["to"]["prefetch"], c["to"]["read_ahead"]) for c in tuning["changes"]]
+
+
+def test_a_link_that_slows_after_the_setting_is_held_is_planned_for_again(monkeypatch):
+    """On the compute-bound shape the plan streams blocks whose copies hide behind compute; well
+    after that setting is held the link slows to a fifth. The held setting's steps are watched at
+    the cost of one event per call: they move beyond their spread, the kind is measured again and
+    a setting with more blocks resident takes over, within 3% of every block resident (nothing
+    streamed: the fastest step there is, since the budget holds them all)."""
+    shape = SHAPES[1]
+    clock = shape.clock()
+    slowed_at = 14
+
+    def slow_link(k: int) -> None:
+        if k == slowed_at:
+            clock.link = shape.link / 5
+
+    every_block = Setting(tuple(range(len(shape.sizes))), 1, 0)
+    with installed(clock, monkeypatch):
+        stack = shape.build(clock)
+        reference = run(shape, clock, stack, STEADY + 3, setting=every_block)
+        auto = run(shape, clock, stack, 40, auto=True, on_pass=slow_link)
+    tuning = auto.tuning
+    changes = tuning["changes"]
+    report = f"{changes}; {tuning['verdict']}; periods {[round(p, 2) for p in auto.periods]}"
+    assert torch.equal(auto.output, reference.output), report
+    before, after = [c for c in changes if c["pass"] <= slowed_at], [c for c in changes if c["pass"] > slowed_at]
+    assert before and after, report  # planned once in the first conditions, and again in the second
+    assert len(after[-1]["to"]["resident_blocks"]) > len(before[-1]["to"]["resident_blocks"]), report
+    assert tuning["phase"] == "hold", report
+    assert auto.steady(STEADY) <= reference.steady(STEADY) * 1.03, report
+
+
+def test_a_held_setting_is_not_planned_again_for_noise(monkeypatch):
+    """Steps that wander within a few percent (a busy host) leave a held setting alone: no change
+    after the first plan, however long the run."""
+    shape = SHAPES[0]
+    clock = shape.clock()
+    wobble = [0.0, 0.3, 0.1, 0.25, 0.05, 0.2]
+
+    def busy(k: int) -> None:
+        clock.spend(wobble[k % len(wobble)])
+
+    with installed(clock, monkeypatch):
+        stack = shape.build(clock)
+        auto = run(shape, clock, stack, 60, auto=True, on_pass=busy)
+    tuning = auto.tuning
+    assert tuning["phase"] == "hold" and len(tuning["changes"]) <= 2, tuning["changes"]
+    assert all(c["pass"] < 12 for c in tuning["changes"]), tuning["changes"]
+    assert "moved" not in tuning["verdict"], tuning
+
+
+def test_a_model_wrong_about_the_host_never_goes_back_and_forth(monkeypatch):
+    """Each streamed unit costs the host a millisecond the pipeline model does not know of, so
+    every plan that streams more is slower than predicted. Whatever the planner tries, no setting
+    is applied twice in a run (no A -> B -> A with a re-upload each time), the reason shown is the
+    one of the setting in force, and the run ends no slower than the setting it would have had
+    without a plan, beyond noise."""
+    shape = SHAPES[1]
+    clock = shape.clock()
+    with installed(clock, monkeypatch):
+        stack = shape.build(clock)
+        auto = run(shape, clock, stack, 30, auto=True, host_ms_per_streamed_unit=1.0)
+        start = Setting(tuple(range(len(shape.sizes))), DEFAULT_PREFETCH, 0)  # the budget holds every block
+        old = run(shape, clock, stack, STEADY + 3, setting=start, host_ms_per_streamed_unit=1.0)
+    tuning = auto.tuning
+    applied = _applied(tuning)
+    report = f"{tuning['changes']}; {tuning['verdict']}; reason {tuning['reason']}"
+    assert len(applied) == len(set(applied)) or applied[-1] != applied[0], report
+    assert len(tuning["changes"]) <= 2, report
+    assert tuning["phase"] == "hold", report
+    assert auto.steady(STEADY) <= old.steady(STEADY) * (1 + CHECK_TOLERANCE), report
+    if tuning["reason"] is not None and "rolled back" in tuning["verdict"]:
+        pytest.fail(f"a rolled-back plan's reason is shown: {report}")
+
+
+def test_calls_that_alternate_in_cost_are_measured_over_both(monkeypatch):
+    """One input shape, but every other call costs three times as much outside the blocks (a cond
+    and an uncond call, one with a longer context): the tuner measures and checks over pairs of
+    calls, so its measured step is the pair's mean, never one parity's, and its check agrees."""
+    shape = SHAPES[0]
+    clock = shape.clock()
+
+    def parity(k: int) -> None:
+        if k % 2:
+            clock.spend(2 * shape.outside_ms + 3.0)
+
+    with installed(clock, monkeypatch):
+        stack = shape.build(clock)
+        auto = run(shape, clock, stack, 24, auto=True, on_pass=parity)
+    tuning = auto.tuning
+    pair = auto.steady(STEADY)
+    first, last = tuning["measured_passes"]
+    assert (last - first + 1) % 2 == 0, tuning
+    assert tuning["measured_ms"] == pytest.approx(pair, rel=0.02), (tuning, auto.periods)
+    assert tuning["verdict"] == "as predicted", tuning
