@@ -33,7 +33,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..device.residency import bound_bytes, slot_count
 from ..disk.host_cache import pick_victim, protected_units, read_ahead
@@ -64,7 +64,9 @@ class Costs:
 
     ``copy_ms[u]`` is the copy of unit ``u`` into a slot (with a LoRA merge, merge included),
     ``outside_ms`` the compute of a pass outside the units. ``asynchronous``: copies run beside
-    compute (a GPU). ``disk``: the units stream from disk through a RAM cache."""
+    compute (a GPU). ``disk``: the units stream from disk through a RAM cache. ``cycle``: the
+    costs of the other passes a run's calls alternate with (a cond and an uncond call of other
+    shapes): one setting serves them all, so a setting's step is the mean over the cycle."""
 
     compute_ms: tuple[float, ...]
     copy_ms: tuple[float, ...]
@@ -74,6 +76,7 @@ class Costs:
     outside_ms: float
     asynchronous: bool
     disk: DiskCosts | None = None
+    cycle: tuple[Costs, ...] = ()
 
     @property
     def units(self) -> int:
@@ -139,7 +142,22 @@ def most_read_ahead(costs: Costs, streamed: Sequence[int], nslots: int) -> int:
 
 
 def predict(costs: Costs, setting: Setting) -> Prediction:
-    """The steady pass of ``setting``: its period and what fills it."""
+    """The steady pass of ``setting``: its period and what fills it (over a cycle of passes, the
+    mean pass; the device memory of the largest)."""
+    if costs.cycle:
+        each = [_predict_one(c, setting) for c in (replace(costs, cycle=()), *costs.cycle)]
+        n = len(each)
+        return Prediction(*(sum(getattr(p, f) for p in each) / n for f in _MEAN_FIELDS[:5]),
+                          max(p.device_bytes for p in each),
+                          *(sum(getattr(p, f) for p in each) / n for f in _MEAN_FIELDS[5:]),
+                          requests=max(p.requests for p in each))
+    return _predict_one(costs, setting)
+
+
+_MEAN_FIELDS = ("step_ms", "compute_ms", "stall_ms", "disk_stall_ms", "copy_busy_ms", "reads", "read_bytes", "hits")
+
+
+def _predict_one(costs: Costs, setting: Setting) -> Prediction:
     resident = set(setting.resident)
     streamed = [u for u in range(costs.units) if u not in resident]
     nslots = slot_count(setting.prefetch, len(streamed))

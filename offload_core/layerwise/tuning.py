@@ -40,9 +40,11 @@ the next run of that kind, a planned setting not yet checked is checked by the n
 of being given up, plans count per run, and after a kind's first run the first pass of a run is
 measured too (the schedule was made at the attach; only a new setting needs a warm-up pass).
 
-Inputs whose kind changes from call to call (a cond and an uncond batch of other sizes) keep the
-run's setting after two changes: a schedule made again at every call would cost more than any
-plan saves. Within an attach a new setting takes no more device memory than the caller said the
+Inputs whose kind changes from call to call never get a schedule made again at every call (that
+would cost more than any plan saves): after two changes, calls that alternate between two kinds
+(a cond and an uncond batch of other sizes) become one kind, a cycle, planned for the mean step
+of its members from both their costs (``Costs.cycle``) and kept for later runs; other changes
+keep the run's setting. Within an attach a new setting takes no more device memory than the caller said the
 model holds (``run_cap``: ComfyUI counts the engine's bytes when it loads the model).
 
 Settings the user fixed are kept; the tuner still measures one pass of each kind and says what
@@ -113,6 +115,10 @@ class _Kind:
     # to a setting already measured no faster than the one in force (no A -> B -> A re-uploads).
     tried: dict[Setting, float] = field(default_factory=dict)
     measured_passes: tuple[int, int] | None = None  # the passes ``measured_ms`` is the mean of
+    # A cycle of kinds the run's calls alternate between: its members' keys, and the costs last
+    # measured of each (a step is the mean over the cycle).
+    members: tuple[tuple, ...] = ()
+    member_costs: dict[tuple, Costs] = field(default_factory=dict)
     advice: Plan | None = None  # with a setting fixed: what auto would choose
     verdict: str = "measuring"
     plans: int = 0  # this run's
@@ -202,6 +208,9 @@ class Tuner:
         self._kinds: dict[tuple, _Kind] = {}
         self._kind: tuple | None = None
         self._last_kind: dict[bool, tuple] = {}  # with a LoRA or without: the kind of pass last seen
+        self._cycles: dict[tuple, tuple] = {}  # a kind's key -> the key of the cycle it alternates in
+        self._recent: list[tuple] = []  # the kinds of this run's last calls, as their inputs say
+        self._call_key: tuple | None = None  # the kind of the call under way
         self._hook: RemovableHandle | None = None
         self._phase = "off"
         self._skip = 0
@@ -239,6 +248,7 @@ class Tuner:
         self.events = []
         self.passes = 0
         self._switches = 0
+        self._recent, self._call_key = [], None
         for kind in self._kinds.values():
             # Plans count per run (runs that end before their check still plan), and a rollback
             # speaks of the conditions of its run, not of every later one.
@@ -292,7 +302,9 @@ class Tuner:
         """The model's call starts: the pass before it has ended."""
         if torch.compiler.is_compiling():
             return
-        kind_key = (self._transform, _signature(args, kwargs))
+        call_key = (self._transform, _signature(args, kwargs))
+        ended, self._call_key = self._call_key, call_key
+        kind_key = self._cycles.get(call_key, call_key)
         if self._phase == "hold" and kind_key == self._kind:
             self.passes += 1
             self._meter.forget()  # holding: one timing event and one check of the inputs per call
@@ -301,11 +313,12 @@ class Tuner:
                 if moved is not None:
                     self._conditions_moved(self._kinds[kind_key], *moved)
             return
+        self._recent = [*self._recent[-3:], call_key]
         timeline = self._timeline()
         previous, mark, complete = self._meter.pass_starts(timeline)
         self.passes += 1
         try:
-            self._step(kind_key, previous, mark, timeline, complete)
+            self._step(kind_key, previous, mark, timeline, complete, ended)
         except ScheduleLost:
             raise
         except Exception:  # the plan is advice: a failure stops planning, never the run
@@ -314,10 +327,18 @@ class Tuner:
             self._phase = "off"
 
     def _step(self, key: tuple, previous: Event | None, mark: Event, timeline: Timeline | None,
-              complete: bool) -> None:
+              complete: bool, ended: tuple | None) -> None:
+        """One boundary: ``key`` the kind of the call starting, ``ended`` the kind (as its inputs
+        said) of the pass that just ended."""
         kind = self._kinds.setdefault(key, _Kind())
         if key != self._kind or self._phase == "new":
             switches, self._switches = self._switches, self._switches + (self._phase != "new")
+            if switches >= MAX_SWITCHES and self._alternating():
+                key = self._cycle_of(self._recent[-2], self._recent[-1])
+                kind = self._kinds[key]
+                self._kind = self._last_kind[self._transform] = key
+                self._begin_kind(kind)
+                return
             self._kind = self._last_kind[self._transform] = key
             if switches >= MAX_SWITCHES:
                 # Inputs that change from call to call (a cond and an uncond batch of other
@@ -337,7 +358,8 @@ class Tuner:
         if self._skip > 0:
             self._skip -= 1
             return
-        measured = self._meter.measure(previous, mark, timeline, complete, self.disk_cap, kind.costs)
+        known = kind.member_costs.get(ended) if kind.members else kind.costs
+        measured = self._meter.measure(previous, mark, timeline, complete, self.disk_cap, known)
         if measured is None:  # the pass was not complete (a block skipped, a retry): the next one
             self._misses += 1
             if self._misses > MAX_MISSES:  # passes that skip blocks (a block cache): nothing to plan on
@@ -345,10 +367,19 @@ class Tuner:
                 self._enter("hold")
             return
         costs, period = measured
+        if kind.members:  # a pass of one member of the cycle: the plan weighs them all
+            if ended not in kind.members:
+                return
+            kind.member_costs[ended] = costs
+            costs = replace(costs, cycle=tuple(kind.member_costs[k] for k in kind.members
+                                               if k != ended and k in kind.member_costs))
         self._periods.append(period)
         # From disk the cache's state repeats only every few passes: their mean counts. A run's
         # last pass ends what it has (a run of one call has no pair of calls to measure).
         if len(self._periods) < (DISK_STEADY if self.disk_cap else 1 if self._final else MEASURE_PASSES):
+            return
+        if kind.members and len(kind.member_costs) < len(kind.members):
+            self._periods = self._periods[1:]  # a member not measured yet: the window slides on
             return
         count = len(self._periods)
         period = sum(self._periods) / count
@@ -379,6 +410,25 @@ class Tuner:
         if kind.periods and kind.periods_of == self.current():
             self._periods = kind.periods
         kind.periods, kind.periods_of = [], None
+
+    def _alternating(self) -> bool:
+        """Whether the run's last four calls alternate between two kinds (a cond and an uncond
+        call of other shapes), with settings left to plan for both."""
+        r = self._recent
+        return bool(self.choices.free) and len(r) == 4 and r[0] == r[2] != r[1] == r[3]
+
+    def _cycle_of(self, a: tuple, b: tuple) -> tuple:
+        """The kind of a cycle of calls of kinds ``a`` and ``b``, from now on in this streamer's
+        runs: one setting serves both, planned for their mean step."""
+        members = tuple(sorted((a, b), key=repr))
+        key = ("cycle", members)
+        if key not in self._kinds:
+            self._kinds[key] = _Kind(members=members)
+            log.info("layerwise auto settings: the model's calls alternate between two kinds of input; "
+                     "the setting is planned for both")
+        for member in members:
+            self._cycles[member] = key
+        return key
 
     def _enter(self, phase: str, watch: bool = False) -> None:
         """Go to ``phase``; a hold with ``watch`` keeps timing the steps, for conditions that move."""
@@ -550,7 +600,7 @@ def _last_pass(tuner: Tuner) -> None:
             if tuner._pending[2].done():
                 tuner._take_plan()
         elif complete:
-            tuner._step(tuner._kind, previous, mark, timeline, complete)
+            tuner._step(tuner._kind, previous, mark, timeline, complete, tuner._call_key)
     except Exception:  # the plan is advice: never the detach's failure
         log.exception("layerwise auto settings: the run's last pass could not be planned on")
     finally:

@@ -448,3 +448,33 @@ def test_calls_that_alternate_in_cost_are_measured_over_both(monkeypatch):
     assert (last - first + 1) % 2 == 0, tuning
     assert tuning["measured_ms"] == pytest.approx(pair, rel=0.02), (tuning, auto.periods)
     assert tuning["verdict"] == "as predicted", tuning
+
+
+@pytest.mark.parametrize("shape", SHAPES[:3], ids=lambda s: s.name)
+def test_inputs_that_alternate_are_planned_for_both(shape, monkeypatch):
+    """A cond and an uncond call of other sizes, call after call (the larger one computes four
+    times as long): after two changes the tuner plans one setting for the pair, from both kinds'
+    costs, and its steps are within 3% of the best setting the exhaustive search finds for the
+    same alternation, never slower than the start, bit for bit the same output."""
+    clock = shape.clock()
+    small, large = torch.zeros(4), torch.zeros(16)
+    alternating = lambda k: large if k % 2 else small  # noqa: E731
+    with installed(clock, monkeypatch):
+        stack = shape.build(clock)
+        reference = run(shape, clock, stack, 2, setting=Setting(tuple(range(len(shape.sizes))), 1, 0),
+                        inputs=alternating)
+        auto = run(shape, clock, stack, 40, auto=True, inputs=alternating)
+        steps = {s: run(shape, clock, stack, STEADY + 4, setting=s, inputs=alternating).steady(STEADY)
+                 for s in _settings(shape)}
+        start = _default(shape)
+        start_step = steps.get(start) or run(shape, clock, stack, STEADY + 4, setting=start,
+                                             inputs=alternating).steady(STEADY)
+    tuning = auto.tuning
+    best = min(steps.values())
+    step = auto.steady(STEADY)
+    report = (f"{shape.name}: auto {step:.3f} ms with {tuning['setting']} ({tuning['verdict']}), best {best:.3f} "
+              f"with {min(steps, key=steps.get)}, start {start_step:.3f}; changes {tuning['changes']}")
+    print(report)
+    assert torch.equal(auto.output, reference.output), report
+    assert tuning["phase"] == "hold" and len(tuning["changes"]) <= 2, report
+    assert step <= best * 1.03 and step <= start_step * 1.005, report
