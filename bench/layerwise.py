@@ -194,13 +194,15 @@ class Stack(nn.Module):
         self.vec = torch.randn(1, 6 if spec.kind == "wan" else 1, spec.dim, generator=g, **kw) * 0.1
 
     @torch.no_grad()
-    def forward(self) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | None = None) -> torch.Tensor:
+        """One pass over the image tokens ``x`` (default ``self.x``; another length is another
+        resolution)."""
+        x = self.x if x is None else x
         if self.spec.kind == "wan":
-            x = self.x
             for b in self.blocks:
                 x = b(x, self.vec, self.txt)
             return x
-        img, txt, vec = self.x, self.txt, self.vec[:, 0]
+        img, txt, vec = x, self.txt, self.vec[:, 0]
         for b in self.blocks[: self.spec.blocks]:
             img, txt = b(img, txt, vec)
         h = torch.cat([txt, img], 1)

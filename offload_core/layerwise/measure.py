@@ -182,7 +182,10 @@ class PassMeter:
             event.record(ordering.current_stream())
             self._marks.setdefault(b, []).append(event)  # this pass's, renewed at each call
 
-        self._hooks = BlockHooks([(b, p.blocks[b]) for b in blocks], mark, mark)
+        # Traceable (``eager=False``): the marks do nothing inside a graph by themselves, and a
+        # hook kept out of graphs would load torch.compile's machinery (seconds) into a process
+        # that never compiles.
+        self._hooks = BlockHooks([(b, p.blocks[b]) for b in blocks], mark, mark, eager=False)
 
     def off(self) -> None:
         if self._hooks is not None:
@@ -319,7 +322,8 @@ class CallTimer:
         self._passes: list[tuple[Event, list[tuple[int, Event]]]] = []
         self._end: Event | None = None
         self._root = root.register_forward_pre_hook(self._call)
-        self._hooks: BlockHooks | None = BlockHooks(list(enumerate(blocks)), self._mark, self._mark)
+        # Traceable, as PassMeter's marks: ``_mark`` does nothing inside a graph by itself.
+        self._hooks: BlockHooks | None = BlockHooks(list(enumerate(blocks)), self._mark, self._mark, eager=False)
 
     def _mark_now(self) -> Event:
         event = self._ordering.event(timing=True)

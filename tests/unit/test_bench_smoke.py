@@ -105,3 +105,29 @@ def test_bench_compiled_row_streams_the_compiled_blocks_bit_identically(tmp_path
     assert (row["resident"], row["prefetch"]) == (1, 1)
     assert row["bit_identical"] is True and row["graphs_compiled_while_timed"] == 0
     assert row["resident_compiled_step_s"] > 0 and row["streamed_over_resident"] > 0
+
+
+def test_auto_runs_bench_runs_every_row_and_keeps_the_output(tmp_path):
+    """bench/auto_runs.py --smoke: every row of the matrix runs auto and the old default, each
+    setting's runs give the output of every block resident, bit for bit, and each row has its
+    verdict against the old default and its ratio to the best fixed setting."""
+    spec = importlib.util.spec_from_file_location("bench_auto_runs", BENCH.with_name("auto_runs.py"))
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    try:
+        spec.loader.exec_module(bench)
+        out = tmp_path / "auto_runs.json"
+        result = bench.main(["--smoke", "--dir", str(tmp_path), "--out", str(out)])
+    finally:
+        sys.modules.pop(spec.name, None)
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert [r["row"]["name"] for r in result["rows"]] == [row.name for row in bench.ROWS]
+    for row in result["rows"]:
+        assert {"auto", "old default"} <= set(row["settings"]), row
+        assert row["verdict"] in ("faster", "equal", "slower"), row
+        assert row["auto_vs_best_fixed"] > 0 and row["best_fixed"] in row["settings"], row
+        for name, s in row["settings"].items():
+            assert len(s["runs_s"]) == result["rounds"], (row["row"]["name"], name)
+            assert s["same_output"] or row["row"]["lora"], (row["row"]["name"], name)
+        assert row["auto_tuning"]["phase"] in ("hold", "check", "measure", "planning"), row["auto_tuning"]
+    assert sum(result["verdicts"].values()) == len(result["rows"])
