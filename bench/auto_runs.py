@@ -247,15 +247,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, seconds")
     ap.add_argument("--rows", help="comma list of row numbers (from 1) to run; default: all")
-    ap.add_argument("--rounds", type=int, default=4, help="runs of each setting (the first run reported apart)")
+    ap.add_argument("--rounds", type=int, help="runs of each setting, the first reported apart (default 4; --smoke 2)")
     ap.add_argument("--budget", type=float, default=0.5, help="VRAM budget, a share of the blocks' bytes")
     ap.add_argument("--small-cache-units", type=int, default=5, help="the small disk cache, in units")
     ap.add_argument("--dir", type=Path, help="folder for the disk rows' model file (default: a temporary one)")
     ap.add_argument("--out", type=Path, help="JSON path (default: bench/results/auto_runs-<device>-<time>.json)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    args.rounds = args.rounds or (2 if args.smoke else 4)
     if args.smoke:
-        args.rounds = min(args.rounds, 2)
         args.budget = max(args.budget, 0.75)  # the tiny Flux's three slots of a double block must fit
         torch.set_num_threads(1)
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")

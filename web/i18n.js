@@ -168,6 +168,7 @@ export const ENGLISH = {
     measuring: "measuring the first steps of this run…",
     planning: "choosing a setting from the steps measured (the run goes on meanwhile)…",
     autoWould: "auto would choose {setting}: {ms} a step {how}",
+    autoWouldNoise: "auto would choose {setting}: no faster beyond the spread of this run's steps",
     faster: "faster",
     slower: "slower",
     changesOne: "1 change this run, before pass {pass}: {setting}",

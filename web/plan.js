@@ -68,6 +68,9 @@ export function planHtml(lw, fmtBytes) {
     rows.push(`<div class="to-muted" data-role="plan-explicit">${esc(tr("plan.autoWould", {
       setting: settingText(t.auto_choice, blocks), ms: msText(Math.abs(t.explicit_cost_ms)),
       how: tr(t.explicit_cost_ms > 0 ? "plan.faster" : "plan.slower") }))}</div>`);
+  } else if (t.explicit_within_noise === true && t.auto_choice) {
+    rows.push(`<div class="to-muted" data-role="plan-explicit">${esc(tr("plan.autoWouldNoise", {
+      setting: settingText(t.auto_choice, blocks) }))}</div>`);
   }
   if (changes.length) {
     const last = changes[changes.length - 1];

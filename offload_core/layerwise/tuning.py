@@ -115,6 +115,7 @@ class _Kind:
     # to a setting already measured no faster than the one in force (no A -> B -> A re-uploads).
     tried: dict[Setting, float] = field(default_factory=dict)
     measured_passes: tuple[int, int] | None = None  # the passes ``measured_ms`` is the mean of
+    spread: float = 0.0  # how far those passes' steps lay apart, a share of their mean
     # A cycle of kinds the run's calls alternate between: its members' keys, and the costs last
     # measured of each (a step is the mean over the cycle).
     members: tuple[tuple, ...] = ()
@@ -383,6 +384,7 @@ class Tuner:
             return
         count = len(self._periods)
         period = sum(self._periods) / count
+        kind.spread = (max(self._periods) - min(self._periods)) / period if period > 0 else 0.0
         self._periods = []
         kind.measured_ms = period
         kind.measured_passes = (self.passes - count, self.passes - 1)
@@ -646,9 +648,13 @@ def _report(tuner: Tuner, kind: _Kind | None) -> dict[str, Any] | None:
         out["auto_reason"] = kind.advice.reason.text
         if costs is not None and auto.setting != current:
             cost = predict(costs, current).step_ms - auto.prediction.step_ms
-            # Only a gain beyond what a check counts as noise is advice; auto is never said slower.
-            if cost > CHECK_TOLERANCE * max(kind.measured_ms or 0.0, auto.prediction.step_ms):
+            # Only a gain beyond the run's own spread (at least what a check counts as noise) is
+            # advice, and auto is never said slower; a smaller one is said to be within the noise.
+            noise = max(CHECK_TOLERANCE, kind.spread) * max(kind.measured_ms or 0.0, auto.prediction.step_ms)
+            if cost > noise:
                 out["explicit_cost_ms"] = cost
+            else:
+                out["explicit_within_noise"] = True
     return out
 
 

@@ -478,3 +478,17 @@ def test_inputs_that_alternate_are_planned_for_both(shape, monkeypatch):
     assert torch.equal(auto.output, reference.output), report
     assert tuning["phase"] == "hold" and len(tuning["changes"]) <= 2, report
     assert step <= best * 1.03 and step <= start_step * 1.005, report
+
+
+def test_advice_within_the_runs_spread_is_said_to_be_within_it(monkeypatch):
+    """Every block fixed resident on the compute-bound shape: auto would stream them all, their
+    copies hidden behind compute, for the same step in less VRAM. The report names that choice
+    and says the difference is within the run's spread instead of giving a step saved."""
+    shape = SHAPES[1]
+    clock = shape.clock()
+    with installed(clock, monkeypatch):
+        stack = shape.build(clock)
+        fixed = run(shape, clock, stack, 6, setting=Setting(tuple(range(len(shape.sizes))), 1, 0), advise=True)
+    tuning = fixed.tuning
+    assert tuning["auto_choice"]["resident_blocks"] != tuning["setting"]["resident_blocks"], tuning
+    assert "explicit_cost_ms" not in tuning and tuning["explicit_within_noise"] is True, tuning
