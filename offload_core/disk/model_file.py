@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..host.file_identity import file_version, note_read, same_bytes
+from ..host.file_identity import content_may_differ, file_version, note_read, same_bytes
 from ..units import size_text
 from .raw_io import PAGE, DiskReadError, align_down, align_up, memview, open_direct, read_at, read_into
 
@@ -292,6 +292,11 @@ class ModelFile:
         self.version = file_version(st)
         self._fd: int | None = fd
         self._direct: int | None = open_direct(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        if self._direct is not None and file_version(os.fstat(self._direct))[:2] != self.version[:2]:
+            # Another file took the name between the two opens: read only the one opened first.
+            os.close(self._direct)
+            self._direct = None
+        self._retired: list[int] = []  # direct descriptors no longer read, closed with the file
         self._lock = threading.Lock()
         if version is not None and version != self.version and same_bytes(path, version) != self.version:
             self.close()
@@ -336,7 +341,24 @@ class ModelFile:
                                                   f"was truncated or replaced")
             self._witness(view[: run.needed], run.start)
             total += got
+        self._still_read_at_version()
         return total
+
+    def _still_read_at_version(self) -> None:
+        """Right after a read: the open file still has the bytes it had when opened, so no byte
+        written during the read reaches compute (one fstat, some microseconds a unit). A name
+        renamed over or deleted does not matter here: the open inode is what was read. A change of
+        the inode's change time alone is confirmed by its bytes (file_identity.same_bytes)."""
+        fd = self._fd
+        if fd is None:
+            raise DiskReadError(f"{self.path} cannot be read: the engine has closed it")
+        st = os.fstat(fd)
+        now = file_version(st)
+        if now == self.version:
+            return
+        if content_may_differ(self.version, now) or same_bytes(self.path, self.version) != now:
+            raise ModelFileChanged(self.path, _how_changed(self.version, st))
+        self.version = now
 
     def _witness(self, data: memoryview, offset: int) -> None:
         """Digest a range at its first read (file_identity.note_read): what a later change of the
@@ -363,10 +385,13 @@ class ModelFile:
             raise DiskReadError(f"reading {size_text(len(view))} from {self.path} failed: {e}") from e
 
     def _no_direct(self) -> None:
+        """Reads go through the page cache from now on. The direct descriptor stays open until
+        ``close``: another reader may be in a read on it, and a number closed under it could be
+        reused by the next file opened."""
         with self._lock:
             if self._direct is not None:
                 log.info("disk stream: %s refuses direct reads; reading it through the page cache", self.path)
-                os.close(self._direct)
+                self._retired.append(self._direct)
                 self._direct = None
 
     def drop_cached_pages(self) -> None:
@@ -378,7 +403,8 @@ class ModelFile:
     def close(self) -> None:
         """Close both descriptors, once."""
         with self._lock:
-            fds, self._fd, self._direct = (self._fd, self._direct), None, None
+            fds, self._fd, self._direct = (self._fd, self._direct, *self._retired), None, None
+            self._retired = []
         for fd in fds:
             if fd is not None:
                 os.close(fd)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import time
 
 import pytest
 import torch
@@ -333,3 +334,44 @@ def test_file_headers_give_each_tensors_bytes(tmp_path, model_file):
     for tensor in reader.tensors:
         offset, nbytes, kind = found[tensor.name]
         assert (offset, nbytes, kind) == (tensor.data_offset, tensor.n_bytes, tensor.tensor_type.name), tensor.name
+
+
+def test_bytes_written_while_a_unit_is_read_never_reach_compute(model_file, tmp_path, monkeypatch):
+    """The file is overwritten in place while the last unit's read is in flight (a slow read: the
+    write lands after the pass's other checks ran, before the read gets its bytes, so it gets the
+    other model's): the descriptor's identity, checked right after every read, fails that read,
+    so the very pass that read it raises, naming the file, and no output computed from those
+    bytes is returned."""
+    import offload_core.disk.model_file as model_file_module
+
+    model, path = model_file
+    x = _x()
+    tensors = _file_map(model, path).tensors
+    last = min(where[0] for (block, _), where in tensors.items() if block == len(model.blocks) - 1)
+    # Two units copied ahead: the next pass's first unit, whose acquire checks the file, is
+    # queued while the last one is still being read.
+    st = _streamer(model, tmp_path, path, prefetch=2, entries=4)
+    st.attach()
+    with torch.no_grad():
+        model(x)  # every unit checked and released: later reads trust the file's identity
+    real = model_file_module.read_into
+    armed = []
+
+    def read_during_a_write(fd, views, offset, **kwargs):
+        # The pass's last unit: its read ends after the pass's other checks have run.
+        if armed and not armed[-1] and offset <= last < offset + sum(len(v) for v in views):
+            armed[-1] = True
+            time.sleep(0.3)
+            _change(path, "overwrite", tmp_path)
+        return real(fd, views, offset, **kwargs)
+
+    monkeypatch.setattr(model_file_module, "read_into", read_during_a_write)
+    armed.append(False)
+    outputs = []
+    try:
+        with torch.no_grad(), pytest.raises((ModelFileChanged, RuntimeError), match=re.escape(str(path))):
+            outputs.append(model(x))
+    finally:
+        st.detach(keep_pack=True)
+        st.close()
+    assert armed == [True] and outputs == []
