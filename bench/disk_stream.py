@@ -15,7 +15,8 @@ Each mode measures:
   * bytes written to disk until then: the engine's own count, and the process's (Linux
     /proc/self/io write_bytes, which also counts what others in it write);
   * --passes measured passes after it, bracketed by a direct read of the model file before and
-    after (one thread, O_DIRECT where the file system allows it, 16 MiB reads): the disk's rate
+    after, read the way the engine reads (as many threads as its readers, each reading one unit's
+    bytes at a time, O_DIRECT where the file system allows it): the disk's rate
     drifts by 2-3x within minutes on shared machines, so the yardstick is taken around the pass.
     The engine's read rate by its telemetry (bytes over the time its reads were in flight), its
     wall rate (bytes read over the passes' wall time) and P8, the wall rate over the mean of the
@@ -50,6 +51,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -144,25 +146,39 @@ def leave_group(group: Path) -> None:
         print(f"could not remove the cgroup {group}: {exc}", file=sys.stderr)
 
 
-def direct_read(path: Path, drop_all: bool) -> dict:
-    """One thread reading the whole file in 16 MiB pieces, O_DIRECT where allowed (else cold
-    buffered reads): GiB/s, and how."""
+def direct_read(path: Path, drop_all: bool, piece: int = READ_PIECE, readers: int = 1) -> dict:
+    """The whole file read the way the engine reads it: ``readers`` threads, each reading pieces
+    of ``piece`` bytes (the engine's unit) in turn, O_DIRECT where allowed (else cold buffered
+    reads): GiB/s, and how."""
     flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
     try:
         fd, how = os.open(path, flags), "O_DIRECT"
     except OSError:
         drop_file_cache(path, drop_all)
         fd, how = os.open(path, os.O_RDONLY), "buffered, page cache dropped"
-    buf = mmap.mmap(-1, READ_PIECE)  # page-aligned, as direct reads need
-    total = 0
+    piece = max(PAGE, piece // PAGE * PAGE)
+    size = os.fstat(fd).st_size
+    totals = [0] * readers
+
+    def read(k: int) -> None:
+        buf = mmap.mmap(-1, piece)  # page-aligned, as direct reads need
+        try:
+            for offset in range(k * piece, size, readers * piece):
+                totals[k] += os.preadv(fd, [buf], offset)
+        finally:
+            buf.close()
+
     start = time.perf_counter()
     try:
-        while n := os.preadv(fd, [buf], total):
-            total += n
+        threads = [threading.Thread(target=read, args=(k,)) for k in range(readers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     finally:
         os.close(fd)
-        buf.close()
-    return {"gibps": total / (time.perf_counter() - start) / GIB, "how": how}
+    return {"gibps": sum(totals) / (time.perf_counter() - start) / GIB, "how": how,
+            "piece_bytes": piece, "readers": readers}
 
 
 def write_model(blocks: list[torch.nn.Module], path: Path) -> int:
@@ -234,11 +250,11 @@ def run_mode(mode: str, spec: Spec, device: torch.device, path: Path, ref: torch
     try:
         st._store.disk.sources.drop_cached_pages()
         drop_file_cache(path, args.drop_caches)
-        bracket_before = direct_read(path, args.drop_caches)
+        bracket_before = direct_read(path, args.drop_caches, unit, args.workers)
         st.reset_figures()
         steps = timed(device, stack, args.passes)
         figures = st.figures(wait=True)
-        bracket_after = direct_read(path, args.drop_caches)
+        bracket_after = direct_read(path, args.drop_caches, unit, args.workers)
         with torch.no_grad():
             out["matches_reference"] = out["matches_reference"] and torch.equal(_bits(stack()), ref)
     finally:
@@ -403,7 +419,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tokens", type=int, default=16, help="few tokens: compute is trivial, the disk bounds")
     ap.add_argument("--granularity", default="block")
     ap.add_argument("--cache-units", type=int, default=6, help="host cache entries (units)")
-    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=AUTO_READERS,
+                    help=f"disk readers of the in-place and spill modes (default {AUTO_READERS}: the readers auto uses)")
     ap.add_argument("--prefetch", type=int, default=1)
     ap.add_argument("--passes", type=int, default=3, help="measured passes per mode")
     ap.add_argument("--modes", default=",".join(MODES))

@@ -211,7 +211,9 @@ class DiskTier:
             "file_units": kinds.get("file_units", 0),
             "file_bytes": kinds.get("file_bytes", 0),
             "checking_units": kinds.get("checking_units", 0),
-            "direct_reads": kinds.get("direct"),
+            # whether the model file was opened with O_DIRECT (page-aligned runs then pass the page
+            # cache by), not whether any read did
+            "opened_o_direct": kinds.get("direct"),
             # Per pack (the units in order, then the shared tensors): where its bytes come from.
             "unit_sources": self._source_list(),
             "cache_bytes": cache.nbytes if cache is not None else 0,
