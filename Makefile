@@ -1,5 +1,5 @@
 # `make demo` and `make test` build what they need once and reuse it; `make gpu-kit` prepares
-# what a lent GPU machine needs carried (bench/gpu_session.sh, bench/gpu-session.md).
+# what a GPU machine without network needs copied (bench/gpu_session.sh, docs/gpu-session.md).
 # `make test` checks the registry archive (`make pack-check`), then runs two lanes: the whole
 # suite on ComfyUI 0.3.75 (.venv/, .comfyui/), then the tests that run ComfyUI (marker
 # comfy_tree) on ComfyUI 0.33.0 (.venv-033/, .comfyui-033/).
@@ -156,7 +156,7 @@ test-0.33: cxx env env-033 /usr/bin/chromium
 	TIERED_OFFLOAD_COMFY_ROOT=$(CURDIR)/$(COMFY033) TIERED_OFFLOAD_COMFY_PYTHON=$(CURDIR)/$(PY033) \
 	OMP_NUM_THREADS=2 $(PY) -m pytest -m comfy_tree tests
 
-# What a lent GPU machine needs carried, .gpu_kit/ (bench/gpu-session.md): both ComfyUI trees as
+# What a GPU machine without network needs copied, .gpu_kit/ (docs/gpu-session.md): both ComfyUI trees as
 # tarballs and the wheels its offline image lacks. With the checkout it stays under the 64 MiB a
 # device call carries; `bench/gpu_session.sh first --rehearse` measures what would travel.
 gpu-kit: $(COMFY)/.ready $(COMFY033)/.ready

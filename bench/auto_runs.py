@@ -19,7 +19,8 @@ Per row: every setting's whole-run seconds (first run; mean of the later ones), 
 old default and against the best fixed setting, and a verdict (faster, equal, slower than the old
 default, where "equal" is within the spread of the old default's own later runs, at least 1%).
 The summary counts the verdicts and checks the goals: never slower than the old default beyond
-that spread on any row; within 3% of the best fixed setting on rows of 8 calls or more. Outputs
+that spread on any row; within 3% of the best fixed setting (or that spread, if larger: the best is
+the least of several noisy runs) on rows of 8 calls or more. Outputs
 are checked bit for bit against every block resident. Prints a table, writes JSON (device, torch,
 settings) to bench/results/. ``--smoke`` runs tiny shapes on the CPU in seconds so the script never
 rots; no timing is asserted anywhere.
@@ -219,7 +220,8 @@ def summarize(row: Row, spec: Spec, budget: int, cache: int | None, runs: dict[s
         auto_vs_best_fixed=auto["later_run_s"] / fixed[best]["later_run_s"],
         verdict="faster" if vs_old < 1 - noise else "slower" if vs_old > 1 + noise else "equal",
     )
-    out["goals_met"] = vs_old <= 1 + noise and (row.calls < 8 or out["auto_vs_best_fixed"] <= GOAL_BEST)
+    # The best fixed setting is the least of several noisy runs: within the spread counts as met too.
+    out["goals_met"] = vs_old <= 1 + noise and (row.calls < 8 or out["auto_vs_best_fixed"] <= max(GOAL_BEST, 1 + noise))
     return out
 
 

@@ -1,6 +1,7 @@
-"""What travels to the lent GPU machine and what comes back from it (bench/gpu_session.sh).
+"""What travels to the GPU machine and what comes back from it (bench/gpu_session.sh).
 
-Three jobs, one per subcommand, all about the device tool's limits (its README):
+Three jobs, one per subcommand, all about the limits of a GPU machine that takes a copy of the
+checkout and gives back what a command leaves in $OUT:
   unpack    the kit's wheels that this interpreter can import, unzipped onto one folder for
             PYTHONPATH: no pip, no dependency resolution, the image's own packages (its CUDA
             torch above all) untouched. A wheel built for another Python is skipped and named

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call of a session with the lent GPU; bench/gpu-session.md says how to call it, what
+# One command of the GPU run; docs/gpu-session.md says how to call it, what
 # it carries (.gpu_kit, from tools/gpu_kit.sh) and what comes back.
 #
 #   bench/gpu_session.sh first   [--rehearse]  ComfyUI 0.3.75: tests/unit on CUDA, the server
@@ -154,7 +154,7 @@ if [ "$REHEARSE" = 1 ]; then
 else
   PY=${PYTHON:-python3}
   COMFY_PY=$PY
-  OUT=${OUT:?"OUT: the folder that comes back (the device tool sets it)"}
+  OUT=${OUT:?"OUT: an empty folder for what the command writes"}
 fi
 mkdir -p "$OUT"
 [ -z "$(ls -A "$OUT")" ] || { echo "OUT=$OUT is not empty" >&2; exit 2; }

@@ -5,7 +5,9 @@ the tests marked `comfy_tree` against ComfyUI 0.33.0 (TIERED_OFFLOAD_COMFY_ROOT/
 comfy_server.py). A test gets that marker by itself when it uses the shared `comfy` server or its
 module imports the server harness (ComfyServer, COMFY_ROOT); unit tests do not, so they run on
 one lane only, except the auto settings' acceptance figures (the planner's simulation, the
-Dynamic VRAM order's, the disk-bound read-ahead run), marked by hand to run on both.
+Dynamic VRAM order's, the disk-bound read-ahead run), marked by hand to run on both. Soaks (many
+prompts through paths each lane's other tests already run once) are marked `one_lane`: they run
+against 0.3.75 only, since they repeat what the pack does, not what core version it meets.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from comfy_server import COMFY_ROOT, DEFAULT_TREE, ComfyServer, comfy_version, r
 # Each lane keeps its own screenshots and figures: the second must not overwrite the first's.
 ARTIFACTS = TESTS / "artifacts" if DEFAULT_TREE else TESTS / "artifacts" / f"comfyui-{comfy_version()}"
 TREE_MARKER = "comfy_tree"
+ONE_LANE = "one_lane"
 _HARNESS = (ComfyServer, COMFY_ROOT, run_tree_script)
 SECOND_WAN = "tiny_wan21_low.safetensors"
 BLOCK0_LORA = "tiny_wan21_lora_block0.safetensors"
@@ -67,6 +70,8 @@ def pytest_configure(config) -> None:
     config.addinivalue_line(
         "markers", f"{TREE_MARKER}: runs ComfyUI from the tree under test; the only tests of the "
                    "0.33 lane (set automatically for users of the server harness)")
+    config.addinivalue_line(
+        "markers", f"{ONE_LANE}: a soak that runs on the 0.3.75 lane only, though it uses the server harness")
 
 
 def pytest_report_header(config) -> str:
@@ -78,7 +83,7 @@ def pytest_collection_modifyitems(config, items) -> None:
         module = getattr(item, "module", None)
         uses_harness = module is not None and any(
             value is harness for value in vars(module).values() for harness in _HARNESS)
-        if uses_harness or "comfy" in getattr(item, "fixturenames", ()):
+        if (uses_harness or "comfy" in getattr(item, "fixturenames", ())) and not item.get_closest_marker(ONE_LANE):
             item.add_marker(TREE_MARKER)
 
 

@@ -38,6 +38,7 @@ def soak_models(tmp_path_factory):
     return models
 
 
+@pytest.mark.one_lane
 @pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="reads /proc (Linux)")
 @pytest.mark.parametrize("mode", disk_soak.MODES)
 def test_disk_streaming_leaves_nothing_behind_over_many_prompts(tmp_path, soak_models, mode):

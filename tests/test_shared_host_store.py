@@ -306,6 +306,7 @@ def test_the_benchmark_measures_one_copy_with_sharing_and_two_without(cluster):
         assert row["attach_s"] > 0 and row["first_step_s"] > 0
 
 
+@pytest.mark.one_lane
 def test_a_soak_of_200_prompts_with_hooks_swaps_and_partial_loads_leaves_no_store_and_flat_rss(cluster):
     """Two servers sharing stores, 200 prompts through every mode of ``soak.MODES`` with and without
     a hook LoRA: every result is core's, and nothing piles up."""

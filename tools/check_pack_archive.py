@@ -6,7 +6,8 @@ point, the license, the README with the pages it links (docs/, ARCHITECTURE.md: 
 reads the same manual as GitHub) and the package metadata; every tracked file of the folders the
 pack runs from or documents itself in; every module a shipped module imports (relative imports, followed from the files
 themselves, so a module added without being tracked or one .comfyignore drops is caught); every
-file the frontend extension imports; and the locales and help pages the frontend reads.
+file the frontend extension imports; the locales and help pages the frontend reads; and every
+relative link and image of its Markdown pages, which must lead to a file of the archive.
 
 usage: python tools/check_pack_archive.py node.zip   (run in the repository; exit 1 on problems)
 """
@@ -24,7 +25,7 @@ from pathlib import Path
 DEVELOPMENT = ("tests/", "bench/", "tools/", ".ci/", "Makefile", ".gitignore", ".comfyignore")
 REQUIRED = ("__init__.py", "LICENSE", "README.md", "ARCHITECTURE.md", "pyproject.toml", "requirements.txt")
 SHIPPED_FOLDERS = ("nodes/", "offload_core/", "web/", "locales/", "example_workflows/", "docs/")
-NOT_RUN = ("web/screenshot.png", "web/screenshot.json")   # the README's picture and its record: the frontend never loads them
+NOT_RUN = ("web/screenshot.json",)   # the README picture's record: the frontend never loads it
 LANGUAGES = ("en", "zh")
 LOCALE_FILES = ("main.json", "nodeDefs.json", "settings.json", "commands.json")
 JS_IMPORT = re.compile(r"""(?:\bfrom\s*|\bimport\s*\(\s*|\bimport\s+|new URL\(\s*)["'](\.{1,2}/[^"']+)["']""")
@@ -45,7 +46,28 @@ def problems(files: dict[str, bytes], tracked: list[str]) -> list[str]:
     for name in sorted(n for n in names if n.startswith(web) and n.endswith(".js")):
         found += js_imports(name, files, web)
     found += locales_and_help(files, web)
+    found += dead_links(files)
     return found
+
+
+MD_LINK = re.compile(r"!?\[(?:[^\]\\]|\\.)*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+HTML_LINK = re.compile(r"""<(?:img|a|source)\b[^>]*?\b(?:src|href)\s*=\s*["']([^"']+)["']""", re.IGNORECASE)
+CODE = re.compile(r"```.*?```|`[^`\n]*`", re.DOTALL)
+
+
+def dead_links(files: dict[str, bytes]) -> list[str]:
+    """Relative links and images of the archive's Markdown pages (README, ARCHITECTURE, docs/ and
+    the help pages) whose target the archive lacks: an installed copy must read whole."""
+    out = []
+    for name in sorted(n for n in files if n.endswith(".md")):
+        text = CODE.sub("", files[name].decode("utf-8"))
+        for target in MD_LINK.findall(text) + HTML_LINK.findall(text):
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.IGNORECASE) or target.startswith(("#", "/")):
+                continue  # a web address, an anchor of the page itself, a path of the server's
+            path = posixpath.normpath(posixpath.join(posixpath.dirname(name), target.split("#")[0]))
+            if path.startswith("../") or (path not in files and not any(f.startswith(path + "/") for f in files)):
+                out.append(f"{name} links to {target}: not in the archive")
+    return out
 
 
 def python_imports(name: str, files: dict[str, bytes]) -> list[str]:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Build the GPU kit: everything the lent GPU machine (offline, Python 3.12, its own torch) lacks
+# Build the GPU kit: everything a GPU machine (offline, Python 3.12, its own torch) lacks
 # to run bench/gpu_session.sh, in .gpu_kit/, the one path both of its calls carry
-# (bench/gpu-session.md):
+# (docs/gpu-session.md):
 #   wheels/                 the wheels ComfyUI 0.3.75 + this pack + tests/ need
 #                           (tools/gpu-kit-requirements.txt)
 #   comfyui-0.3.75.tar.gz   the 0.3.75 tree (from .comfyui/, or COMFY_TREE), without bytecode

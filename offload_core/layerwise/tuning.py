@@ -193,6 +193,46 @@ def _short_of_memory(error: BaseException) -> bool:
     return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error)
 
 
+class CallKinds:
+    """Which kind of pass each call of the model is: by its inputs (``Tuner._boundary``'s key),
+    or, once calls alternate between two kinds (a cond and an uncond call of other shapes), the
+    cycle of both, for this streamer's later runs too."""
+
+    def __init__(self) -> None:
+        self._cycles: dict[tuple, tuple] = {}  # a kind's key -> the key of the cycle it alternates in
+        self._recent: list[tuple] = []  # the kinds of this run's last calls, as their inputs say
+        self.current: tuple | None = None  # the kind of the call under way, as its inputs say
+
+    def new_run(self) -> None:
+        self._recent, self.current = [], None
+
+    def starts(self, key: tuple) -> tuple[tuple | None, tuple]:
+        """A call of kind ``key`` starts: (the kind of the call that ended, as its inputs said; the
+        kind the tuner counts this call as)."""
+        ended, self.current = self.current, key
+        return ended, self._cycles.get(key, key)
+
+    def seen(self) -> None:
+        """The call under way counts toward the run's recent calls (not while a setting holds)."""
+        self._recent = [*self._recent[-3:], self.current]
+
+    def alternating(self) -> bool:
+        """Whether the run's last four calls alternate between two kinds."""
+        r = self._recent
+        return len(r) == 4 and r[0] == r[2] != r[1] == r[3]
+
+    def cycle(self) -> tuple[tuple, tuple[tuple, ...]]:
+        """The cycle of the last two calls' kinds, from now on: (its key, its members' keys)."""
+        members = tuple(sorted(self._recent[-2:], key=repr))
+        key = ("cycle", members)
+        if members[0] not in self._cycles:
+            log.info("layerwise auto settings: the model's calls alternate between two kinds of input; "
+                     "the setting is planned for both")
+        for member in members:
+            self._cycles[member] = key
+        return key, members
+
+
 class Tuner:
     """The settings of one streamer (``plan``) that ``auto`` leaves to it, applied through
     ``rebuild``."""
@@ -209,9 +249,7 @@ class Tuner:
         self._kinds: dict[tuple, _Kind] = {}
         self._kind: tuple | None = None
         self._last_kind: dict[bool, tuple] = {}  # with a LoRA or without: the kind of pass last seen
-        self._cycles: dict[tuple, tuple] = {}  # a kind's key -> the key of the cycle it alternates in
-        self._recent: list[tuple] = []  # the kinds of this run's last calls, as their inputs say
-        self._call_key: tuple | None = None  # the kind of the call under way
+        self._calls = CallKinds()
         self._hook: RemovableHandle | None = None
         self._phase = "off"
         self._skip = 0
@@ -249,7 +287,7 @@ class Tuner:
         self.events = []
         self.passes = 0
         self._switches = 0
-        self._recent, self._call_key = [], None
+        self._calls.new_run()
         for kind in self._kinds.values():
             # Plans count per run (runs that end before their check still plan), and a rollback
             # speaks of the conditions of its run, not of every later one.
@@ -303,18 +341,16 @@ class Tuner:
         """The model's call starts: the pass before it has ended."""
         if torch.compiler.is_compiling():
             return
-        call_key = (self._transform, _signature(args, kwargs))
-        ended, self._call_key = self._call_key, call_key
-        kind_key = self._cycles.get(call_key, call_key)
+        ended, kind_key = self._calls.starts((self._transform, _signature(args, kwargs)))
         if self._phase == "hold" and kind_key == self._kind:
             self.passes += 1
             self._meter.forget()  # holding: one timing event and one check of the inputs per call
             if self._watching:
                 moved = self._watch.call()
                 if moved is not None:
-                    self._conditions_moved(self._kinds[kind_key], *moved)
+                    _conditions_moved(self, self._kinds[kind_key], *moved)
             return
-        self._recent = [*self._recent[-3:], call_key]
+        self._calls.seen()
         timeline = self._timeline()
         previous, mark, complete = self._meter.pass_starts(timeline)
         self.passes += 1
@@ -334,11 +370,11 @@ class Tuner:
         kind = self._kinds.setdefault(key, _Kind())
         if key != self._kind or self._phase == "new":
             switches, self._switches = self._switches, self._switches + (self._phase != "new")
-            if switches >= MAX_SWITCHES and self._alternating():
-                key = self._cycle_of(self._recent[-2], self._recent[-1])
-                kind = self._kinds[key]
+            if switches >= MAX_SWITCHES and self.choices.free and self._calls.alternating():
+                key, members = self._calls.cycle()
+                kind = self._kinds.setdefault(key, _Kind(members=members))
                 self._kind = self._last_kind[self._transform] = key
-                self._begin_kind(kind)
+                _begin_kind(self, kind)
                 return
             self._kind = self._last_kind[self._transform] = key
             if switches >= MAX_SWITCHES:
@@ -349,7 +385,7 @@ class Tuner:
                              "the setting stays for the rest of the run")
                 self._enter("hold")
                 return
-            self._begin_kind(kind)
+            _begin_kind(self, kind)
             return
         if self._phase == "hold":
             return
@@ -395,43 +431,6 @@ class Tuner:
             kind.costs = costs
             self._plan_kind(kind, period)
 
-    def _begin_kind(self, kind: _Kind) -> None:
-        """A run's first pass, or a kind of pass other than the last: start from what is known
-        (the setting held, and the steps an earlier run measured toward its phase)."""
-        current = self.current()
-        if kind.held is not None and self._fits(kind.held) and self.choices.free:
-            if kind.held != current and not self._apply(kind, kind.held, "the setting held for these inputs"):
-                self._enter("hold")
-                return
-            kind.predicted_ms = predict(kind.costs, kind.held).step_ms if kind.costs else kind.predicted_ms
-            self._enter("check")
-        else:
-            self._enter("measure")
-        if kind.runs and self.current() == current:
-            self._skip = 0  # the schedule was made at the attach: the first pass is no colder than the rest
-        if kind.periods and kind.periods_of == self.current():
-            self._periods = kind.periods
-        kind.periods, kind.periods_of = [], None
-
-    def _alternating(self) -> bool:
-        """Whether the run's last four calls alternate between two kinds (a cond and an uncond
-        call of other shapes), with settings left to plan for both."""
-        r = self._recent
-        return bool(self.choices.free) and len(r) == 4 and r[0] == r[2] != r[1] == r[3]
-
-    def _cycle_of(self, a: tuple, b: tuple) -> tuple:
-        """The kind of a cycle of calls of kinds ``a`` and ``b``, from now on in this streamer's
-        runs: one setting serves both, planned for their mean step."""
-        members = tuple(sorted((a, b), key=repr))
-        key = ("cycle", members)
-        if key not in self._kinds:
-            self._kinds[key] = _Kind(members=members)
-            log.info("layerwise auto settings: the model's calls alternate between two kinds of input; "
-                     "the setting is planned for both")
-        for member in members:
-            self._cycles[member] = key
-        return key
-
     def _enter(self, phase: str, watch: bool = False) -> None:
         """Go to ``phase``; a hold with ``watch`` keeps timing the steps, for conditions that move."""
         self._phase = phase
@@ -442,15 +441,6 @@ class Tuner:
         self._watching = watch and phase == "hold" and bool(self.choices.free)
         self._watch.restart(WARMUP_PASSES)
         self._record(phase != "hold")
-
-    def _conditions_moved(self, kind: _Kind, base_ms: float, now_ms: float) -> None:
-        """A held setting's steps moved beyond their spread (a link that slows, a host that gets
-        busy): what was tried and rolled back in the old conditions says nothing of the new ones,
-        so the kind is measured and planned again."""
-        kind.rejected, kind.tried, kind.plans, kind.before = [], {}, 0, None
-        kind.verdict = f"the step moved from {ms_text(base_ms)} to {ms_text(now_ms)}: measuring again"
-        log.info("layerwise auto settings: pass %d: %s", self.passes, kind.verdict)
-        self._enter("measure")
 
     # ------------------------------------------------------------------ measure, plan, check
     def _plan_kind(self, kind: _Kind, period: float) -> None:
@@ -463,7 +453,7 @@ class Tuner:
             advice = self.budget_bytes if self.budget_bytes is not None else predict(kind.costs, current).device_bytes
         job = (kind.costs, self.choices, self._budget(), current, tuple(kind.rejected), advice)
         if self._final or plan_work(kind.costs, self.choices if advice is None else Choices()) <= SYNC_PLAN_WORK:
-            self._planned(kind, period, *_plans(*job))
+            _planned(self, kind, period, *_plans(*job))
             return
         self._pending = (kind, period, _planner_thread().submit(_plans, *job))
         self._phase = "planning"
@@ -473,29 +463,7 @@ class Tuner:
         kind, period, future = self._pending
         if future.done():
             self._pending = None
-            self._planned(kind, period, *future.result())
-
-    def _planned(self, kind: _Kind, period: float, planned: Plan, advice: Plan | None) -> None:
-        current = self.current()
-        kind.plan, kind.advice = planned, advice if advice is not None else kind.advice
-        chosen = kind.plan.chosen
-        tried = kind.tried.get(chosen.setting)
-        no_faster = tried is not None and chosen.setting != current and tried >= period * (1 - CHECK_TOLERANCE)
-        if chosen.setting == current or not self.choices.free or kind.plans > MAX_PLANS or no_faster:
-            kind.held = current
-            kind.predicted_ms = predict(kind.costs, current).step_ms
-            kind.verdict = ("the planned setting measured no faster in this run: the setting stays" if no_faster
-                            else verdict(kind.predicted_ms, period))
-            self._enter("hold", watch=True)
-            return
-        kind.before = (current, period)
-        if not self._apply(kind, chosen.setting, kind.plan.reason.text):
-            kind.held = current
-            kind.predicted_ms = predict(kind.costs, current).step_ms
-            self._enter("hold", watch=True)
-            return
-        kind.predicted_ms = chosen.prediction.step_ms
-        self._enter("check")
+            _planned(self, kind, period, *future.result())
 
     # ------------------------------------------------------------------ applying
     def _apply(self, kind: _Kind, setting: Setting, why: str) -> bool:
@@ -563,6 +531,60 @@ class Tuner:
         """What the tuner chose and why, for the panel (None before anything was measured)."""
         return _report(self, self._kinds.get(self._kind) if self._kind is not None else None)
 
+def _begin_kind(tuner: Tuner, kind: _Kind) -> None:
+    """A run's first pass, or a kind of pass other than the last: start from what is known
+    (the setting held, and the steps an earlier run measured toward its phase)."""
+    current = tuner.current()
+    if kind.held is not None and tuner._fits(kind.held) and tuner.choices.free:
+        if kind.held != current and not tuner._apply(kind, kind.held, "the setting held for these inputs"):
+            tuner._enter("hold")
+            return
+        kind.predicted_ms = predict(kind.costs, kind.held).step_ms if kind.costs else kind.predicted_ms
+        tuner._enter("check")
+    else:
+        tuner._enter("measure")
+    if kind.runs and tuner.current() == current:
+        tuner._skip = 0  # the schedule was made at the attach: the first pass is no colder than the rest
+    if kind.periods and kind.periods_of == tuner.current():
+        tuner._periods = kind.periods
+    kind.periods, kind.periods_of = [], None
+
+
+def _conditions_moved(tuner: Tuner, kind: _Kind, base_ms: float, now_ms: float) -> None:
+    """A held setting's steps moved beyond their spread (a link that slows, a host that gets
+    busy): what was tried and rolled back in the old conditions says nothing of the new ones,
+    so the kind is measured and planned again."""
+    kind.rejected, kind.tried, kind.plans, kind.before = [], {}, 0, None
+    kind.verdict = f"the step moved from {ms_text(base_ms)} to {ms_text(now_ms)}: measuring again"
+    log.info("layerwise auto settings: pass %d: %s", tuner.passes, kind.verdict)
+    tuner._enter("measure")
+
+
+def _planned(tuner: Tuner, kind: _Kind, period: float, planned: Plan, advice: Plan | None) -> None:
+    """A plan made: applied and checked, or the setting in force held (a plan for it, one the
+    run already measured no faster, or too many plans)."""
+    current = tuner.current()
+    kind.plan, kind.advice = planned, advice if advice is not None else kind.advice
+    chosen = kind.plan.chosen
+    tried = kind.tried.get(chosen.setting)
+    no_faster = tried is not None and chosen.setting != current and tried >= period * (1 - CHECK_TOLERANCE)
+    if chosen.setting == current or not tuner.choices.free or kind.plans > MAX_PLANS or no_faster:
+        kind.held = current
+        kind.predicted_ms = predict(kind.costs, current).step_ms
+        kind.verdict = ("the planned setting measured no faster in this run: the setting stays" if no_faster
+                        else verdict(kind.predicted_ms, period))
+        tuner._enter("hold", watch=True)
+        return
+    kind.before = (current, period)
+    if not tuner._apply(kind, chosen.setting, kind.plan.reason.text):
+        kind.held = current
+        kind.predicted_ms = predict(kind.costs, current).step_ms
+        tuner._enter("hold", watch=True)
+        return
+    kind.predicted_ms = chosen.prediction.step_ms
+    tuner._enter("check")
+
+
 def _check(tuner: Tuner, kind: _Kind, costs: Costs, period: float) -> None:
     """A steady pass of a planned setting against its prediction: held, rolled back to the setting
     before it, or planned again (the module docstring's step 4)."""
@@ -602,7 +624,7 @@ def _last_pass(tuner: Tuner) -> None:
             if tuner._pending[2].done():
                 tuner._take_plan()
         elif complete:
-            tuner._step(tuner._kind, previous, mark, timeline, complete, tuner._call_key)
+            tuner._step(tuner._kind, previous, mark, timeline, complete, tuner._calls.current)
     except Exception:  # the plan is advice: never the detach's failure
         log.exception("layerwise auto settings: the run's last pass could not be planned on")
     finally:
@@ -690,18 +712,6 @@ def _setting_json(setting: Setting, p: StreamPlan) -> dict:
     blocks = sorted({p.units[u].block for u in setting.resident})
     return {"resident_blocks": blocks, "resident_units": len(setting.resident),
             "prefetch": setting.prefetch, "read_ahead": setting.read_ahead}
-
-
-def _blocks(p: StreamPlan) -> list[list[int]]:
-    out: list[list[int]] = [[] for _ in p.blocks]
-    for u, unit in enumerate(p.units):
-        out[unit.block].append(u)
-    return out
-
-
-def _block_units(p: StreamPlan, blocks: list[int]) -> list[int]:
-    chosen = set(blocks)
-    return [u for u, unit in enumerate(p.units) if unit.block in chosen]
 
 
 def _signature(args: tuple, kwargs: dict) -> tuple:

@@ -296,3 +296,35 @@ def test_build_process_wording_is_found():
         "page.md:1: 'session'", "page.md:1: 'has had a'", "page.md:2: 'issue 24'",
         "page.md:2: 'this stop'", "page.md:3: 'sessions'", "page.md:3: 'lent'",
         "page.md:4: 'the lead'", "page.md:5: 'worktree'", "page.md:5: 'device tool'"], found
+
+
+# What the pack's readers read is about the pack: never about the machines, limits or tools of
+# those building it.
+BUILD_WORDS = re.compile(r"\blent\b|device tool|device[- ]minutes|give_back|\bCI's\b|90-minute|"
+                         r"CI time|this session|device time left", re.I)
+
+
+def reader_pages() -> list[Path]:
+    """Every page a user or contributor reads: the README, the manual, the architecture, the
+    nodes' help pages, the locales, and the heads of the scripts in bench/ and tools/."""
+    pages = [ROOT / "README.md", ROOT / "ARCHITECTURE.md", *sorted((ROOT / "docs").glob("*.md")),
+             *sorted((ROOT / "web" / "docs").rglob("*.md")), *sorted((ROOT / "locales").rglob("*.json")),
+             *sorted((ROOT / "bench").glob("*.py")), *sorted((ROOT / "bench").glob("*.sh")),
+             *sorted((ROOT / "bench").glob("*.md")), *sorted((ROOT / "tools").glob("*"))]
+    return [p for p in pages if p.is_file() and p.suffix not in (".pyc",)]
+
+
+def build_words(text: str) -> list[str]:
+    return sorted({m.group(0) for m in BUILD_WORDS.finditer(text)})
+
+
+def test_what_readers_read_speaks_of_the_pack_only():
+    found = {str(p.relative_to(ROOT)): words for p in reader_pages()
+             if (words := build_words(p.read_text(encoding="utf-8", errors="replace")))}
+    assert not found, found
+
+
+def test_words_of_the_build_are_found():
+    assert build_words("Some sessions are lent a GPU for 15 device-minutes; call give_back.") == [
+        "device-minutes", "give_back", "lent"]
+    assert build_words("the session of a layerwise model; a CI-free page") == []

@@ -4,6 +4,7 @@ each kind of fault is found.
 """
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -90,8 +91,11 @@ def test_a_dropped_manual_page_is_found(archive, tracked):
     """The README links docs/ and ARCHITECTURE.md: an installed copy must hold them too."""
     del archive["docs/api.md"]
     del archive["ARCHITECTURE.md"]
-    assert check.problems(archive, tracked) == ["missing: ARCHITECTURE.md",
-                                                "tracked but not in the archive: docs/api.md"]
+    found = check.problems(archive, tracked)
+    assert found[:2] == ["missing: ARCHITECTURE.md", "tracked but not in the archive: docs/api.md"], found
+    # and every page that links them says so
+    assert found[2:] and all(re.search(r"links to \S*(api\.md|ARCHITECTURE\.md)\S*: not in the archive$", p)
+                             for p in found[2:]), found
 
 
 def test_names_bound_by_unpacking_count_as_defined(archive, tracked):
@@ -102,3 +106,16 @@ def test_names_bound_by_unpacking_count_as_defined(archive, tracked):
     archive["nodes/core/state.py"] += b"from .budgets import THIRD\n"
     assert check.problems(archive, tracked) == [
         "nodes/core/state.py imports THIRD from .budgets: not in the archive"]
+
+
+def test_a_link_or_image_the_archive_lacks_is_found(archive, tracked):
+    """A page of the manual that links a development folder, or shows an image left out of the
+    archive, reads broken in an installed copy: each is named."""
+    archive["docs/benchmarks-extra.md"] = (b"See [the bench](../bench/layerwise.py), "
+                                           b"![shot](../web/missing.png), <img src=\"../tests/x.png\">, "
+                                           b"[ok](panel.md#the-panel), [web](https://example.com), `[code](../bench/x)`.")
+    tracked = sorted([*tracked, "docs/benchmarks-extra.md"])
+    found = check.problems(archive, tracked)
+    assert found == ["docs/benchmarks-extra.md links to ../bench/layerwise.py: not in the archive",
+                     "docs/benchmarks-extra.md links to ../web/missing.png: not in the archive",
+                     "docs/benchmarks-extra.md links to ../tests/x.png: not in the archive"], found
