@@ -18,6 +18,8 @@ from typing import Any
 from ..units import size_text
 from .tier_entries import Entry
 from .tier_errors import UnknownModelError
+
+TIER_WORDS = {"vram": "in VRAM", "ram": "in RAM", "disk": "on disk"}  # a tier, as the logs say it
 from .tier_events import TierEvents
 
 logger = logging.getLogger(__name__)
@@ -82,8 +84,8 @@ class TierRegistry:
         self._entries[entry.id] = entry
         self.touch(entry)
         self.events.announce("register", entry, reason="register")
-        logger.info("registered %s '%s' (%s) in %s, %s", entry.kind, entry.name, entry.id,
-                    entry.tier.value, size_text(entry.total_bytes))
+        logger.info("tier manager: now manages %s '%s' (%s), %s, %s", entry.kind, entry.name, entry.id,
+                    size_text(entry.total_bytes), TIER_WORDS.get(entry.tier.value, entry.tier.value))
 
     def remove(self, entry: Entry, reason: str) -> None:
         """Stop tracking an entry whose memory is released already, and announce it."""
