@@ -331,3 +331,20 @@ def test_fp8_blocks_after_a_free_take_a_lora_in_the_tier_manager(qserver):
     assert latent_sha(qserver.run(chain(True, 0.0, 0.5, True, "TieredUNETLoader"))) == first
     qserver.free()
     assert latent_sha(qserver.run(chain(False, -0.7, 0.001, False, "TieredUNETLoader"))) == second
+
+
+@needs_gguf
+def test_a_gguf_streamed_from_ram_first_is_then_read_in_place_from_disk(qserver):
+    """A run from RAM moves the GGUF blocks out of ComfyUI-GGUF's map of the file; the file the
+    model was mapped from is recorded at its load, so the next run from disk still reads every
+    unit in place: nothing spilled, nothing written, the same latents as core's."""
+    unet = gguf_name("Q8_0")  # its phases outgrow the cache (as in disk_cases)
+    reference = latent_sha(qserver.run(workflow(unet, loader="UnetLoaderGGUF")))
+    ram = {"resident_blocks": 0, "vram_budget_gb": 0.0, "granularity": "phase"}
+    assert latent_sha(qserver.run(workflow(unet, layerwise=ram, loader="UnetLoaderGGUF"))) == reference
+    disk = dict(ram, host_cache_gb=320 * KIB / (1 << 30))
+    assert latent_sha(qserver.run(workflow(unet, layerwise=disk, loader="UnetLoaderGGUF"))) == reference
+    state = wan_state(qserver)
+    assert state["disk"]["active"] and state["telemetry"]["disk_reads"] > 0, state["disk"]
+    assert state["disk"]["spill_units"] == 0 and state["disk"]["spill_written_bytes"] == 0, state["disk"]
+    assert [os.path.basename(p) for p in state["disk"]["model_files"]] == [unet], state["disk"]

@@ -15,14 +15,17 @@ here and keep private host copies.
 """
 from __future__ import annotations
 
+import bisect
 import functools
 import inspect
 import logging
 import os
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import comfy.sd
+import torch
 
 from ...offload_core.host.file_identity import file_version, same_bytes, witness_whole
 from . import state
@@ -89,8 +92,66 @@ def _recording(name: str, path_arg: str, load: Callable) -> Callable:
     return wrapper
 
 
+def mapped_files() -> list[tuple[int, int, str]]:
+    """(start, end, path) of every file mapping of this process, by start (Linux; none elsewhere)."""
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        parts = line.split(maxsplit=5)
+        if len(parts) < 6 or not parts[5].startswith("/") or parts[5].endswith(" (deleted)"):
+            continue
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        out.append((lo, hi, parts[5]))
+    out.sort()
+    return out
+
+
+def mapped_file(tensors: Iterable[torch.Tensor]) -> str | None:
+    """The regular file most of ``tensors`` are views of (a loader that maps its file), if any."""
+    maps = mapped_files()
+    starts = [m[0] for m in maps]
+    paths = []
+    for t in tensors:
+        k = bisect.bisect_right(starts, t.data_ptr()) - 1
+        if k >= 0 and maps[k][0] <= t.data_ptr() < maps[k][1]:
+            paths.append(maps[k][2])
+    if not paths:
+        return None
+    file = Counter(paths).most_common(1)[0][0]
+    return file if os.path.isfile(file) else None
+
+
+def _recording_mapped(load: Callable) -> Callable:
+    """``load_diffusion_model_state_dict`` recording the file its state dict's tensors are mapped
+    from (ComfyUI-GGUF's), read while the map surely exists: the load itself."""
+
+    @functools.wraps(load)
+    def wrapper(sd, *args, **kwargs):
+        try:
+            tensors = [t for t in sd.values() if isinstance(t, torch.Tensor) and t.device.type == "cpu"] \
+                if isinstance(sd, dict) else []
+            path = mapped_file(tensors) if tensors else None
+            before = _versions([path]) if path is not None else None
+        except Exception:  # the record is an optimisation: never the load's failure
+            log.debug("tiered offload: no mapped file found for a state dict", exc_info=True)
+            before = None
+        result = load(sd, *args, **kwargs)
+        if before is not None and result is not None and _versions([path]) == before:
+            for _, module in _modules(result):
+                state.MAPPED_FILES[module] = {"files": [[p, list(v)] for p, v in before]}
+        return result
+
+    setattr(wrapper, _WRAPPED, True)
+    return wrapper
+
+
 def install() -> None:
-    """Wrap core's file loaders (once; a loader core lacks is left out)."""
+    """Wrap core's file loaders (once; a loader core lacks is left out), and the state-dict loader
+    other packs' loaders call with mapped tensors."""
     for name, path_arg in _LOADERS.items():
         load = getattr(comfy.sd, name, None)
         if not callable(load) or getattr(load, _WRAPPED, False):
@@ -100,11 +161,20 @@ def install() -> None:
                      "copies", name, path_arg)
             continue
         setattr(comfy.sd, name, _recording(name, path_arg, load))
+    load = getattr(comfy.sd, "load_diffusion_model_state_dict", None)
+    if callable(load) and not getattr(load, _WRAPPED, False):
+        comfy.sd.load_diffusion_model_state_dict = _recording_mapped(load)
 
 
 def source_of(module) -> dict[str, Any] | None:
     """What ``module``'s weights were read from (loader, files with versions, options), or None."""
     return state.MODEL_FILES.get(module)
+
+
+def mapped_source_of(module) -> dict[str, Any] | None:
+    """The file ``module``'s tensors were mapped from at its load (``{"files": [[path, version]]}``),
+    or None."""
+    return state.MAPPED_FILES.get(module)
 
 
 def witness(source: dict[str, Any]) -> None:

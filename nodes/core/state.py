@@ -143,6 +143,10 @@ LAYERWISE = LayerwiseRegistry()
 # A model's nn.Module -> the file core read it from, with the file's version and the loader's
 # options (model_files.py): what names its shared host store. Weak: it goes with the model.
 MODEL_FILES: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, Any]] = weakref.WeakKeyDictionary()
+# The file a model's loaded tensors were mapped from when it was loaded (ComfyUI-GGUF hands core
+# views of its map of the file), as {"files": [[path, version]]}: what lets disk streaming read its
+# blocks in place after a run that moved them out of the map. Never names a shared host store.
+MAPPED_FILES: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, Any]] = weakref.WeakKeyDictionary()
 SWAP_MEMBERS: PerModule[Any] = PerModule()  # root nn.Module -> Model-Level Swap's master
 # The dynamic model's nn.Module -> the classic model the engine mode runs on (a twin, or core's
 # reloaded copy), kept for every later clone of it.

@@ -5,6 +5,8 @@ Two ways, in this order:
 - Tensors that are views of a mapped file name it themselves (Linux: /proc/self/maps):
   ComfyUI-GGUF maps its file and hands out the raw quantized bytes. The file's header (GGUF)
   then says where every tensor is, also those the loader copied out (the norms' float weights).
+  The map is also looked up at the load itself (core/model_files.py), so a model whose blocks an
+  earlier run moved out of the map (streamed from RAM) is still known by its file.
 - Core's loaders copy a safetensors file's tensors into the model; the pack records which file
   each model core loads was read from (core/model_files.py: core's UNET and checkpoint loaders
   and the pack's Tiered ones, whatever nodes pass the model on after). The file's header says
@@ -17,10 +19,7 @@ loaded tensors at its first read, and writes a unit that differs to the spill fi
 """
 from __future__ import annotations
 
-import bisect
 import logging
-import os
-from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -52,39 +51,6 @@ def _block_tensors(blocks: Sequence[torch.nn.Module]) -> list[tuple[int, str, to
     return out
 
 
-def _mapped_files() -> list[tuple[int, int, int, str]]:
-    """(start, end, file offset, path) of every file mapping of this process, by start (Linux)."""
-    try:
-        with open("/proc/self/maps") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return []
-    out = []
-    for line in lines:
-        parts = line.split(maxsplit=5)
-        if len(parts) < 6 or not parts[5].startswith("/") or parts[5].endswith(" (deleted)"):
-            continue
-        lo, hi = (int(x, 16) for x in parts[0].split("-"))
-        out.append((lo, hi, int(parts[2], 16), parts[5]))
-    out.sort()
-    return out
-
-
-def _mapped_file(tensors: list[tuple[int, str, torch.Tensor]]) -> str | None:
-    """The file most of the tensors are views of (a loader that maps its file), if any."""
-    maps = _mapped_files()
-    starts = [m[0] for m in maps]
-    paths = []
-    for _, _, t in tensors:
-        k = bisect.bisect_right(starts, t.data_ptr()) - 1
-        if k >= 0 and maps[k][0] <= t.data_ptr() < maps[k][1]:
-            paths.append(maps[k][3])
-    if not paths:
-        return None
-    file = Counter(paths).most_common(1)[0][0]
-    return file if os.path.isfile(file) else None
-
-
 def _is_gguf(path: str) -> bool:
     try:
         with open(path, "rb") as f:
@@ -94,9 +60,10 @@ def _is_gguf(path: str) -> bool:
 
 
 def recorded_file(model: torch.nn.Module) -> str | None:
-    """The one file core read ``model`` from (core/model_files.py), if the pack saw the load and
-    the file is still the one read; None otherwise (logged when it changed)."""
-    source = model_files.source_of(model)
+    """The one file core read ``model`` from, or whose map its tensors were views of at the load
+    (core/model_files.py), if the pack saw the load and the file is still the one read; None
+    otherwise (logged when it changed)."""
+    source = model_files.source_of(model) or model_files.mapped_source_of(model)
     if source is None or len(source["files"]) != 1:
         return None
     why = model_files.changed(source)
@@ -147,7 +114,7 @@ def find(model: torch.nn.Module, blocks: Sequence[torch.nn.Module], prefixes: Se
     tensors = _block_tensors(blocks)
     if not tensors:
         return None
-    path = _mapped_file(tensors) or recorded_file(model)
+    path = model_files.mapped_file(t for _, _, t in tensors) or recorded_file(model)
     if path is None:
         log.info("Apply Layerwise Offload: the file %s was loaded from is not known (its loader is not "
                  "one the pack knows); streamed blocks go to a spill file", model_class)
