@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..host.file_identity import version_unreliable
 from ..host.layout import empty_at_phase
 from ..host.packing import PackedBlock
 from ..host.pinned import HostStorage, return_freed_ram
@@ -117,6 +118,7 @@ class DiskSources:
         self._units: dict[int, _Unit] = {}
         self._packs: dict[int, PackedBlock] = {}
         self._why: dict[str, int] = {}  # why units went to the spill file
+        self._checked: dict[str, str | None] = {}  # model file -> why its version proves nothing there
         self._lock = threading.Lock()
 
     # ---------------------------------------------------------------- placing
@@ -153,6 +155,8 @@ class DiskSources:
         paths = {s.path for s in slices.values()}
         if why is None and len(paths) > 1:
             why = "tensors from more than one file"
+        if why is None and paths:
+            why = self._unreliable(next(iter(paths)))
         if why is not None:
             self._why[why] = self._why.get(why, 0) + 1
             self._read_back_entries(pack, objs)
@@ -182,6 +186,16 @@ class DiskSources:
             kind = CHECKING
         read = plan_read([(s.offset, s.nbytes, pack.entries[k].offset) for k, s in slices.items()])
         return _Unit(kind, read, file, slices)
+
+    def _unreliable(self, path: str) -> str | None:
+        """Why ``path`` is not read in place where it lies (file_identity.version_unreliable), said
+        once per file; None where it is."""
+        if path not in self._checked:
+            self._checked[path] = version_unreliable(path)
+            if self._checked[path] is not None:
+                log.info("disk stream: %s is not read in place: %s; its units go to the spill file",
+                         path, self._checked[path])
+        return None if self._checked[path] is None else "a model file whose changes cannot be seen where it lies"
 
     def _open(self, path: str, version: tuple[int, ...] | None) -> ModelFile:
         """The open file at ``path``; ``version``: the one released tensors were read from."""

@@ -186,6 +186,44 @@ def _wait_for_digest(version: tuple[int, ...]) -> None:
         thread.join()
 
 
+# File systems whose ``stat`` may answer from a cache of attributes while reads fetch new bytes
+# (network and FUSE file systems, WSL's mounts of Windows drives): a version read there cannot
+# prove the bytes unchanged.
+CACHED_ATTRIBUTES = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "drvfs", "afs", "fuse", "fuseblk",
+                     "fuse.", "ceph", "glusterfs", "lustre", "gpfs")
+
+
+def _file_system(st_dev: int) -> str | None:
+    """The type of the file system a device number belongs to (Linux: /proc/self/mountinfo)."""
+    want = f"{os.major(st_dev)}:{os.minor(st_dev)}"
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 3 and fields[2] == want and "-" in fields:
+                    return fields[fields.index("-", 6) + 1]
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def version_unreliable(path: str) -> str | None:
+    """Why a file's version (``file_version``) cannot prove its bytes unchanged where it lies,
+    or None where it can: on Windows the change time is the creation time (a same-size
+    overwrite that puts the modification time back keeps the version); on network and FUSE file
+    systems ``stat`` may answer from cached attributes for up to a minute while reads fetch new
+    bytes. Reading such a file in place is not safe; the caller copies it instead."""
+    if os.name == "nt":
+        return "on Windows a file's change time is its creation time"
+    try:
+        kind = _file_system(os.stat(path).st_dev)
+    except OSError:
+        return None
+    if kind is not None and any(kind == k or (k.endswith(".") and kind.startswith(k)) for k in CACHED_ATTRIBUTES):
+        return f"it lies on a {kind} file system, whose file attributes may be cached"
+    return None
+
+
 def same_bytes(path: str, was: tuple[int, ...], *, whole: bool = False) -> tuple[int, ...] | None:
     """The file's version now, if its bytes are known to be those it had at ``was`` (the same
     version, or one whose change time alone moved and whose witnessed bytes read back the same);

@@ -375,3 +375,30 @@ def test_bytes_written_while_a_unit_is_read_never_reach_compute(model_file, tmp_
         st.detach(keep_pack=True)
         st.close()
     assert armed == [True] and outputs == []
+
+
+def test_a_model_file_on_a_network_file_system_is_copied_not_read_in_place(model_file, tmp_path, monkeypatch,
+                                                                             caplog):
+    """Where the file's version cannot prove its bytes unchanged (an NFS mount, here as the mount
+    table would say), every unit goes to the spill file, with the reason in the figures and one
+    log line naming the file and why; the output is core's, bit for bit."""
+    from offload_core.host import file_identity
+
+    model, path = model_file
+    x = _x()
+    with torch.no_grad():
+        reference = model(x)
+    monkeypatch.setattr(file_identity, "_file_system", lambda dev: "nfs4")
+    st = _streamer(model, tmp_path, path)
+    with caplog.at_level("INFO", logger="offload_core.disk.sources"):
+        st.attach()
+        with torch.no_grad():
+            outs = [model(x) for _ in range(2)]
+    figures = st.disk_figures()
+    st.detach()
+    st.close()
+    assert all(torch.equal(_bits(o), _bits(reference)) for o in outs)
+    assert figures["file_units"] == 0 and figures["spill_units"] == len(model.blocks), figures
+    assert figures["spill_reasons"] == {"a model file whose changes cannot be seen where it lies": len(model.blocks)}
+    said = [r.getMessage() for r in caplog.records if "not read in place" in r.getMessage()]
+    assert len(said) == 1 and str(path) in said[0] and "nfs4" in said[0], said

@@ -142,3 +142,23 @@ def test_disk_streaming_fails_on_a_write_with_the_modification_time_put_back(mod
         file.close()
     with pytest.raises(ModelFileChanged, match="Load the model again"):
         ModelFile(model_file, opened)
+
+
+def test_where_a_version_proves_nothing_is_named(tmp_path, monkeypatch):
+    """Network and FUSE file systems (attributes cached) and Windows (the change time is the
+    creation time) are named; a local file system is not; the real mount table is read."""
+    from offload_core.host import file_identity
+
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(b"x")
+    assert file_identity._file_system(os.stat("/").st_dev)  # this machine's root has a type
+    assert file_identity.version_unreliable(str(path)) is None
+    for kind, named in (("nfs4", True), ("cifs", True), ("fuse.sshfs", True), ("9p", True),
+                        ("ext4", False), ("xfs", False), ("tmpfs", False), ("overlay", False)):
+        monkeypatch.setattr(file_identity, "_file_system", lambda dev, kind=kind: kind)
+        why = file_identity.version_unreliable(str(path))
+        assert (why is not None) == named, (kind, why)
+        if named:
+            assert kind in why, why
+    monkeypatch.setattr(file_identity.os, "name", "nt")
+    assert "Windows" in file_identity.version_unreliable(str(path))
