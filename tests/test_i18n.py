@@ -429,7 +429,21 @@ def test_the_help_panel_shows_each_nodes_help(browser, comfy, locale):  # noqa: 
             assert help_heading(page, node_id) == first_heading(doc), (locale, node_id)
             body = page.locator(".node-help-content .markdown-content").first.inner_text()
             assert "`" not in body and "|---" not in body, "markdown not rendered"
-            assert page.locator(".node-help-content .markdown-content table").count() >= 1
+            assert page.locator(".node-help-content .markdown-content li").count() >= 1
+            # Nothing wider than the help column (a table of four columns was twice its width):
+            # no element of the help, or box holding it, scrolls sideways.
+            wide = page.evaluate("""() => {
+                const out = [];
+                let el = document.querySelector('.node-help-content .markdown-content');
+                for (const e of el.querySelectorAll('*')) {
+                    if (e.scrollWidth > e.clientWidth + 1 && e.clientWidth > 0) out.push(e.tagName + ' ' + e.scrollWidth + '>' + e.clientWidth + ' ' + e.textContent.slice(0, 60));
+                }
+                for (let k = 0; el && k < 4; k++, el = el.parentElement) {
+                    if (el.scrollWidth > el.clientWidth + 1) out.push('box ' + el.className);
+                }
+                return out;
+            }""")
+            assert not wide, (locale, node_id, wide)
         assert not page.errors, page.errors
     finally:
         page.close()

@@ -357,6 +357,11 @@ app.registerExtension({
     if (String(nodeData?.python_module ?? "").split(".")[1] === PACK) packNodes.add(nodeData.name);
   },
   async setup() {
+    // The nodes' help pages: their long names in code wrap within the help column (web/help.css).
+    const helpStyles = document.createElement("link");
+    helpStyles.rel = "stylesheet";
+    helpStyles.href = new URL("./help.css", import.meta.url).href;
+    document.head.appendChild(helpStyles);
     api.addEventListener("tiered_offload.tiers", onTiers);
     api.addEventListener("tiered_offload.layerwise", onLayerwise);
     api.addEventListener("reconnected", onReconnected);
