@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -106,6 +107,26 @@ def _contiguous(shape: Sequence[int], stride: Sequence[int]) -> bool:
     return True
 
 
+def _release(pack: PackedBlock, u: _Unit) -> None:
+    """The unit's tensors are the file's bytes: let go of the loaded copies for good."""
+    objs = _objects(pack)
+    for k, e in enumerate(pack.entries):
+        found = Released(e.dtype, e.shape, e.stride, e.device, e.phase, e.inference, u.slices[k])
+        note(objs[k], found)
+        e.original = found.empty()
+    u.kind = FILE
+
+
+def _unreliable(path: str, checked: dict[str, str | None]) -> str | None:
+    """Why ``path`` is not read in place where it lies (file_identity.version_unreliable), said
+    once per file (``checked`` remembers); None where it is."""
+    if path not in checked:
+        checked[path] = version_unreliable(path)
+        if checked[path] is not None:
+            log.info("disk stream: %s is not read in place: %s; its units go to the spill file", path, checked[path])
+    return None if checked[path] is None else "a model file whose changes cannot be seen where it lies"
+
+
 class DiskSources:
     """The disk homes of one streamer's packs: ``place`` decides each one's (see the module
     docstring), ``read_unit`` / ``read_chunks`` read them, ``check`` watches the model's file,
@@ -117,7 +138,7 @@ class DiskSources:
         self._files: dict[str, ModelFile] = {}
         self._units: dict[int, _Unit] = {}
         self._packs: dict[int, PackedBlock] = {}
-        self._why: dict[str, int] = {}  # why units went to the spill file
+        self._why: Counter[str] = Counter()  # why units went to the spill file
         self._checked: dict[str, str | None] = {}  # model file -> why its version proves nothing there
         self._lock = threading.Lock()
 
@@ -156,9 +177,9 @@ class DiskSources:
         if why is None and len(paths) > 1:
             why = "tensors from more than one file"
         if why is None and paths:
-            why = self._unreliable(next(iter(paths)))
+            why = _unreliable(next(iter(paths)), self._checked)
         if why is not None:
-            self._why[why] = self._why.get(why, 0) + 1
+            self._why[why] += 1
             self._read_back_entries(pack, objs)
             return _Unit(SPILL)
         empty = [released(objs.get(k)) is not None for k in range(len(pack.entries))]
@@ -169,7 +190,7 @@ class DiskSources:
             raise
         except OSError as e:  # the loaded tensors are all there: they go to the spill file
             log.warning("disk stream: %s cannot be read (%s); its units go to the spill file", path, e)
-            self._why["a model file that cannot be read"] = self._why.get("a model file that cannot be read", 0) + 1
+            self._why["a model file that cannot be read"] += 1
             return _Unit(SPILL)
         slices = {k: FileSlice(s.path, s.version or file.version, s.offset, s.nbytes) for k, s in slices.items()}
         if all(empty):
@@ -186,16 +207,6 @@ class DiskSources:
             kind = CHECKING
         read = plan_read([(s.offset, s.nbytes, pack.entries[k].offset) for k, s in slices.items()])
         return _Unit(kind, read, file, slices)
-
-    def _unreliable(self, path: str) -> str | None:
-        """Why ``path`` is not read in place where it lies (file_identity.version_unreliable), said
-        once per file; None where it is."""
-        if path not in self._checked:
-            self._checked[path] = version_unreliable(path)
-            if self._checked[path] is not None:
-                log.info("disk stream: %s is not read in place: %s; its units go to the spill file",
-                         path, self._checked[path])
-        return None if self._checked[path] is None else "a model file whose changes cannot be seen where it lies"
 
     def _open(self, path: str, version: tuple[int, ...] | None) -> ModelFile:
         """The open file at ``path``; ``version``: the one released tensors were read from."""
@@ -307,28 +318,17 @@ class DiskSources:
             if u.kind != CHECKING:
                 return u.kind == FILE
             if same:
-                self._release(i, u)
+                _release(self._packs[i], u)
             else:
                 log.warning("disk stream: unit %d's bytes in %s differ from the loaded weights; it is "
                             "written to the spill file instead", i, u.file.path)
-                why = "bytes that differ from the model file's"
-                self._why[why] = self._why.get(why, 0) + 1
+                self._why["bytes that differ from the model file's"] += 1
                 self.spill.write_late(i, self._packs[i])
                 self._units[i] = _Unit(SPILL)
             settled = all(x.kind != CHECKING for x in self._units.values())
         if settled:  # the loaded copies just let go may sit in the C heap: hand them to the OS
             return_freed_ram()
         return same
-
-    def _release(self, i: int, u: _Unit) -> None:
-        """The unit's tensors are the file's bytes: let go of the loaded copies for good."""
-        pack = self._packs[i]
-        objs = _objects(pack)
-        for k, e in enumerate(pack.entries):
-            found = Released(e.dtype, e.shape, e.stride, e.device, e.phase, e.inference, u.slices[k])
-            note(objs[k], found)
-            e.original = found.empty()
-        u.kind = FILE
 
     def check(self) -> None:
         """Raise ModelFileChanged if a model file read from changed since it was opened."""

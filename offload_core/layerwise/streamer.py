@@ -287,8 +287,7 @@ class LayerwiseStreamer(StreamerFigures):
         """
         if self._attached:
             self._teardown(keep_pack)
-            # debug: it comes while the sampler's progress bar still holds its line
-            log.debug("detached (%s the host pack)", "keeping" if keep_pack else "freeing")
+            log.debug("detached (%s the host pack)", "keeping" if keep_pack else "freeing")  # under the progress bar
         elif not keep_pack and self._store.has_pack():
             self._store.free(self._plan)
 

@@ -116,6 +116,7 @@ class _Kind:
     tried: dict[Setting, float] = field(default_factory=dict)
     measured_passes: tuple[int, int] | None = None  # the passes ``measured_ms`` is the mean of
     spread: float = 0.0  # how far those passes' steps lay apart, a share of their mean
+    reasons: dict[Setting, Any] = field(default_factory=dict)  # why a plan chose each setting it kept
     # A cycle of kinds the run's calls alternate between: its members' keys, and the costs last
     # measured of each (a step is the mean over the cycle).
     members: tuple[tuple, ...] = ()
@@ -568,6 +569,8 @@ def _planned(tuner: Tuner, kind: _Kind, period: float, planned: Plan, advice: Pl
     chosen = kind.plan.chosen
     tried = kind.tried.get(chosen.setting)
     no_faster = tried is not None and chosen.setting != current and tried >= period * (1 - CHECK_TOLERANCE)
+    if chosen.setting == current:
+        kind.reasons[current] = planned.reason
     if chosen.setting == current or not tuner.choices.free or kind.plans > MAX_PLANS or no_faster:
         kind.held = current
         kind.predicted_ms = predict(kind.costs, current).step_ms
@@ -581,6 +584,7 @@ def _planned(tuner: Tuner, kind: _Kind, period: float, planned: Plan, advice: Pl
         kind.predicted_ms = predict(kind.costs, current).step_ms
         tuner._enter("hold", watch=True)
         return
+    kind.reasons[chosen.setting] = planned.reason
     kind.predicted_ms = chosen.prediction.step_ms
     tuner._enter("check")
 
@@ -641,8 +645,9 @@ def _report(tuner: Tuner, kind: _Kind | None) -> dict[str, Any] | None:
         return None
     costs = kind.costs
     current = tuner.current()
-    # A plan's reason describes its own setting: after a rollback that is not the one in force.
-    in_force = kind.plan if kind.plan is not None and kind.plan.chosen.setting == current else None
+    # The reason of the plan that chose the setting in force (none after a rollback to a setting
+    # no plan chose; a later plan whose choice was not applied leaves it as it was).
+    in_force = kind.reasons.get(current)
     out: dict[str, Any] = {
         "auto": [k for k, on in tuner._auto.items() if on],
         "phase": tuner._phase,
@@ -651,10 +656,10 @@ def _report(tuner: Tuner, kind: _Kind | None) -> dict[str, Any] | None:
         "measured_ms": kind.measured_ms,
         "measured_passes": list(kind.measured_passes) if kind.measured_passes else None,
         "verdict": kind.verdict,
-        "reason": in_force.reason.text if in_force is not None else None,
+        "reason": in_force.text if in_force is not None else None,
         # the same words with {} for each size, and the sizes in bytes: the panel's own units
-        "reason_template": in_force.reason.template if in_force is not None else None,
-        "reason_sizes": list(in_force.reason.sizes) if in_force is not None else None,
+        "reason_template": in_force.template if in_force is not None else None,
+        "reason_sizes": list(in_force.sizes) if in_force is not None else None,
         "budget_bytes": tuner.budget_bytes,
         "passes": tuner.passes,
         "changes": [{"pass": e["pass"], "from": _setting_json(e["from"], tuner._plan),
