@@ -62,7 +62,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 from layerwise import Spec, Stack, build_blocks, timed, write_result  # noqa: E402
 
-from offload_core.disk.model_file import ModelFileMap, safetensors_tensors  # noqa: E402
+from offload_core.disk.file_headers import safetensors_tensors  # noqa: E402
+from offload_core.disk.in_place import ModelFileMap  # noqa: E402
 from offload_core.disk.raw_io import PAGE, align_up  # noqa: E402
 from offload_core.disk.tier import AUTO_READERS, DiskOptions  # noqa: E402
 from offload_core.layerwise.streamer import LayerwiseStreamer  # noqa: E402

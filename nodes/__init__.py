@@ -14,7 +14,7 @@ import logging
 
 from comfy_api.v0_0_2 import ComfyExtension, io
 
-from .core import host_sharing, model_files, prompt_lifecycle
+from .core import host_sharing, load_records, prompt_lifecycle
 from .core.pins import install as share_pinned_budget_with_core
 from .layerwise import compile_prompt, core_loads
 from .layerwise.node import ApplyLayerwiseOffload
@@ -49,7 +49,7 @@ def install() -> None:
     models whose streamed blocks stay in their file, then a prompt's models held from its start
     and released when it ends, each posted graph kept for its validation, then the preload (which
     never fails the pack's import)."""
-    model_files.install()
+    load_records.install()
     host_sharing.sweep()
     host_sharing.let_go_on_sigterm()
     routes.register()

@@ -5,7 +5,7 @@ when all of these allow it, else None and the reason, which the log and the pane
 - the node's own input (`share_host_memory`), and the server owner's switch: "share_host_memory"
   in the pack's settings file (core/settings_file.py), true unless set to false;
 - the system: Linux (shared locks that vanish with their process, files allocated up front);
-- the model: core read it from a file the pack saw it read (core/model_files.py), which names
+- the model: core read it from a file the pack saw it read (core/load_records.py), which names
   the store, so two processes share only the bytes of one file's one version, loaded alike.
 
 Where: below "shared_memory_dir" of the settings file, in a folder of the user's own
@@ -56,7 +56,7 @@ from ...offload_core.host.store_folder import (
     StoreFolder,
     max_share,
 )
-from . import model_files, settings_file
+from . import load_records, settings_file
 from .budgets import shorten
 
 log = logging.getLogger(__name__)
@@ -164,7 +164,7 @@ def share_for(module, wanted: bool, *, spill_dir: str | None = None) -> tuple[Ho
         return None, f'sharing turned off in {settings_file.path()} ("{SWITCH}": false)'
     if not SUPPORTED:
         return None, "sharing host memory needs Linux"
-    source = model_files.source_of(module)
+    source = load_records.source_of(module)
     if source is None:
         return None, "ComfyUI loaded this model in a way that names no file"
     folders = memory_store_folders(settings)
@@ -179,14 +179,14 @@ def check_unchanged(share: HostShare | None, who: str) -> None:
     workflow without a word. ComfyUI reads the file again once it unloads the model.
 
     A change of the file's metadata alone (chmod, chown, a hard link) is not refused where every
-    byte of the file reads back as witnessed (core/model_files.py `changed`): the first check of an
+    byte of the file reads back as witnessed (core/load_records.py `changed`): the first check of an
     unchanged file starts that witness, once per file version, in the background."""
     if share is None:
         return
     source = dict(share.source)
-    why = model_files.changed(source, whole=True)
+    why = load_records.changed(source, whole=True)
     if why is None:
-        model_files.witness(source)
+        load_records.witness(source)
         return
     raise ValueError(
         f"{who}: {shorten(why, 300)} since ComfyUI loaded this model, and its host copy is shared "

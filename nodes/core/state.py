@@ -141,7 +141,7 @@ class PromptHolds:
 
 LAYERWISE = LayerwiseRegistry()
 # A model's nn.Module -> the file core read it from, with the file's version and the loader's
-# options (model_files.py): what names its shared host store. Weak: it goes with the model.
+# options (load_records.py): what names its shared host store. Weak: it goes with the model.
 MODEL_FILES: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, Any]] = weakref.WeakKeyDictionary()
 # The file a model's loaded tensors were mapped from when it was loaded (ComfyUI-GGUF hands core
 # views of its map of the file), as {"files": [[path, version]]}: what lets disk streaming read its

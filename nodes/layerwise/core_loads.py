@@ -22,9 +22,8 @@ import torch
 
 import comfy.model_management
 
-from ...offload_core.disk.model_file import ModelFileChanged
-from ...offload_core.disk.sources import read_back_module, read_released
-from ...offload_core.host.released import released
+from ...offload_core.disk.in_place import ModelFileChanged
+from ...offload_core.disk.sources import read_back_module, read_back_tensor
 from ..core.state import LAYERWISE
 
 log = logging.getLogger(__name__)
@@ -76,13 +75,7 @@ def read_back_for(models) -> None:
 
 def _read_back_patches(patches: Any) -> None:
     for value in (patches or {}).values():
-        _each_tensor(value, _read_back_tensor)
-
-
-def _read_back_tensor(t: torch.Tensor) -> None:
-    found = released(t)
-    if found is not None:
-        t.data = read_released(found)
+        _each_tensor(value, read_back_tensor)
 
 
 def _each_tensor(value: Any, fn: Callable[[torch.Tensor], None]) -> None:

@@ -14,7 +14,7 @@ import torch
 
 import comfy.model_management
 
-from ...offload_core.disk.model_file import ModelFileMap
+from ...offload_core.disk.in_place import ModelFileMap
 from ...offload_core.disk.tier import AUTO_READERS, DiskOptions
 from ...offload_core.host.released import released
 from ...offload_core.host.shared_packing import HostShare
@@ -22,7 +22,7 @@ from ...offload_core.layerwise.streamer import LayerwiseStreamer
 from ...offload_core.layerwise.tuning import AUTO
 from ...offload_core.units import size_text
 from ..core import host_sharing
-from . import core_loads, model_file, spill_folder
+from . import core_loads, file_map, spill_folder
 from .settings import GIB, LayerwiseSettings
 
 log = logging.getLogger(__name__)
@@ -49,12 +49,12 @@ def host_share(model: torch.nn.Module, settings: LayerwiseSettings) -> tuple[Hos
 
 def find_model_file(settings: LayerwiseSettings, model: torch.nn.Module, blocks, prefixes: tuple[str, ...],
                     model_class: str) -> ModelFileMap | None:
-    """Where disk streaming reads the blocks: the model's own file where it serves (model_file.py
+    """Where disk streaming reads the blocks: the model's own file where it serves (file_map.py
     finds it; core_loads.py reads the blocks back before core runs the model itself), else None
     (the spill file)."""
     if settings.host_cache_gb <= 0 or not core_loads.installed():
         return None
-    return model_file.find(model, blocks, prefixes, model_class)
+    return file_map.find(model, blocks, prefixes, model_class)
 
 
 def make_streamer(blocks, device: torch.device, settings: LayerwiseSettings, granularity: str,

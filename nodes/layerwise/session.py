@@ -35,7 +35,7 @@ import comfy.utils
 from ...offload_core.blocks.discovery import find_blocks
 from ...offload_core.device.telemetry import overlap_efficiency
 from ...offload_core.disk.host_cache import CacheTooSmallError
-from ...offload_core.disk.model_file import ModelFileChanged
+from ...offload_core.disk.in_place import ModelFileChanged
 from ...offload_core.layerwise.streamer import LayerwiseStreamer
 from ..core import host_moves, host_sharing
 from ..core.state import LAYERWISE, LAYERWISE_KEY
@@ -234,7 +234,7 @@ class LayerwiseSession:
             self.active = False
             self.begun = False
             try:
-                self.streamer.detach(keep_pack=True)
+                self._detach()
             finally:
                 self._close_block_patches()
                 model = patcher.model
@@ -244,13 +244,13 @@ class LayerwiseSession:
                 comfy_weights.return_to_core(patcher, self.prefixes, self.blocks)
                 self.core_view = {"model_size": int(patcher.model_size()),
                                   "loaded": int(model.model_loaded_weight_memory)}
-        self._check_files()
 
-    def _check_files(self) -> None:
-        """Fail the run, naming the file, if the model file the blocks were read from changed
-        while they were (after the blocks went back to core, before the result is used)."""
+    def _detach(self) -> None:
+        """Give the blocks back; fail the run, naming the file, if the model file the blocks were
+        read from changed while they were (the streamer checks once they are back, before the
+        result is used)."""
         try:
-            self.streamer.check_files()
+            self.streamer.detach(keep_pack=True)
         except ModelFileChanged as e:
             raise RuntimeError(f"Apply Layerwise Offload: {e}") from None
 

@@ -39,7 +39,7 @@ from ..device.timeline import Timeline
 from ..host.pinned import HostStorage
 from ..ordering import host_caught_up, host_clock
 from ..units import size_text
-from .model_file import Piece
+from .in_place import Piece
 from .raw_io import PAGE
 from .sources import DiskSources
 

@@ -12,10 +12,14 @@ callers read page-aligned spans into page-aligned host memory.
 from __future__ import annotations
 
 import ctypes
+import errno
+import logging
 import os
 import threading
 
 import torch
+
+log = logging.getLogger(__name__)
 
 PAGE = 4096  # direct reads need offsets, lengths and addresses in multiples of the logical block
 _IOV_MAX = 512
@@ -66,6 +70,81 @@ def open_direct(path: str, flags: int) -> int | None:
         return os.open(path, flags | direct)
     except OSError:  # tmpfs and some overlay file systems refuse O_DIRECT
         return None
+
+
+class Descriptors:
+    """A file's buffered descriptor and, where the file system allows it, a direct one: how the
+    spill file and the model's own file are read (and the spill file written).
+
+    A direct descriptor the file system refuses a call on (EINVAL: some refuse O_DIRECT for
+    reads they accept to open) is retired, not closed: another thread may be in a call on it, and
+    a number closed under it could be the next file's. Every descriptor is closed once, at
+    ``close``; a call after it is a DiskReadError, never a read of whatever file took the number."""
+
+    def __init__(self, path: str, fd: int, direct: int | None) -> None:
+        self.path = path
+        self._fd: int | None = fd
+        self._direct = direct
+        self._retired: list[int] = []
+        self._lock = threading.Lock()
+
+    @property
+    def fd(self) -> int:
+        """The buffered descriptor; DiskReadError once closed."""
+        fd = self._fd
+        if fd is None:
+            raise DiskReadError(f"{self.path} cannot be read: the engine has closed it")
+        return fd
+
+    @property
+    def direct(self) -> bool:
+        """Whether page-aligned calls pass the page cache by (O_DIRECT)."""
+        return self._direct is not None
+
+    @property
+    def closed(self) -> bool:
+        return self._fd is None
+
+    def read(self, views: list[memoryview], offset: int, aligned: bool) -> int:
+        """``read_into`` on the direct descriptor where ``aligned`` allows it, else (or where the
+        file system refuses it) on the buffered one; returns the bytes read."""
+        direct = self._direct if aligned else None
+        if direct is not None:
+            try:
+                return read_into(direct, views, offset, direct=True)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self._retire(direct)
+        return read_into(self.fd, views, offset)
+
+    def write(self, view: memoryview, offset: int, aligned: bool) -> None:
+        """``write_all`` the same way."""
+        direct = self._direct if aligned else None
+        if direct is not None:
+            try:
+                return write_all(direct, view, offset)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self._retire(direct)
+        write_all(self.fd, view, offset)
+
+    def _retire(self, direct: int) -> None:
+        with self._lock:
+            if self._direct == direct:
+                log.info("disk stream: %s refuses direct I/O; using the page cache", self.path)
+                self._retired.append(direct)
+                self._direct = None
+
+    def close(self) -> None:
+        """Close every descriptor, once."""
+        with self._lock:
+            fds = [self._fd, self._direct, *self._retired]
+            self._fd, self._direct, self._retired = None, None, []
+        for fd in fds:
+            if fd is not None:
+                os.close(fd)
 
 
 _seek_lock = threading.Lock()

@@ -1,6 +1,6 @@
 """Where each disk-streamed unit's bytes come from: the model's own file, or the engine's spill file.
 
-A unit is read in place from the model's file (model_file.py) when the caller names the file and
+A unit is read in place from the model's file (in_place.py) when the caller names the file and
 where each of the unit's tensors is in it (``ModelFileMap``, from the file's header), and each
 tensor is plain and contiguous with the file's byte count. The loaded tensors are the file's
 bytes only if nothing changed them on the way (a cast, a conversion) and the file did not change
@@ -26,7 +26,7 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -37,7 +37,7 @@ from ..host.pinned import HostStorage, return_freed_ram
 from ..host.released import Released, note, note_of, released
 from ..host.tensor_refs import tensor_refs
 from ..units import size_text
-from .model_file import FileSlice, ModelFile, ModelFileChanged, ModelFileMap, Piece, Run, UnitRead, plan_read
+from .in_place import FileSlice, ModelFile, ModelFileChanged, ModelFileMap, Piece, Run, UnitRead, plan_read
 from .raw_io import PAGE, align_up, raw_bytes
 from .store import SPILL_ALIGN, DiskStore
 
@@ -135,7 +135,7 @@ class DiskSources:
     def __init__(self, spill_dir: str, file_map: ModelFileMap | None) -> None:
         self.spill = DiskStore(spill_dir)
         self._map = file_map
-        self._files: dict[str, ModelFile] = {}
+        self._files: dict[tuple[int, int], ModelFile] = {}  # (device, inode) -> the open file
         self._units: dict[int, _Unit] = {}
         self._packs: dict[int, PackedBlock] = {}
         self._why: Counter[str] = Counter()  # why units went to the spill file
@@ -184,15 +184,17 @@ class DiskSources:
             return _Unit(SPILL)
         empty = [released(objs.get(k)) is not None for k in range(len(pack.entries))]
         path = paths.pop()
+        was = next((s for k, s in slices.items() if empty[k]), None)  # released by an earlier engine
         try:
-            file = self._open(path, next((s.version for k, s in slices.items() if empty[k]), None))
+            file = self._open(path, was)
         except ModelFileChanged:
             raise
         except OSError as e:  # the loaded tensors are all there: they go to the spill file
             log.warning("disk stream: %s cannot be read (%s); its units go to the spill file", path, e)
             self._why["a model file that cannot be read"] += 1
             return _Unit(SPILL)
-        slices = {k: FileSlice(s.path, s.version or file.version, s.offset, s.nbytes) for k, s in slices.items()}
+        slices = {k: FileSlice(s.path, s.version or file.version, s.offset, s.nbytes, file)
+                  for k, s in slices.items()}
         if all(empty):
             stale = next((s for s in slices.values() if s.version != file.version), None)
             if stale is not None:
@@ -208,13 +210,19 @@ class DiskSources:
         read = plan_read([(s.offset, s.nbytes, pack.entries[k].offset) for k, s in slices.items()])
         return _Unit(kind, read, file, slices)
 
-    def _open(self, path: str, version: tuple[int, ...] | None) -> ModelFile:
-        """The open file at ``path``; ``version``: the one released tensors were read from."""
-        file = self._files.get(path)
-        if file is None:
-            file = self._files[path] = ModelFile(path, version)
-        elif version is not None:
-            file.check(version)
+    def _open(self, path: str, was: FileSlice | None) -> ModelFile:
+        """The open file a unit reads: that of the tensors an earlier engine released (``was``),
+        which may no longer be the one ``path`` names, else the one ``path`` names now."""
+        file = was.opened if was is not None else None
+        if file is not None:
+            file.check(was.version)
+        else:
+            file = next((f for f in self._files.values() if f.path == path and not f.closed), None)
+            if file is None:
+                file = ModelFile(path, was.version if was is not None else None)
+            elif was is not None:
+                file.check(was.version)
+        self._files.setdefault(file.version[:2], file)
         return file
 
     def place(self, progress: Callable[[int, int], None] | None, total: int) -> int:
@@ -246,7 +254,7 @@ class DiskSources:
         in_place = by_kind[FILE] + by_kind[CHECKING]
         if in_place:
             nbytes = sum(self._packs[i].nbytes for i in in_place)
-            files = ", ".join(sorted(self._files))
+            files = ", ".join(sorted({f.path for f in self._files.values()}))
             log.info("disk stream: %d of %d units (%s) are read in place from %s, no copy written%s",
                      len(in_place), len(self._units), size_text(nbytes), files,
                      f"; {len(by_kind[CHECKING])} are checked against the loaded weights at their first read"
@@ -389,7 +397,7 @@ class DiskSources:
     def figures(self) -> dict:
         in_place = [i for i, u in self._units.items() if u.kind != SPILL]
         return {
-            "model_files": sorted(self._files),
+            "model_files": sorted({f.path for f in self._files.values()}),
             "direct": all(f.direct for f in self._files.values()) if self._files else None,
             "file_units": len(in_place),
             "file_bytes": sum(self._packs[i].nbytes for i in in_place),
@@ -407,18 +415,15 @@ class DiskSources:
             file.drop_cached_pages()
 
     def close(self) -> None:
-        """Close the spill file and every model file, once. Call it once no read runs (the
-        cache closed): a unit released by a read that ended after the last hand-back gives its
-        objects the empty placeholders now, so no loaded copy outlives the engine."""
+        """Close the spill file and let go of the model files, once. Call it once no read runs
+        (the cache closed): a unit released by a read that ended after the last hand-back gives
+        its objects the empty placeholders now, so no loaded copy outlives the engine. A model file
+        stays open while notes of released tensors refer to it (they are read from it later)."""
         for i, u in self._units.items():
             if u.kind == FILE:
                 self._packs[i].restore(keep_host=False, skip_reassigned=True)
-        try:
-            self.spill.close()
-        finally:
-            files, self._files = list(self._files.values()), {}
-            for file in files:
-                file.close()
+        self._files = {}
+        self.spill.close()
 
 
 def read_released(found: Released) -> torch.Tensor:
@@ -427,25 +432,13 @@ def read_released(found: Released) -> torch.Tensor:
     source = found.source
     if not isinstance(source, FileSlice):
         raise RuntimeError("a released tensor without a file to read it from")
-    file = ModelFile(source.path, source.version)
-    try:
-        plan = plan_read([(source.offset, source.nbytes, 0)])
-        storage = HostStorage([plan.buffer_bytes], pin=False, ram_budget_bytes=0)
-        try:
-            buf = storage.buffer(0)
-            file.read(plan, buf)
-            file.check(source.version)
-            p = plan.pieces[0]
-            src = buf[p.src : p.src + p.nbytes].view(found.dtype).as_strided(found.shape, found.stride)
-            with torch.inference_mode(found.inference):
-                out = empty_at_phase(source.nbytes, found.phase).view(found.dtype).as_strided(
-                    found.shape, found.stride)
-                out.copy_(src)
-            return out
-        finally:
-            storage.release()
-    finally:
-        file.close()
+    file = source.opened if source.opened is not None else ModelFile(source.path, source.version)
+    file.check(source.version)
+    with torch.inference_mode(found.inference):
+        flat = empty_at_phase(source.nbytes, found.phase)
+    file.read_range(source.offset, flat)
+    with torch.inference_mode(found.inference):
+        return flat.view(found.dtype).as_strided(found.shape, found.stride)
 
 
 def read_back_pack(pack: PackedBlock, objs: dict[int, torch.Tensor] | None = None) -> int:
@@ -462,14 +455,20 @@ def read_back_pack(pack: PackedBlock, objs: dict[int, torch.Tensor] | None = Non
     return count
 
 
+def read_back_tensor(t: torch.Tensor) -> bool:
+    """Give a released tensor its bytes back from the model's file, in fresh memory; True if it
+    was released. Its note stays (an engine built later knows where the bytes came from, and
+    checks them at their first read) but lets go of the open file: a model that runs from RAM
+    holds no file open, so a model file deleted since gives its space back."""
+    found = released(t)
+    if found is None:
+        return False
+    t.data = read_released(found)
+    found.source = replace(found.source, opened=None)
+    return True
+
+
 def read_back_module(module: torch.nn.Module) -> int:
-    """Give every released tensor of ``module`` its bytes back from the model's file, in fresh
-    memory (the model runs without an engine next); returns how many. The notes stay, so an
-    engine built later knows where the bytes came from (and checks them at their first read)."""
-    count = 0
-    for _, t in tensor_refs(module):
-        found = released(t)
-        if found is not None:
-            t.data = read_released(found)
-            count += 1
-    return count
+    """Give every released tensor of ``module`` its bytes back (``read_back_tensor``: the model
+    runs without an engine next); returns how many."""
+    return sum(read_back_tensor(t) for _, t in tensor_refs(module))

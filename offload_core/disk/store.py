@@ -1,7 +1,7 @@
 """The spill file: the disk home of the units whose bytes the engine must make itself.
 
 A unit streamed from disk is read from the model's own file where its loaded tensors are that
-file's bytes (model_file.py, sources.py). The others (a dtype cast at load, a quantized
+file's bytes (in_place.py, sources.py). The others (a dtype cast at load, a quantized
 conversion, a tensor the file does not hold) are written here once, in a file of the engine's
 own, unlinked as soon as it is open: no one else can change it, so the maps handed back and every
 unit read during a run are exactly the bytes the engine placed, and it goes away with its last
@@ -31,7 +31,7 @@ import torch
 from ..host.layout import PackedTensor
 from ..host.packing import PackedBlock
 from ..units import size_text
-from .raw_io import PAGE, DiskReadError, align_up, memview, open_direct, raw_bytes, read_into, write_all
+from .raw_io import PAGE, Descriptors, DiskReadError, align_up, memview, open_direct, raw_bytes, write_all
 
 log = logging.getLogger(__name__)
 
@@ -41,53 +41,6 @@ SPILL_ALIGN = 64 << 10  # a multiple of PAGE and of Windows' mmap granularity
 class SpillWriteError(OSError):
     """The spill file could not take a unit (a full disk, a quota, a file size limit): the message
     names the folder and what the engine needs there, since the OS's own words name neither."""
-
-
-class _Source:
-    """The spill file: a buffered descriptor, a direct one where allowed."""
-
-    def __init__(self, path: str, fd: int, direct_fd: int | None) -> None:
-        self.path = path
-        self.fd: int | None = fd
-        self.direct_fd = direct_fd
-        self._lock = threading.Lock()
-
-    def read(self, views: list[memoryview], offset: int, aligned: bool) -> None:
-        fd = self.direct_fd if aligned and self.direct_fd is not None else self.fd
-        try:
-            got = read_into(fd, views, offset, direct=fd == self.direct_fd)
-        except OSError as e:
-            if fd == self.fd or e.errno != errno.EINVAL:
-                raise
-            self._no_direct()
-            got = read_into(self.fd, views, offset)
-        if got < sum(len(v) for v in views):
-            raise DiskReadError(f"{self.path} ends at byte {offset + got}, before the data")
-
-    def write(self, view: memoryview, offset: int, aligned: bool) -> None:
-        fd = self.direct_fd if aligned and self.direct_fd is not None else self.fd
-        try:
-            write_all(fd, view, offset)
-        except OSError as e:
-            if fd == self.fd or e.errno != errno.EINVAL:
-                raise
-            self._no_direct()
-            write_all(self.fd, view, offset)
-
-    def _no_direct(self) -> None:
-        with self._lock:
-            if self.direct_fd is not None:
-                log.info("disk stream: %s refuses direct I/O; using the page cache", self.path)
-                os.close(self.direct_fd)
-                self.direct_fd = None
-
-    def close(self) -> None:
-        """Close both descriptors, once: a number closed twice may be another file's by then."""
-        with self._lock:
-            fds, self.fd, self.direct_fd = (self.fd, self.direct_fd), None, None
-        for fd in fds:
-            if fd is not None:
-                os.close(fd)
 
 
 def _typed(buf: torch.Tensor, offset: int, e: PackedTensor) -> torch.Tensor:
@@ -109,7 +62,7 @@ class DiskStore:
 
     def __init__(self, spill_dir: str) -> None:
         self._spill_dir = spill_dir
-        self._spill: _Source | None = None
+        self._spill: Descriptors | None = None
         self._spill_path: str | None = None
         self._spill_end = 0
         self._places: dict[int, tuple[int, int]] = {}  # pack -> (offset, padded length)
@@ -159,19 +112,19 @@ class DiskStore:
             raise
         pack.release()
 
-    def _open_spill(self) -> _Source:
+    def _open_spill(self) -> Descriptors:
         if self._spill is None:
             os.makedirs(self._spill_dir, exist_ok=True)
             fd, path = tempfile.mkstemp(prefix="tiered-offload-", suffix=".spill", dir=self._spill_dir)
             direct = open_direct(path, os.O_RDWR)
-            self._spill = _Source(path, fd, direct)
+            self._spill = Descriptors(path, fd, direct)
             self._spill_path = path
             if os.name != "nt":
                 os.unlink(path)  # gone with the last descriptor and map, whatever ends the process
             log.info("disk stream: spill file opened in %s (deleted when the engine lets go of it)", self._spill_dir)
         return self._spill
 
-    def _reserve(self, nbytes: int) -> tuple[_Source, int, int]:
+    def _reserve(self, nbytes: int) -> tuple[Descriptors, int, int]:
         """Room for ``nbytes`` at the spill file's end: (file, offset, padded length)."""
         spill = self._open_spill()
         padded = align_up(nbytes, PAGE)
@@ -278,16 +231,19 @@ class DiskStore:
         span = min(align_up(length, PAGE), padded - start)
         aligned = start % PAGE == 0 and dst.data_ptr() % PAGE == 0 and span % PAGE == 0
         try:
-            spill.read([memview(dst[:span])], offset + start, aligned)
+            got = spill.read([memview(dst[:span])], offset + start, aligned)
         except OSError as e:
             raise DiskReadError(f"reading {size_text(length)} back from {self._spill_path} failed: {e}") from e
+        if got < span:
+            raise DiskReadError(f"reading {size_text(length)} back from {self._spill_path} failed: it ends at "
+                                f"byte {offset + start + got}, before pack {i}'s data")
         return length
 
     def drop_cached_pages(self) -> None:
         """Ask the OS to forget the spill file's cached pages, so the next reads come from the disk
         (a benchmark's cold state; direct reads pass the page cache by anyway)."""
         spill = self._spill
-        if spill is not None and spill.fd is not None and hasattr(os, "posix_fadvise"):
+        if spill is not None and not spill.closed and hasattr(os, "posix_fadvise"):
             os.fsync(spill.fd)
             os.posix_fadvise(spill.fd, 0, 0, os.POSIX_FADV_DONTNEED)
 

@@ -19,7 +19,7 @@ import torch
 from ..host.packing import PackedBlock
 from ..ordering import for_device
 from .host_cache import CacheTooSmallError, DiskTelemetry, HostCache
-from .model_file import ModelFileMap
+from .in_place import ModelFileMap
 from .raw_io import PAGE, align_up
 from .sources import DiskSources
 

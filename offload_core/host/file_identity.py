@@ -224,44 +224,52 @@ def version_unreliable(path: str) -> str | None:
     return None
 
 
-def same_bytes(path: str, was: tuple[int, ...], *, whole: bool = False) -> tuple[int, ...] | None:
+def same_bytes(path: str, was: tuple[int, ...], *, whole: bool = False,
+               fd: int | None = None) -> tuple[int, ...] | None:
     """The file's version now, if its bytes are known to be those it had at ``was`` (the same
     version, or one whose change time alone moved and whose witnessed bytes read back the same);
     else None: gone, another file, written, or not witnessed (``whole``: the caller relies on every
-    byte of the file, so only a witness of the whole file counts).
+    byte of the file, so only a witness of the whole file counts). ``fd``: the file is this open
+    descriptor (whatever its name leads to now), else the one ``path`` names.
 
     A metadata-only change is confirmed once: its version joins the witness's, so the next call
     is a stat and a lookup. One log line says so."""
+    if fd is not None:
+        return _same_bytes_of(fd, path, was, whole)
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        opened = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     except OSError:
         return None
     try:
-        now = file_version(os.fstat(fd))
-        if now == tuple(was):
-            return now
-        if content_may_differ(was, now):
-            return None
-        _wait_for_digest(was)
-        with _lock:
-            witness = _witnesses.get((now[0], now[1]))
-            if witness is None or tuple(was) not in witness.versions or (whole and not witness.whole) \
-                    or not witness.ranges:
-                return None
-            if now in witness.versions:
-                return now
-            ranges = dict(witness.ranges)
-        for (offset, length), digest in ranges.items():
-            if _digest_range(fd, offset, length) != digest:
-                return None
-        if file_version(os.fstat(fd)) != now:
-            return None  # changed again while read: the next check decides
-        with _lock:
-            if tuple(was) not in witness.versions:
-                return None
-            witness.versions.add(now)
-        log.info("tiered offload: metadata of %s changed (mode/owner/links); its bytes are unchanged "
-                 "(checked)", path)
-        return now
+        return _same_bytes_of(opened, path, was, whole)
     finally:
-        os.close(fd)
+        os.close(opened)
+
+
+def _same_bytes_of(fd: int, path: str, was: tuple[int, ...], whole: bool) -> tuple[int, ...] | None:
+    now = file_version(os.fstat(fd))
+    if now == tuple(was):
+        return now
+    if content_may_differ(was, now):
+        return None
+    _wait_for_digest(was)
+    with _lock:
+        witness = _witnesses.get((now[0], now[1]))
+        if witness is None or tuple(was) not in witness.versions or (whole and not witness.whole) \
+                or not witness.ranges:
+            return None
+        if now in witness.versions:
+            return now
+        ranges = dict(witness.ranges)
+    for (offset, length), digest in ranges.items():
+        if _digest_range(fd, offset, length) != digest:
+            return None
+    if file_version(os.fstat(fd)) != now:
+        return None  # changed again while read: the next check decides
+    with _lock:
+        if tuple(was) not in witness.versions:
+            return None
+        witness.versions.add(now)
+    log.info("tiered offload: metadata of %s changed (mode/owner/links); its bytes are unchanged "
+             "(checked)", path)
+    return now

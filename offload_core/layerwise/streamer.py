@@ -22,6 +22,7 @@ check, roll back; the schedule is made again around each new setting).
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from collections.abc import Callable, Sequence
@@ -137,7 +138,7 @@ class LayerwiseStreamer(StreamerFigures):
         # With every setting fixed the tuner only says what auto would choose. It calls back through
         # weak references: a streamer dropped is freed at once, with its pack (no cycle to collect).
         self._tuner = Tuner(self._plan, self.device, auto, _weak(self._rebuild), _weak(self.describe_units),
-                            _weak(self._disk_rate))
+                            functools.partial(_disk_rate, self._store))
 
     def record_timeline(self, on: bool) -> None:
         """Record (or stop recording) a picture of each pass: copies, waits, compute, disk reads.
@@ -277,23 +278,27 @@ class LayerwiseStreamer(StreamerFigures):
             raise RuntimeError("reclaim() needs a detached streamer")
         return self._store.reclaim(self._plan, None if within is None else tables_under(within))
 
-    def detach(self, keep_pack: bool = False) -> None:
+    def detach(self, keep_pack: bool = False, check: bool = True) -> None:
         """Remove hooks, free device memory, give every tensor back bit-for-bit.
 
         ``keep_pack`` keeps the host master for the next ``attach`` (unchanged CPU
         tensors then alias it); otherwise it is freed and tensors get fresh memory, or, for packs
         on disk, keep their maps of the spill file while the disk tier's readers, cache and
-        descriptors are released.
+        descriptors are released. Then (``check``) a model file read in place is checked:
+        ModelFileChanged, naming it, if it changed since it was opened, so the run that read it
+        fails before its result is used.
         """
         if self._attached:
             self._teardown(keep_pack)
             log.debug("detached (%s the host pack)", "keeping" if keep_pack else "freeing")  # under the progress bar
+            if check:
+                self.check_files()
         elif not keep_pack and self._store.has_pack():
             self._store.free(self._plan)
 
     def check_files(self) -> None:
         """ModelFileChanged (naming the file) if a model file the disk tier reads in place changed
-        since it was opened: called at a run's end, so that run fails before its result is used."""
+        since it was opened (``detach`` calls it)."""
         if self._store.disk is not None:
             self._store.disk.check_files()
 
@@ -306,16 +311,10 @@ class LayerwiseStreamer(StreamerFigures):
         return self._store.disk.read_back() if self._store.disk is not None else 0
 
     def close(self) -> None:
-        """Detach and free everything; the streamer cannot be attached again."""
-        self.detach(keep_pack=False)
+        """Detach (unchecked: nothing of it is used any more) and free everything; the streamer
+        cannot be attached again."""
+        self.detach(keep_pack=False, check=False)
         self._closed = True
-
-    def _disk_rate(self) -> float | None:
-        """Bytes per ms the disk tier read at while reading, this run; None before a read."""
-        disk = self._store.disk
-        figures = disk.telemetry.snapshot() if disk is not None else {}
-        busy = figures.get("disk_read_busy_s")
-        return figures["disk_bytes_read"] / busy / 1000.0 if busy else None
 
     def _put_up(self, record: bool) -> None:
         """The device schedule of the plan's setting (and a picture of its passes with ``record``)."""
@@ -386,3 +385,11 @@ class LayerwiseStreamer(StreamerFigures):
             self._attached = False
         if not keep:
             self._store.release()
+
+
+def _disk_rate(store: PackStore) -> float | None:
+    """Bytes per ms the disk tier read at while reading, this run; None before a read."""
+    disk = store.disk
+    figures = disk.telemetry.snapshot() if disk is not None else {}
+    busy = figures.get("disk_read_busy_s")
+    return figures["disk_bytes_read"] / busy / 1000.0 if busy else None

@@ -61,7 +61,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from offload_core.disk.model_file import ModelFile
+from offload_core.disk.in_place import ModelFile
 from offload_core.disk.store import DiskStore
 from offload_core.ordering import install_model
 

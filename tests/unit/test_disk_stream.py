@@ -97,12 +97,12 @@ def test_a_failed_write_gives_the_pack_its_values_back(tmp_path):
     packs = [PackedBlock(tensor_refs(m, i), index=i) for i, m in enumerate(modules)]
     storage, buf = _scratch(max(p.nbytes for p in packs))
     store.write(0, packs[0], buf)
-    store._spill.fd, real = os.open(os.devnull, os.O_RDONLY), store._spill.fd  # writes now fail
-    direct, store._spill.direct_fd = store._spill.direct_fd, None
+    store._spill._fd, real = os.open(os.devnull, os.O_RDONLY), store._spill._fd  # writes now fail
+    direct, store._spill._direct = store._spill._direct, None
     with pytest.raises(OSError):
         store.write(1, packs[1], buf)
-    os.close(store._spill.fd)
-    store._spill.fd, store._spill.direct_fd = real, direct
+    os.close(store._spill._fd)
+    store._spill._fd, store._spill._direct = real, direct
     store.bind({0: packs[0]})
     storage.release()
     for m, before in zip(modules, want):  # the written pack as maps, the failed one as fresh memory
@@ -334,11 +334,11 @@ def test_a_read_error_fails_the_pass_clearly_and_the_model_stays_whole(tmp_path)
     with torch.no_grad():
         assert torch.equal(model(x, t), ref)
     spill = st._store.disk.sources.spill._spill
-    os.close(spill.fd)  # every later read of the spill file fails with a real OS error
-    spill.fd = os.open(os.devnull, os.O_RDONLY)
-    if spill.direct_fd is not None:
-        os.close(spill.direct_fd)
-        spill.direct_fd = None
+    os.close(spill._fd)  # every later read of the spill file fails with a real OS error
+    spill._fd = os.open(os.devnull, os.O_RDONLY)
+    if spill._direct is not None:
+        os.close(spill._direct)
+        spill._direct = None
     with torch.no_grad(), pytest.raises(RuntimeError, match="back from .*spill"):
         for _ in range(3):
             model(x, t)

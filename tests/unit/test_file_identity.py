@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from offload_core.disk.model_file import ModelFile, ModelFileChanged, plan_read
+from offload_core.disk.in_place import ModelFile, ModelFileChanged, plan_read
 from offload_core.host import file_identity
 from offload_core.host.file_identity import content_may_differ, file_version, same_bytes, witness_whole
 

@@ -36,7 +36,7 @@ from offload_core.host.store_folder import (
     user_folder_name,
 )
 from offload_core.blocks.phases import stream_units
-from offload_core.host.store_key import StoreKey, first_difference
+from offload_core.host.store_key import StoreKey
 from offload_core.layerwise.plan import StreamPlan
 from offload_core.layerwise.streamer import LayerwiseStreamer
 from offload_core.models.swap import ModuleSwap

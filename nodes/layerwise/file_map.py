@@ -5,10 +5,10 @@ Two ways, in this order:
 - Tensors that are views of a mapped file name it themselves (Linux: /proc/self/maps):
   ComfyUI-GGUF maps its file and hands out the raw quantized bytes. The file's header (GGUF)
   then says where every tensor is, also those the loader copied out (the norms' float weights).
-  The map is also looked up at the load itself (core/model_files.py), so a model whose blocks an
+  The map is also looked up at the load itself (core/load_records.py), so a model whose blocks an
   earlier run moved out of the map (streamed from RAM) is still known by its file.
 - Core's loaders copy a safetensors file's tensors into the model; the pack records which file
-  each model core loads was read from (core/model_files.py: core's UNET and checkpoint loaders
+  each model core loads was read from (core/load_records.py: core's UNET and checkpoint loaders
   and the pack's Tiered ones, whatever nodes pass the model on after). The file's header says
   where each tensor is; keys are matched with whatever prefix the file uses (a checkpoint's
   `model.diffusion_model.`, a bare diffusion model's none), and a tensor the model holds in
@@ -24,10 +24,11 @@ from collections.abc import Sequence
 
 import torch
 
-from ...offload_core.disk.model_file import ModelFileMap, gguf_tensors, safetensors_tensors
+from ...offload_core.disk.file_headers import gguf_tensors, safetensors_tensors
+from ...offload_core.disk.in_place import ModelFileMap
 from ...offload_core.host.released import note_of
 from ...offload_core.host.tensor_refs import tensor_refs
-from ..core import model_files
+from ..core import load_records
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +62,12 @@ def _is_gguf(path: str) -> bool:
 
 def recorded_file(model: torch.nn.Module) -> str | None:
     """The one file core read ``model`` from, or whose map its tensors were views of at the load
-    (core/model_files.py), if the pack saw the load and the file is still the one read; None
+    (core/load_records.py), if the pack saw the load and the file is still the one read; None
     otherwise (logged when it changed)."""
-    source = model_files.source_of(model) or model_files.mapped_source_of(model)
+    source = load_records.source_of(model) or load_records.mapped_source_of(model)
     if source is None or len(source["files"]) != 1:
         return None
-    why = model_files.changed(source)
+    why = load_records.changed(source)
     if why is not None:
         log.info("Apply Layerwise Offload: %s since the model was loaded; streamed blocks go to a spill file", why)
         return None
@@ -114,7 +115,7 @@ def find(model: torch.nn.Module, blocks: Sequence[torch.nn.Module], prefixes: Se
     tensors = _block_tensors(blocks)
     if not tensors:
         return None
-    path = model_files.mapped_file(t for _, _, t in tensors) or recorded_file(model)
+    path = load_records.mapped_file(t for _, _, t in tensors) or recorded_file(model)
     if path is None:
         log.info("Apply Layerwise Offload: the file %s was loaded from is not known (its loader is not "
                  "one the pack knows); streamed blocks go to a spill file", model_class)

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from offload_core.disk.model_file import ModelFileChanged, ModelFileMap, gguf_tensors, plan_read, safetensors_tensors
+from offload_core.disk.file_headers import gguf_tensors, safetensors_tensors
+from offload_core.disk.in_place import ModelFileChanged, ModelFileMap, plan_read
 from offload_core.disk.sources import read_back_module
 from offload_core.disk.tier import DiskOptions
 from offload_core.host.released import released
@@ -216,7 +217,7 @@ def _change(path, op: str, tmp_path) -> None:
         path.unlink()
 
 
-@pytest.mark.parametrize("op", ["truncate", "overwrite", "replace", "delete"])
+@pytest.mark.parametrize("op", ["truncate", "overwrite"])
 def test_a_file_changed_between_passes_fails_the_next_pass_naming_the_file(model_file, tmp_path, op):
     model, path = model_file
     x = _x()
@@ -226,17 +227,113 @@ def test_a_file_changed_between_passes_fails_the_next_pass_naming_the_file(model
         model(x)
     _change(path, op, tmp_path)
     # A read that finds the file short fails its copy (RuntimeError from the copy worker, the
-    # read's error its cause); otherwise the check at the pass's start raises.
+    # read's error its cause); otherwise the check after the read raises.
     with torch.no_grad(), pytest.raises((ModelFileChanged, RuntimeError), match=re.escape(str(path))):
         for _ in range(2):
             model(x)
     with pytest.raises(ModelFileChanged, match="Load the model again"):
         st.check_files()
-    st.detach(keep_pack=True)
+    with pytest.raises(ModelFileChanged, match="Load the model again"):
+        st.detach(keep_pack=True)  # everything is given back first
+    assert not st._attached
     # The bytes the model was loaded with are gone: reading them back is refused, never wrong.
     with pytest.raises(ModelFileChanged, match=re.escape(str(path))):
         read_back_module(model)
     st.close()
+    assert _open_descriptors(path) == 0  # a file that failed is closed at once
+
+
+def _open_descriptors(path) -> int:
+    """How many of this process's descriptors are open on the file ``path`` named (renamed over
+    or deleted since: its old inode, which /proc shows as the name and " (deleted)")."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        count += target in (str(path), f"{path} (deleted)")
+    return count
+
+
+@pytest.mark.parametrize("op", ["replace", "delete"])
+def test_a_file_renamed_over_or_deleted_is_read_on_until_the_model_goes(model_file, tmp_path, op, caplog):
+    """A re-download renamed over the model's file, or a delete, leaves the open inode with exactly
+    the loaded bytes: the model runs on bit for bit, with the engine, with a later engine, and read
+    back for a run without one (as core's copy in RAM would); one log line says the file is read
+    on. The inode is let go once nothing can read from it: read back into RAM, or the model gone,
+    so its disk space comes back. A new load reads the new file."""
+    import gc
+
+    model, path = model_file
+    x = _x()
+    with torch.no_grad():
+        reference = model(x)
+    st = _streamer(model, tmp_path, path)
+    st.attach()
+    with torch.no_grad():
+        model(x)  # every unit checked and released
+    _change(path, op, tmp_path)
+    with caplog.at_level("INFO", logger="offload_core.disk.in_place"), torch.no_grad():
+        outs = [model(x) for _ in range(2)]
+        st.detach(keep_pack=True)  # checks the file: no error
+        st.attach()
+        outs.append(model(x))
+        st.detach(keep_pack=True)
+    st.close()
+    said = [r.getMessage() for r in caplog.records if "reads on from the file it was loaded from" in r.getMessage()]
+    assert len(said) == 1 and str(path) in said[0], said
+    assert all(torch.equal(_bits(o), _bits(reference)) for o in outs)
+    # The engine is gone, the blocks' notes still read from the open file: a later engine does.
+    assert _open_descriptors(path) >= 1
+    again = _streamer(model, tmp_path, None)
+    again.attach()
+    with torch.no_grad():
+        assert torch.equal(_bits(model(x)), _bits(reference))
+    again.detach()
+    again.close()
+    assert _open_descriptors(path) >= 1
+    assert read_back_module(model) > 0
+    with torch.no_grad():
+        assert torch.equal(_bits(model(x)), _bits(reference))
+    gc.collect()
+    assert _open_descriptors(path) == 0  # back in RAM: the old inode is let go
+    if op == "replace":  # a new load reads the new file
+        new = PlainModel(seed=3)
+        from safetensors.torch import load_file
+        new.load_state_dict(load_file(str(path)))
+        with torch.no_grad():
+            want = new(x)
+        fresh = _streamer(new, tmp_path, path)
+        fresh.attach()
+        with torch.no_grad():
+            got = [new(x) for _ in range(2)]
+        figures = fresh.disk_figures()
+        fresh.detach()
+        fresh.close()
+        assert figures["file_units"] == len(new.blocks), figures
+        assert all(torch.equal(_bits(g), _bits(want)) for g in got)
+        assert not torch.equal(_bits(want), _bits(reference))
+
+
+def test_the_open_file_is_let_go_with_the_model(tmp_path):
+    """A deleted model file whose model is dropped (unloaded) while its blocks are released: the
+    last reference to the open inode goes with the model, and its space with it."""
+    import gc
+
+    model, path = PlainModel(), tmp_path / "model.safetensors"
+    _save(model, path)
+    st = _streamer(model, tmp_path, path)
+    st.attach()
+    with torch.no_grad():
+        model(_x())
+    st.detach()
+    st.close()
+    path.unlink()
+    assert _open_descriptors(path) >= 1  # the released blocks may still be read
+    del model, st
+    gc.collect()
+    assert _open_descriptors(path) == 0
 
 
 def test_a_file_overwritten_in_place_during_a_pass_fails_that_pass(model_file, tmp_path):
@@ -342,7 +439,7 @@ def test_bytes_written_while_a_unit_is_read_never_reach_compute(model_file, tmp_
     other model's): the descriptor's identity, checked right after every read, fails that read,
     so the very pass that read it raises, naming the file, and no output computed from those
     bytes is returned."""
-    import offload_core.disk.model_file as model_file_module
+    import offload_core.disk.raw_io as raw_io_module
 
     model, path = model_file
     x = _x()
@@ -354,7 +451,7 @@ def test_bytes_written_while_a_unit_is_read_never_reach_compute(model_file, tmp_
     st.attach()
     with torch.no_grad():
         model(x)  # every unit checked and released: later reads trust the file's identity
-    real = model_file_module.read_into
+    real = raw_io_module.read_into
     armed = []
 
     def read_during_a_write(fd, views, offset, **kwargs):
@@ -365,14 +462,13 @@ def test_bytes_written_while_a_unit_is_read_never_reach_compute(model_file, tmp_
             _change(path, "overwrite", tmp_path)
         return real(fd, views, offset, **kwargs)
 
-    monkeypatch.setattr(model_file_module, "read_into", read_during_a_write)
+    monkeypatch.setattr(raw_io_module, "read_into", read_during_a_write)
     armed.append(False)
     outputs = []
     try:
         with torch.no_grad(), pytest.raises((ModelFileChanged, RuntimeError), match=re.escape(str(path))):
             outputs.append(model(x))
     finally:
-        st.detach(keep_pack=True)
         st.close()
     assert armed == [True] and outputs == []
 
