@@ -14,7 +14,8 @@ Where the frontend reads each file (ComfyUI 0.3.75 with frontend 1.32.9, 0.33.0 
   (SettingItem.vue, SettingGroup.vue); commands.<id>.label (KeybindingPanel.vue); a sidebar tab's
   title and tooltip are translated as keys (SidebarIcon.vue).
 - Node help: /extensions/<pack>/docs/<NodeId>/<locale>.md, then docs/<NodeId>.md, under the web
-  directory (services/nodeHelpService.ts, both versions).
+  directory (services/nodeHelpService.ts, both versions); the pack answers the first for every
+  locale (nodes/server/node_help.py), so no help view fails a request.
 
 Frontend 1.32.9 drops the pack's messages of every language but English: its loadLocale()
 replaces a lazily loaded language's messages (setLocaleMessage) after /i18n was merged. A
@@ -193,10 +194,14 @@ def open_page(browser, comfy, locale: str):  # noqa: F811
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
+    failed: list[str] = []  # requests of the pack's help pages that failed (a 404 before a fallback)
+    page.on("response", lambda r: failed.append(f"{r.status} {r.url}") if "/docs/" in r.url and r.status >= 400
+            else None)
     wait_for_ui(page, comfy.url)
     page.wait_for_function("(locale) => document.getElementById('vue-app').__vue_app__"
                            ".config.globalProperties.$i18n.locale === locale", arg=locale)
     page.errors = errors
+    page.failed_help = failed
     return page
 
 
@@ -414,6 +419,19 @@ def shown_help_heading(page, node_id: str) -> str:
     return heading.inner_text().strip()
 
 
+def test_each_help_request_is_answered_in_the_users_language_or_english(comfy):
+    """The frontend's first request for a node's help (docs/<Node>/<locale>.md) is answered for
+    every language: Chinese where the pack has it, English otherwise; another name is a 404."""
+    base = f"/extensions/{PACK_LINK_NAME}/docs"
+    for node in sorted(load("en", "nodeDefs")):
+        for locale, want in (("en", DOCS / f"{node}.md"), ("zh", DOCS / node / "zh.md"), ("ja", DOCS / f"{node}.md"),
+                             ("pt-BR", DOCS / f"{node}.md")):
+            status, body = comfy.request("GET", f"{base}/{node}/{locale}.md")
+            assert status == 200 and body == want.read_text(encoding="utf-8"), (node, locale, status)
+    for path in (f"{base}/NoSuchNode/en.md", f"{base}/ApplyLayerwiseOffload/x_y.md"):
+        assert comfy.request("GET", path)[0] == 404, path
+
+
 def first_heading(path: Path) -> str:
     return path.read_text(encoding="utf-8").splitlines()[0].removeprefix("# ").strip()
 
@@ -445,6 +463,7 @@ def test_the_help_panel_shows_each_nodes_help(browser, comfy, locale):  # noqa: 
             }""")
             assert not wide, (locale, node_id, wide)
         assert not page.errors, page.errors
+        assert not page.failed_help, page.failed_help
     finally:
         page.close()
         # The frontend keeps the side panel that showed the help open (1.49's right side panel

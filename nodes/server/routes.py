@@ -42,7 +42,7 @@ from ...offload_core.models.tier_errors import (
 from ..core import budgets, prompt_lifecycle
 from ..core.state import LAYERWISE, MANAGER, SWAP_MEMBERS
 from ..tiers.managed_models import diffusion_module_ids, release_prompt, sync_tiers
-from . import loaded_models
+from . import loaded_models, node_help
 
 log = logging.getLogger(__name__)
 
@@ -400,6 +400,7 @@ def register() -> None:
     routes.post("/offload/budgets")(post_budgets)
     routes.post("/offload/loaded/{card}/unload")(post_unload)
     routes.post("/offload/policy/{model}")(post_policy)
+    node_help.register(routes)
 
     MANAGER.subscribe(push_tiers)
     # Core's own loads and unloads raise no event: the panel hears of them after each prompt
