@@ -16,9 +16,14 @@ def card(comfy, cls: str, core: bool = True) -> dict:
 
 
 def test_core_loaded_models_are_listed_with_what_the_pack_does(comfy):
-    comfy.run(with_text_encode(sample_workflow("wan21", layerwise={"resident_blocks": 1}), swap=False))
+    wf = with_text_encode(sample_workflow("wan21", layerwise={"resident_blocks": 1}), swap=False)
+    comfy.run(wf)
     wan, clip = card(comfy, "WAN21"), card(comfy, "SD1ClipModel")
     assert wan["kind"] == "diffusion model" and wan["network"] == "WanModel"
+    # Each card names the file core's loader read (core's record where it keeps one, else the
+    # pack's), on every ComfyUI version.
+    names = [node["inputs"][key] for node in wf.values() for key in ("unet_name", "clip_name") if key in node["inputs"]]
+    assert [wan["file"], clip["file"]] == names, (wan["file"], clip["file"], names)
     assert clip["kind"] == "text encoder" and clip["network"] is None
     for c in (wan, clip):
         b = c["bytes"]

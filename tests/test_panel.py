@@ -311,6 +311,23 @@ def test_demo_models_are_listed_with_core_loaders(comfy, ui):
     ui.shot("panel_after_demo.png")
 
 
+def test_the_ram_bar_shows_what_the_pack_holds_as_its_own_rows(comfy, ui):
+    """After the demo (blocks streamed from RAM) and a Model-Level Swap run, the API counts the
+    Apply Layerwise Offload blocks and the swap masters the pack holds, and the RAM bar shows each
+    as a row of its own (a segment of the bar and a line of its legend), never inside "other"."""
+    ui.show_open_panel(comfy)
+    comfy.run(example_workflows.demo())
+    comfy.run(example_workflows.swap())
+    ram = comfy.get("/offload/tiers")["devices"]["ram"]
+    held = ram["held_by_pack"]
+    assert held["layerwise_packs"] > 0 and held["swap_masters"] > 0, held
+    box = ui.page.locator('#tiered-offload-panel [data-dev="ram"]')
+    for words in ("Apply Layerwise Offload blocks", "Model-Level Swap masters", "other", "available"):
+        sync_api.expect(box).to_contain_text(words, timeout=20_000)
+    segments = box.locator(".to-bar .to-seg").evaluate_all("(segs) => segs.map((s) => s.className)")
+    assert any("to-c-pack" in c for c in segments) and any("to-c-swap" in c for c in segments), segments
+
+
 def test_the_streamed_card_says_what_it_counts_and_agrees_with_its_picture(comfy, ui):
     """The demo's streamed DiT (2 of its 12 blocks resident, prefetch 2), run while the panel was
     open: its total is its blocks (the engine's pack) plus the rest ComfyUI holds, said once;

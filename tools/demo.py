@@ -56,7 +56,7 @@ def print_loaded(server: ComfyServer) -> None:
         b = card["bytes"] or {}
         what = [w for w, on in (("streamed", card["layerwise"]), ("swapped", card["swap"]),
                                 ("tier-managed", card["tier_id"])) if on]
-        print(f"loaded: {card['class']} ({card['kind']}, {card['file'] or 'file unknown'}) "
+        print(f"loaded: {card['class']} ({card['kind']}, {card['file'] or 'file not recorded by this ComfyUI'}) "
               f"{b.get('total', 0) / MiB:.1f} MiB on {card['device']}"
               + (f", {', '.join(what)}" if what else ""))
 

@@ -121,6 +121,10 @@ function isCpu(payload) {
   return !vram || num(vram.total) === 0;
 }
 
+// The RAM bar's rows of what the pack holds (GET /offload/tiers: devices.ram.held_by_pack).
+const HELD = [["tier_models", "to-c-ram"], ["swap_masters", "to-c-swap"], ["layerwise_packs", "to-c-pack"],
+  ["disk_cache", "to-c-cache"]];
+
 function devicesHtml(payload) {
   const b = fmtBytes;
   const vram = payload.devices?.vram;
@@ -151,15 +155,25 @@ function devicesHtml(payload) {
   }
   if (ram) {
     const total = num(ram.total), avail = num(ram.available), pinned = num(ram.pinned);
-    const budget = num(ram.budget), models = num(ram.used_by_models);
-    const unpinnedModels = Math.max(0, models - pinned);
-    const other = Math.max(0, total - avail - pinned - unpinnedModels);
+    const budget = num(ram.budget);
+    // What the pack holds, by what holds it (a model core loaded itself is in "other"), in the
+    // order the bar draws them; none exceeds what is in use.
+    const held = ram.held_by_pack ?? { tier_models: num(ram.used_by_models) };
+    const inUse = Math.max(0, total - avail);
+    let room = inUse;
+    const owners = HELD.map(([key, cls]) => {
+      const bytes = Math.min(num(held[key]), room);
+      room -= bytes;
+      return { key, cls, bytes };
+    });
+    const other = room;
     const pinnedText = tr("devices.pinnedSize", { size: b(pinned) });
     // Pinned RAM only speeds up copies to a GPU: without one nothing is pinned, and no bar says so.
     const cpu = isCpu(payload);
     const pinnedHead = cpu && pinned === 0 ? tr("devices.pinnedNoGpu")
       : budget > 0 ? tr("devices.pinnedOfBudget", { pinned: b(pinned), budget: b(budget) })
         : tr("devices.pinnedNoBudget", { pinned: b(pinned) });
+    const ownerText = (o) => tr(`devices.held.${o.key}`, { size: b(o.bytes) });
     out.push(`<div class="to-dev" data-dev="pinned">
       <div class="to-dev-head"><b>${esc(tr("devices.pinned"))}</b>
         <span class="to-right">${esc(pinnedHead)}</span></div>
@@ -170,12 +184,10 @@ function devicesHtml(payload) {
       <div class="to-dev-head"><b>${esc(tr("devices.ram"))}</b>
         <span class="to-right">${esc(tr("devices.availableOfTotal", { available: b(avail), total: b(total) }))}</span></div>
       ${bar([
-        { cls: "to-c-pinned", bytes: pinned, title: pinnedText },
-        { cls: "to-c-ram", bytes: unpinnedModels, title: tr("devices.managedUnpinnedTitle", { size: b(unpinnedModels) }) },
+        ...owners.map((o) => ({ cls: o.cls, bytes: o.bytes, title: ownerText(o) })),
         { cls: "to-c-other", bytes: other, title: tr("devices.otherTitle", { size: b(other) }) },
       ], total, budget > 0 ? { marker: { bytes: budget, title: tr("devices.ramBudgetMarker", { size: b(budget) }) } } : {})}
-      ${legend([(!cpu || pinned > 0) && ["to-c-pinned", pinnedText],
-                unpinnedModels > 0 && ["to-c-ram", tr("devices.managedSize", { size: b(unpinnedModels) })],
+      ${legend([...owners.map((o) => o.bytes > 0 && [o.cls, ownerText(o)]),
                 ["to-c-other", tr("devices.otherSize", { size: b(other) })],
                 ["to-c-free", tr("devices.availableSize", { size: b(avail) })]])}
     </div>`);
@@ -465,8 +477,8 @@ export function coreOnly(card) {
 // lets go of what it holds (its pinned master or pack).
 function coreHtml(l, ctx) {
   const { strips, pending, notice, cpu } = ctx;
-  const title = l.file ?? l.class;
-  const sub = [l.class, l.network && l.network !== l.class ? l.network : null, l.kind && kindText(l.kind)]
+  const title = l.file ?? l.class;  // without a file the class is the title, not said again below
+  const sub = [l.file ? l.class : null, l.network && l.network !== l.class ? l.network : null, l.kind && kindText(l.kind)]
     .filter(Boolean).join(" · ");
   let figures;
   let tier;

@@ -30,7 +30,7 @@ import comfy.model_management
 import comfy.sd1_clip
 
 from ...offload_core.models.tier_errors import TierError
-from ..core import prompt_lifecycle
+from ..core import load_records, prompt_lifecycle
 from ..core.models import unload_from_core
 from ..core.state import LAYERWISE, MANAGER, SWAP_MEMBERS
 from ..tiers.managed_models import diffusion_module_ids, key_of
@@ -78,6 +78,15 @@ def _file_of(patcher) -> str | None:
     return " + ".join(os.path.basename(os.fspath(p)) for p in paths) or None
 
 
+def _recorded_file(module: torch.nn.Module) -> str | None:
+    """The file the pack saw core read ``module`` from (core/load_records.py: core's loaders, and
+    the file a GGUF model was mapped from), where core itself records none (0.3.75)."""
+    source = load_records.source_of(module) or load_records.mapped_source_of(module)
+    if not source:
+        return None
+    return " + ".join(os.path.basename(path) for path, _ in source["files"]) or None
+
+
 def _layerwise_by_module() -> dict[int, dict]:
     return {report["module_id"]: report for report in LAYERWISE.report()}
 
@@ -98,7 +107,7 @@ def _card(lm, layerwise: dict[int, dict], tier_names: dict[str, str],
         "class": type(module).__name__,
         "network": type(diffusion_model).__name__ if diffusion_model is not None else None,
         "kind": _kind(module),
-        "file": tier_names.get(tier_id) or _file_of(patcher),
+        "file": tier_names.get(tier_id) or _file_of(patcher) or _recorded_file(module),
         "device": str(lm.device),
         "core": True,
         "bytes": _bytes(lm, lw),

@@ -166,7 +166,22 @@ def devices() -> dict[str, Any]:
     snapshot_ram = MANAGER.snapshot()["ram"]
     return {"vram": vram,
             "ram": {"total": mem.total, "available": mem.available, "pinned": pinned_bytes(),
-                    "budget": snapshot_ram["budget"], "used_by_models": snapshot_ram["used_by_models"]}}
+                    "budget": snapshot_ram["budget"], "used_by_models": snapshot_ram["used_by_models"],
+                    "held_by_pack": held_by_pack(snapshot_ram["used_by_models"])}}
+
+
+def held_by_pack(tier_models: int) -> dict[str, int]:
+    """The host RAM the pack holds, by what holds it: the tier manager's models in RAM, Model-Level
+    Swap's masters, Apply Layerwise Offload's host packs (in this process or a shared store) and
+    its disk tier's caches. What the RAM bar shows as the pack's own, apart from everything else."""
+    swap = sum(int(member.report()["bytes"]["master"]) for member in list(SWAP_MEMBERS.values())
+               if not member.closed)
+    packs = cache = 0
+    for report in LAYERWISE.report():
+        host = report.get("host") or {}
+        packs += int(host.get("pinned", 0)) + int(host.get("pageable", 0))
+        cache += int(host.get("cache", 0))
+    return {"tier_models": int(tier_models), "swap_masters": swap, "layerwise_packs": packs, "disk_cache": cache}
 
 
 def _layerwise_by_model() -> dict[int, dict]:
