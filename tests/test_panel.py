@@ -296,6 +296,8 @@ def test_demo_models_are_listed_with_core_loaders(comfy, ui):
         card = ui.core_card(truth["id"])
         sync_api.expect(card).to_have_count(1, timeout=20_000)
         assert card.locator('[data-role="class"]').inner_text().startswith(truth["class"])
+        if on_cpu(comfy):  # the CPU badge says where it is; the pill does not say it again
+            assert card.locator(".to-meta").inner_text().split()[0] == "core", card.locator(".to-meta").inner_text()
         b = truth["bytes"]
         assert b["device"] + b["ram"] + b["disk"] == b["total"], b
         figures = shown_figures(card)

@@ -310,6 +310,7 @@ export const ENGLISH = {
     priorityTitle: "Higher priority models are evicted later (-100 to 100)",
     priorityInvalid: "a whole number from -100 to 100",
     core: "core · {device}",
+    coreHere: "core",
     coreTitle: "Loaded by ComfyUI on {device}",
     notLoaded: "Not loaded by ComfyUI now; the pack still holds its weights in RAM.",
     fileNotRecorded: "file not recorded by this ComfyUI",

@@ -492,7 +492,8 @@ function coreHtml(l, ctx) {
   }
   const busy = pending[l.id];
   const pills = [
-    l.core ? `<span class="to-pill" title="${esc(tr("card.coreTitle", { device: l.device }))}">${esc(tr("card.core", { device: l.device }))}</span>` : "",
+    // Without a GPU the badge says CPU already: the pill does not say it again.
+    l.core ? `<span class="to-pill" title="${esc(tr("card.coreTitle", { device: l.device }))}">${esc(cpu ? tr("card.coreHere") : tr("card.core", { device: l.device }))}</span>` : "",
     streamedPill(l.layerwise),
     swapPill(l.swap),
   ].join("");
