@@ -632,6 +632,16 @@ def test_model_level_swap_cards_read_true_and_can_be_unloaded(comfy, ui):
     encoder = next(c for c in swapped if c["kind"] == "text encoder")
     assert not encoder["core"] and encoder["id"].startswith("swap-"), encoder
     card = ui.core_card(encoder["id"])
+    # A workflow without the node leaves the masters to core's cached models: the cards say so
+    # (the last prompt did not swap them; Unload frees them), and a swap run again takes it back.
+    assert not any(c["swap"]["held_from_earlier_prompt"] for c in swapped), swapped
+    comfy.run(example_workflows.demo())
+    assert all(c["swap"]["held_from_earlier_prompt"] for c in loaded_cards(comfy) if c["swap"]), loaded_cards(comfy)
+    earlier = ui.page.locator('#tiered-offload-panel [data-role="swap-earlier"]')
+    sync_api.expect(earlier.first).to_contain_text("Unload frees both", timeout=20_000)
+    comfy.run(example_workflows.swap())
+    assert not any(c["swap"]["held_from_earlier_prompt"] for c in loaded_cards(comfy) if c["swap"])
+    sync_api.expect(earlier).to_have_count(0, timeout=20_000)
     sync_api.expect(card.locator('button[data-action="unload"]')).to_be_enabled(timeout=20_000)
     whole_shot(ui.page, ui.page.locator("#tiered-offload-panel"), "panel_swap_masters.png")
     long_run = example_workflows.swap()   # the encodes are cached: the encoder stays out of core

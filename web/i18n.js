@@ -273,6 +273,8 @@ export const ENGLISH = {
   swap: {
     pill: "swapped",
     master: "master {size}",
+    heldFromEarlier:
+      "Not swapped in the last prompt: ComfyUI still holds this model from an earlier workflow, and its master stays in RAM as long as it does. Unload frees both.",
     figures: "Model-Level Swap: {turns}, {parks} without a copy back",
     turnsOne: "1 turn",
     turnsMany: "{n} turns",

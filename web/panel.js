@@ -376,8 +376,10 @@ function swapHtml(sw) {
   const count = (n, one, many) => tr(n === 1 ? one : many, { n });
   const turns = count(num(sw.turns), "swap.turnsOne", "swap.turnsMany");
   const parks = count(num(sw.parks), "swap.parksOne", "swap.parksMany");
+  const earlier = sw.held_from_earlier_prompt
+    ? `<div class="to-muted" data-role="swap-earlier">${esc(tr("swap.heldFromEarlier"))}</div>` : "";
   return `<div class="to-meta" data-role="swap"><span>${esc(tr("swap.figures", { turns, parks }) + master)}</span></div>
-    ${hostStoreHtml(sw.host_store)}`;
+    ${earlier}${hostStoreHtml(sw.host_store)}`;
 }
 
 const swapPill = (sw) => (sw ? `<span class="to-pill" data-role="swap-pill">${esc(tr("swap.pill"))}</span>` : "");

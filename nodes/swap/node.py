@@ -47,7 +47,7 @@ import comfy.patcher_extension
 from comfy_api.v0_0_2 import io
 
 from ...offload_core.models.swap import ModuleSwap
-from ..core import host_moves, host_sharing
+from ..core import host_moves, host_sharing, prompt_lifecycle
 from ..core.models import is_dynamic, loaded_entries, unload_from_core
 from ..core.state import LAYERWISE, LAYERWISE_KEY, SWAP_KEY, SWAP_MEMBERS
 
@@ -88,6 +88,7 @@ class SwapMember:
         self.swap.note_reader(patcher.load_device)
         self.closed = False
         self.turns = 0
+        self.turn_prompt: str | None = None  # the prompt of the last turn
         self.parks = 0
         self.tensors_taken_back = 0
         # Only a weak reference: the module must still be freed (and this member closed) when
@@ -126,7 +127,11 @@ class SwapMember:
         module = self._module_ref()
         on_device = module is not None and bool(loaded_entries(module))
         store = self.swap.host_store() if self.share is not None else {"shared": False, "why": self.share_why}
+        # Core caches the model with its master: a later prompt without this node runs it from the
+        # master too, and the master's RAM stays until the model is unloaded. The card says so.
+        earlier = self.turn_prompt is not None and self.turn_prompt != prompt_lifecycle.current_prompt_id()
         return {"name": self.name, "kind": self.kind, "loaded_by_core": on_device, "turns": self.turns,
+                "held_from_earlier_prompt": earlier,
                 "parks": self.parks, "tensors_taken_back": self.tensors_taken_back,
                 "in_layerwise_pack": self.swap.skipped, "host_store": store,
                 "bytes": {"master": self.swap.nbytes, **self.swap.bytes_by_tier()}}
@@ -177,6 +182,7 @@ class _Turns:
             unload_from_core(outgoing)
         if member is not None:
             member.turns += 1
+            member.turn_prompt = prompt_lifecycle.current_prompt_id()
 
 
 def _master_refusal(patcher) -> str | None:
