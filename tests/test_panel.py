@@ -313,21 +313,24 @@ def test_demo_models_are_listed_with_core_loaders(comfy, ui):
     ui.shot("panel_after_demo.png")
 
 
-def test_the_ram_bar_shows_what_the_pack_holds_as_its_own_rows(comfy, ui):
-    """After the demo (blocks streamed from RAM) and a Model-Level Swap run, the API counts the
-    Apply Layerwise Offload blocks and the swap masters the pack holds, and the RAM bar shows each
-    as a row of its own (a segment of the bar and a line of its legend), never inside "other"."""
+def ram_bar_holds(comfy, ui, key: str, words: str, cls: str) -> None:
+    """The API counts bytes the pack holds under ``key`` and the RAM bar shows them as a row of
+    their own (a segment of the bar and a legend line), never inside "other"."""
+    held = comfy.get("/offload/tiers")["devices"]["ram"]["held_by_pack"]
+    assert held[key] > 0, held
+    box = ui.page.locator('#tiered-offload-panel [data-dev="ram"]')
+    for text in (words, "other", "available"):
+        sync_api.expect(box).to_contain_text(text, timeout=20_000)
+    segments = box.locator(".to-bar .to-seg").evaluate_all("(segs) => segs.map((s) => s.className)")
+    assert any(cls in c for c in segments), segments
+
+
+def test_the_ram_bar_shows_the_streamed_blocks_as_the_packs_own(comfy, ui):
+    """After the demo (blocks streamed from RAM) the RAM bar has a row for Apply Layerwise
+    Offload's blocks (Model-Level Swap's masters: the swap test below)."""
     ui.show_open_panel(comfy)
     comfy.run(example_workflows.demo())
-    comfy.run(example_workflows.swap())
-    ram = comfy.get("/offload/tiers")["devices"]["ram"]
-    held = ram["held_by_pack"]
-    assert held["layerwise_packs"] > 0 and held["swap_masters"] > 0, held
-    box = ui.page.locator('#tiered-offload-panel [data-dev="ram"]')
-    for words in ("Apply Layerwise Offload blocks", "Model-Level Swap masters", "other", "available"):
-        sync_api.expect(box).to_contain_text(words, timeout=20_000)
-    segments = box.locator(".to-bar .to-seg").evaluate_all("(segs) => segs.map((s) => s.className)")
-    assert any("to-c-pack" in c for c in segments) and any("to-c-swap" in c for c in segments), segments
+    ram_bar_holds(comfy, ui, "layerwise_packs", "Apply Layerwise Offload blocks", "to-c-pack")
 
 
 def test_the_streamed_card_says_what_it_counts_and_agrees_with_its_picture(comfy, ui):
@@ -621,6 +624,7 @@ def test_model_level_swap_cards_read_true_and_can_be_unloaded(comfy, ui):
     kinds = {c["class"]: c["kind"] for c in swapped}
     assert kinds == {"HunyuanVideo": core_kinds["HunyuanVideo"], "SD1ClipModel": core_kinds["SD1ClipModel"]}, swapped
     assert sorted(kinds.values()) == ["diffusion model", "text encoder"], swapped
+    ram_bar_holds(comfy, ui, "swap_masters", "Model-Level Swap masters", "to-c-swap")
     for truth in swapped:
         card = ui.core_card(truth["id"])
         sync_api.expect(card.locator('[data-role="swap-pill"]')).to_have_count(1, timeout=20_000)
@@ -783,12 +787,15 @@ def test_missing_server_side_shows_message(browser, comfy):
 
 
 def test_example_workflows_open_from_the_template_browser(comfy, ui):
-    """ComfyUI lists the pack's example_workflows/ in its template browser; each graph file is
-    the API graph tools/example_workflows.py builds, and the demo runs from the UI."""
+    """ComfyUI lists the pack's example_workflows/ in its template browser, opened the way the
+    docs say; each graph file is the API graph tools/example_workflows.py builds, and the demo
+    runs from the UI."""
     listed = comfy.get("/api/workflow_templates")
     assert sorted(listed.get(PACK_LINK_NAME, [])) == sorted(example_workflows.EXAMPLES), listed
     page = ui.page
-    page.evaluate("app.extensionManager.command.execute('Comfy.BrowseTemplates')")
+    # The way the docs give: the sidebar's Templates button (both frontends; the logo menu's
+    # Browse Templates opens the same dialog).
+    page.locator('button[aria-label="Templates"]').first.click()
     dialog = page.get_by_role("dialog").filter(has_text="Templates")
     dialog.get_by_text(PACK_LINK_NAME).first.click()
     for stem in example_workflows.EXAMPLES:   # the title, and the caption where it reads the same

@@ -117,8 +117,8 @@ def main() -> int:
             print(f"picture of the run recorded for {picture['model_class']}: {len(picture['units'])} "
                   f"streamed units, a pass of {picture['pass_ms']:.1f} ms; the Offload panel shows it")
         print(f"\nComfyUI is served at {server.url}/ . To open the demo workflow there: "
-              f"Workflow menu → Browse Templates, then '{PACK_LINK_NAME}' under EXTENSIONS on the "
-              f"left, then '{example_workflows.DEMO}'. The Offload tab in the left sidebar (the "
+              f"the Templates button in the left sidebar (or Browse Templates in the ComfyUI logo "
+              f"menu), then '{PACK_LINK_NAME}' in the list on the left, then '{example_workflows.DEMO}'. The Offload tab in the left sidebar (the "
               f"server icon) lists the models this run loaded.")
         if args.exit:
             return 0
