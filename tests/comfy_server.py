@@ -148,7 +148,11 @@ class ComfyServer:
         else:
             self.stop()
             raise RuntimeError(f"ComfyUI not ready after {timeout:.0f} s:\n{self.log_tail()}")
-        self.check_pack_loaded()
+        try:
+            self.check_pack_loaded()
+        except BaseException:  # a server whose pack failed to load is stopped, not left running
+            self.stop()
+            raise
         return self
 
     @staticmethod
