@@ -31,6 +31,7 @@ import pytest
 
 import tiny_models
 from comfy_server import ComfyServer
+from test_disk_faults import _open_files
 from workflows import sample_workflow
 
 PAGE = 4096
@@ -128,16 +129,8 @@ def _names_the_file(outcome: tuple, name: str) -> bool:
 
 
 def _held_old_file(server: ComfyServer, name: str) -> list[str]:
-    """The pack server's descriptors of an unlinked file by ``name`` (an old version it read)."""
-    out = []
-    for fd in os.listdir(f"/proc/{server.proc.pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{server.proc.pid}/fd/{fd}")
-        except OSError:  # closed meanwhile
-            continue
-        if target.endswith(f"{name} (deleted)"):
-            out.append(target)
-    return out
+    """The pack server's descriptors and maps of an unlinked file by ``name`` (an old version it read)."""
+    return [t for t in _open_files(server.proc.pid) if t.endswith(f"{name} (deleted)")]
 
 
 def _wait_let_go(server: ComfyServer, name: str) -> None:
