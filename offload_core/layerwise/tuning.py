@@ -72,7 +72,7 @@ from ..ordering import Event, for_device
 from .measure import PassMeter, PeriodWatch
 from .pipeline import DISK_STEADY, Costs, Setting, predict
 from .plan import StreamPlan
-from .planner import DEFAULT_PREFETCH, MAX_PREFETCH, MAX_READ_AHEAD, Choices, Plan, ms_text, plan
+from .planner import DEFAULT_PREFETCH, MAX_PREFETCH, MAX_READ_AHEAD, Choices, Plan, Reason, ms_text, plan
 
 log = logging.getLogger(__name__)
 
@@ -607,6 +607,9 @@ def _check(tuner: Tuner, kind: _Kind, costs: Costs, period: float) -> None:
         kind.held = before[0]
         kind.verdict = "slower than predicted, and than the setting before: rolled back"
         tuner._apply(kind, before[0], "rolled back: slower than predicted")
+        # The setting is back for this reason, whatever plan (if any) first chose it.
+        kind.reasons[before[0]] = Reason(f"rolled back: {ms_text(period)} a step measured, "
+                                         f"{ms_text(predicted)} predicted, {ms_text(before[1])} before")
         kind.predicted_ms, kind.before = predict(costs, before[0]).step_ms, None
         tuner._enter("hold", watch=True)
         return
@@ -645,8 +648,8 @@ def _report(tuner: Tuner, kind: _Kind | None) -> dict[str, Any] | None:
         return None
     costs = kind.costs
     current = tuner.current()
-    # The reason of the plan that chose the setting in force (none after a rollback to a setting
-    # no plan chose; a later plan whose choice was not applied leaves it as it was).
+    # Why the setting in force is in force: the plan that chose it, or the rollback that brought
+    # it back (none for the start setting; a later plan whose choice was not applied leaves it).
     in_force = kind.reasons.get(current)
     out: dict[str, Any] = {
         "auto": [k for k, on in tuner._auto.items() if on],
