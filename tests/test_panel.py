@@ -398,6 +398,8 @@ def test_model_appears_after_run(comfy, ui):
     assert truth["tier"] in ("vram", "ram"), truth
     # One card for the managed model, with its part in core named, figures adding up.
     assert row.locator('[data-role="class"]').inner_text().startswith("WAN21")
+    kind = row.locator('[data-role="kind"]').inner_text()
+    assert kind and row.inner_text().count(kind) == 1, row.inner_text()  # the kind is said once
     assert shown_figures(row).endswith(fmt_bytes(truth["total_bytes"]))
     assert row.locator('[data-role="name"]').get_attribute("title") == f"{WAN_FILE} ({truth['id']})"
     assert ui.tier_gets() == gets, "the row must come from the websocket, not a GET"

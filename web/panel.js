@@ -404,8 +404,12 @@ function kindText(kind) {
   return KINDS.includes(key) ? tr(`kind.${key}`) : String(kind ?? "").replace("_", " ");
 }
 
-function partsLine(parts) {
-  return parts.map((l) => [l.class, l.network && l.network !== l.class ? l.network : null, l.kind && kindText(l.kind)]
+// A managed card's parts in core; a part's kind is said only where it is not the card's own
+// (the card's kind line says that one).
+function partsLine(parts, cardKind) {
+  const own = kindText(cardKind);
+  return parts.map((l) => [l.class, l.network && l.network !== l.class ? l.network : null,
+    l.kind && kindText(l.kind) !== own ? kindText(l.kind) : null]
     .filter(Boolean).join(" · ")).join("; ");
 }
 
@@ -448,7 +452,7 @@ function managedHtml(m, parts, ctx) {
       ${badgeHtml(tier, cpu)}
       ${nameHtml(m.name ?? m.id, m.id)}
     </div>
-    ${parts.length ? `<div class="to-muted to-sub" data-role="class">${esc(partsLine(parts))}</div>` : ""}
+    ${parts.length ? `<div class="to-muted to-sub" data-role="class">${esc(partsLine(parts, m.kind))}</div>` : ""}
     <div class="to-meta">${pills}</div>
     ${placementHtml(p, cpu)}
     <div class="to-meta">
