@@ -64,7 +64,7 @@ from layerwise import Spec, Stack, build_blocks, timed, write_result  # noqa: E4
 
 from offload_core.disk.file_headers import safetensors_tensors  # noqa: E402
 from offload_core.disk.in_place import ModelFileMap  # noqa: E402
-from offload_core.disk.raw_io import PAGE, align_up  # noqa: E402
+from offload_core.host.raw_io import PAGE, align_up, read_into  # noqa: E402
 from offload_core.disk.tier import AUTO_READERS, DiskOptions  # noqa: E402
 from offload_core.layerwise.streamer import LayerwiseStreamer  # noqa: E402
 
@@ -151,12 +151,14 @@ def direct_read(path: Path, drop_all: bool, piece: int = READ_PIECE, readers: in
     """The whole file read the way the engine reads it: ``readers`` threads, each reading pieces
     of ``piece`` bytes (the engine's unit) in turn, O_DIRECT where allowed (else cold buffered
     reads): GiB/s, and how."""
-    flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
+    direct = getattr(os, "O_DIRECT", 0)
     try:
-        fd, how = os.open(path, flags), "O_DIRECT"
+        if not direct:
+            raise OSError("this OS has no O_DIRECT")
+        fd, how = os.open(path, os.O_RDONLY | direct), "O_DIRECT"
     except OSError:
         drop_file_cache(path, drop_all)
-        fd, how = os.open(path, os.O_RDONLY), "buffered, page cache dropped"
+        fd, how, direct = os.open(path, os.O_RDONLY), "buffered, page cache dropped", 0
     piece = max(PAGE, piece // PAGE * PAGE)
     size = os.fstat(fd).st_size
     totals = [0] * readers
@@ -164,8 +166,9 @@ def direct_read(path: Path, drop_all: bool, piece: int = READ_PIECE, readers: in
     def read(k: int) -> None:
         buf = mmap.mmap(-1, piece)  # page-aligned, as direct reads need
         try:
-            for offset in range(k * piece, size, readers * piece):
-                totals[k] += os.preadv(fd, [buf], offset)
+            with memoryview(buf) as view:
+                for offset in range(k * piece, size, readers * piece):
+                    totals[k] += read_into(fd, [view], offset, direct=bool(direct))
         finally:
             buf.close()
 

@@ -100,6 +100,16 @@ def prepare_base(base: Path, extra_nodes: dict[str, Path] | None = None, *,
     return base
 
 
+def _entry() -> list[str]:
+    """How the server starts: ``main.py``, or, in a session run with ``-p posix_removed``, main.py
+    behind the same plugin, so that the server's pack lacks the same calls as the tests'."""
+    if "posix_removed" not in sys.modules:
+        return ["main.py"]
+    tests = str(Path(__file__).resolve().parent)
+    return ["-c", f"import runpy, sys; sys.path.insert(0, {tests!r}); import posix_removed; "
+                  "sys.argv[0] = 'main.py'; runpy.run_path('main.py', run_name='__main__')"]
+
+
 class PromptFailed(AssertionError):
     def __init__(self, entry: dict):
         self.entry = entry
@@ -128,7 +138,7 @@ class ComfyServer:
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self, timeout: float = 180.0) -> "ComfyServer":
         env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), PYTHONUNBUFFERED="1", **self.env)
-        cmd = [COMFY_PYTHON, "main.py", "--listen", "127.0.0.1", "--port", str(self.port),
+        cmd = [COMFY_PYTHON, *_entry(), "--listen", "127.0.0.1", "--port", str(self.port),
                "--disable-auto-launch", "--disable-api-nodes",
                "--base-directory", str(self.base),
                "--database-url", f"sqlite:///{self.base / 'user' / 'comfyui.db'}",

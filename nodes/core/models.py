@@ -39,3 +39,10 @@ def is_dynamic(patcher) -> bool:
     """Whether core runs this patcher with Dynamic VRAM (`is_dynamic()` exists from 0.15 on)."""
     probe = getattr(patcher, "is_dynamic", None)
     return bool(probe()) if callable(probe) else False
+
+
+def unified_memory(patcher) -> bool:
+    """Whether core runs this model on a GPU that shares the host's RAM (Apple silicon's MPS):
+    there is no second memory to offload to, so the pack's nodes pass such a model through."""
+    device = getattr(patcher, "load_device", None)
+    return isinstance(device, torch.device) and device.type == "mps"

@@ -18,7 +18,7 @@ import logging
 import comfy.patcher_extension
 from comfy_api.v0_0_2 import io
 
-from ..core.models import is_dynamic
+from ..core.models import is_dynamic, unified_memory
 from ..core.state import LAYERWISE, LAYERWISE_KEY, SWAP_KEY, SWAP_MEMBERS
 from . import (compile_policy, compile_prompt, compiled_models, dynamic_cooperation, dynamic_vram,
                spill_folder)
@@ -204,6 +204,10 @@ class ApplyLayerwiseOffload(io.ComfyNode):
                                      disk_workers, granularity, spill_dir, share_host_memory)
         choice = compile_policy.NodeChoice(cls.hidden.unique_id if cls.hidden is not None else None,
                                            bool(compile_per_block))
+        if unified_memory(model):
+            log.info("Apply Layerwise Offload: %s runs on %s, whose GPU shares the RAM: nothing to "
+                     "offload, the model passes through unchanged", type(model.model).__name__, model.load_device)
+            return io.NodeOutput(model)
         if dynamic_vram.check_mode(mode) == "auto" and is_dynamic(model):
             return io.NodeOutput(dynamic_cooperation.cooperate(model, settings.streamer_kwargs(),
                                                                settings.requested_budget))

@@ -48,7 +48,7 @@ from comfy_api.v0_0_2 import io
 
 from ...offload_core.models.swap import ModuleSwap
 from ..core import host_moves, host_sharing, prompt_lifecycle
-from ..core.models import is_dynamic, loaded_entries, unload_from_core
+from ..core.models import is_dynamic, loaded_entries, unified_memory, unload_from_core
 from ..core.state import LAYERWISE, LAYERWISE_KEY, SWAP_KEY, SWAP_MEMBERS
 
 log = logging.getLogger(__name__)
@@ -222,6 +222,10 @@ class ModelLevelSwap(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, clip, share_host_memory: bool = True) -> io.NodeOutput:
+        if unified_memory(model) and unified_memory(clip.patcher):
+            log.info("Model-Level Swap: the models run on %s, whose GPU shares the RAM: no turns to "
+                     "take, both pass through unchanged", model.load_device)
+            return io.NodeOutput(model, clip)
         model = model.clone()
         clip = clip.clone()
         # A layerwise-offloaded model already keeps its blocks in pinned RAM; a second, whole-

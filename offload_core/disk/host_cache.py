@@ -40,7 +40,7 @@ from ..host.pinned import HostStorage
 from ..ordering import host_caught_up, host_clock
 from ..units import size_text
 from .in_place import Piece
-from .raw_io import PAGE
+from ..host.raw_io import PAGE
 from .sources import DiskSources
 
 log = logging.getLogger(__name__)

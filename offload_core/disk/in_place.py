@@ -41,7 +41,7 @@ import torch
 
 from ..host.file_identity import content_may_differ, file_version, note_read, same_bytes
 from ..units import size_text
-from .raw_io import PAGE, Descriptors, DiskReadError, align_down, align_up, memview, open_direct
+from ..host.raw_io import PAGE, Descriptors, DiskReadError, align_down, align_up, memview, open_direct
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ def plan_read(extents: Sequence[tuple[int, int, int]], gap: int = RUN_GAP) -> Un
 
 class ModelFile:
     """One model file opened for reading: a buffered descriptor, a direct one where the file
-    system allows it (raw_io.Descriptors), and the version both were opened at (``version``).
+    system allows it (host/raw_io.py: Descriptors), and the version both were opened at (``version``).
 
     What is read is the open file, whatever later happens to its name: a re-download renamed over
     it or a delete leaves the inode, with exactly the bytes the model was loaded from, to the

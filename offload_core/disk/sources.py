@@ -38,7 +38,7 @@ from ..host.released import Released, note, note_of, released
 from ..host.tensor_refs import tensor_refs
 from ..units import size_text
 from .in_place import FileSlice, ModelFile, ModelFileChanged, ModelFileMap, Piece, Run, UnitRead, plan_read
-from .raw_io import PAGE, align_up, raw_bytes
+from ..host.raw_io import PAGE, align_up, raw_bytes
 from .store import SPILL_ALIGN, DiskStore
 
 log = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ import torch
 from ..host.layout import PackedTensor
 from ..host.packing import PackedBlock
 from ..units import size_text
-from .raw_io import PAGE, Descriptors, DiskReadError, align_up, memview, open_direct, raw_bytes, write_all
+from ..host.raw_io import PAGE, Descriptors, DiskReadError, align_up, memview, open_direct, raw_bytes, write_all
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from ..host.packing import PackedBlock
 from ..ordering import for_device
 from .host_cache import CacheTooSmallError, DiskTelemetry, HostCache
 from .in_place import ModelFileMap
-from .raw_io import PAGE, align_up
+from ..host.raw_io import PAGE, align_up
 from .sources import DiskSources
 
 # Entry size when no unit is streamed: the cache then only stages resident uploads.

@@ -41,6 +41,8 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from .raw_io import read_at
+
 log = logging.getLogger(__name__)
 
 CHUNK = 64 << 20  # the whole file is witnessed in ranges of this size (one digest each)
@@ -89,7 +91,7 @@ def _digest_range(fd: int, offset: int, length: int) -> bytes | None:
     h = hashlib.sha256()
     done = 0
     while done < length:
-        chunk = os.pread(fd, min(_READ, length - done), offset + done)
+        chunk = read_at(fd, min(_READ, length - done), offset + done)
         if not chunk:
             return None
         h.update(chunk)

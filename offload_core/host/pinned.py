@@ -46,9 +46,11 @@ log = logging.getLogger(__name__)
 ALIGN = 256
 DEFAULT_CHUNK_BYTES = 512 << 20
 DEFAULT_RESERVE_BYTES = 2 << 30
-# Share of physical RAM that may be page-locked process-wide when no explicit cap is
-# given. Windows (WDDM) refuses much beyond half of RAM; ComfyUI itself uses 45% there.
-PIN_FRACTION = 0.45 if sys.platform == "win32" else 0.9
+# Share of physical RAM that may be page-locked process-wide when no explicit cap is given
+# (``pin_share``). Windows (WDDM) refuses much beyond half of RAM; ComfyUI itself uses 45% there.
+PIN_SHARE = 0.9
+PIN_SHARE_WINDOWS = 0.45
+OS_RELEASE = "/proc/sys/kernel/osrelease"  # "...-microsoft-standard-WSL2" under WSL
 PAGE = mmap.PAGESIZE
 
 _lock = threading.Lock()
@@ -80,9 +82,29 @@ def set_pin_accounting(cap: Callable[[], int | None] | None, report: Callable[[i
         _tell(_pinned_total)
 
 
+@functools.lru_cache(maxsize=None)
+def _under_wsl(os_release: str) -> bool:
+    try:
+        with open(os_release, encoding="ascii", errors="replace") as f:
+            return "microsoft" in f.read().lower()
+    except OSError:
+        return False
+
+
+def pin_share() -> tuple[float, str]:
+    """The share of physical RAM the engine may page-lock, and where it comes from. Under WSL
+    page-locked memory is also counted by Windows as the GPU's "shared GPU memory", inside a VM
+    whose RAM is itself a share of the machine's, so WSL gets Windows' share."""
+    if sys.platform == "win32":
+        return PIN_SHARE_WINDOWS, "Windows' share of RAM"
+    if _under_wsl(OS_RELEASE):
+        return PIN_SHARE_WINDOWS, "Windows' share of the WSL VM's RAM"
+    return PIN_SHARE, "the share of RAM"
+
+
 def pin_cap(ram_budget_bytes: int | None = None) -> int:
     """Most bytes this package may hold page-locked now: the engine's own cap, lowered by the application's."""
-    cap = int(PIN_FRACTION * psutil.virtual_memory().total) if ram_budget_bytes is None else ram_budget_bytes
+    cap = int(pin_share()[0] * psutil.virtual_memory().total) if ram_budget_bytes is None else ram_budget_bytes
     external = None
     if _external_cap is not None:
         try:
@@ -412,10 +434,18 @@ class HostStorage:
         if pinned_bytes() + span > cap:
             self._refuse_pin(
                 f"pinning {size_text(span)} more would exceed the pinned-RAM cap of {size_text(cap)} "
-                f"({size_text(pinned_bytes())} pinned by the engine)"
+                f"({size_text(pinned_bytes())} pinned by the engine; "
+                f"{self._cap_words()})"
             )
             return None
         return registrar
+
+    def _cap_words(self) -> str:
+        """Where the cap comes from, as the refusal says it."""
+        if self._cap is not None:
+            return "the cap given to this storage"
+        share, where = pin_share()
+        return f"{share:.0%}, {where}, lowered by ComfyUI's own count where it keeps one"
 
     def _refuse_pin(self, why: str, level: int = logging.WARNING) -> None:
         self._pin_refused = True

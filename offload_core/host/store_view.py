@@ -13,7 +13,6 @@ every page, so it stays pageable (the engine copies from the store's pinned mapp
 from __future__ import annotations
 
 import mmap
-import os
 from collections.abc import Callable
 
 import torch
@@ -89,7 +88,8 @@ def own_pages(start: int, end: int) -> bytes | None:
     count = (end - start) // page
     try:
         with open("/proc/self/pagemap", "rb", buffering=0) as f:
-            raw = os.pread(f.fileno(), 8 * count, 8 * (start // page))
+            f.seek(8 * (start // page))
+            raw = f.read(8 * count)
     except OSError:
         return None
     if len(raw) != 8 * count:

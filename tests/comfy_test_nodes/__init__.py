@@ -390,7 +390,46 @@ if os.environ.get("TIERED_TEST_FIRST_LINE"):
     print(os.environ["TIERED_TEST_FIRST_LINE"], flush=True)
 
 
+class TieredTestOnDevice:
+    """Clones of a model and a text encoder that core would run on ``device`` (their patchers'
+    load device), so a node's branch for a device this machine lacks (Apple's mps) is taken
+    without running anything there."""
+    RETURN_TYPES = ("MODEL", "CLIP")
+    FUNCTION = "move"
+    CATEGORY = "tiered_offload/testing"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",), "clip": ("CLIP",), "device": ("STRING", {"default": "mps"})}}
+
+    def move(self, model, clip, device):
+        model, clip = model.clone(), clip.clone()
+        model.load_device = clip.patcher.load_device = torch.device(device)
+        return (model, clip)
+
+
+class TieredTestPassedThrough(_StatsNode):
+    """Whether a node handed back the very model and text encoder it was given, and whether
+    either carries a wrapper or callback of the pack."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",), "clip": ("CLIP",), "given_model": ("MODEL",),
+                             "given_clip": ("CLIP",)}}
+
+    def stats(self, model, clip, given_model, given_clip):
+        def pack_keys(patcher) -> list[str]:
+            keys = [k for kinds in patcher.wrappers.values() for k in kinds]
+            keys += [k for kinds in patcher.callbacks.values() for k in kinds]
+            return sorted(str(k) for k in keys if "tiered" in str(k).lower())
+        return {"ui": {"passed_through": [{
+            "model": model is given_model, "clip": clip is given_clip,
+            "pack_hooks": pack_keys(model) + pack_keys(clip.patcher)}]}}
+
+
 NODE_CLASS_MAPPINGS = {
+    "TieredTestOnDevice": TieredTestOnDevice,
+    "TieredTestPassedThrough": TieredTestPassedThrough,
     "TieredTestConditioningStats": TieredTestConditioningStats,
     "TieredTestLatentBits": TieredTestLatentBits,
     "TieredTestImageStats": TieredTestImageStats,

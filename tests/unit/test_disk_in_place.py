@@ -439,7 +439,7 @@ def test_bytes_written_while_a_unit_is_read_never_reach_compute(model_file, tmp_
     other model's): the descriptor's identity, checked right after every read, fails that read,
     so the very pass that read it raises, naming the file, and no output computed from those
     bytes is returned."""
-    import offload_core.disk.raw_io as raw_io_module
+    import offload_core.host.raw_io as raw_io_module
 
     model, path = model_file
     x = _x()

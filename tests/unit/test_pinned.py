@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from offload_core import HostStorage, available_ram_bytes, pin_cap, pinned_bytes, set_pin_accounting
-from offload_core.host.pinned import ALIGN, PAGE, PIN_FRACTION, _malloc_trim
+from offload_core.host import pinned
+from offload_core.host.pinned import ALIGN, PAGE, PIN_SHARE, PIN_SHARE_WINDOWS, _malloc_trim, pin_share
 from offload_core.ordering import for_device
 
 
@@ -109,7 +110,7 @@ def test_views_kept_after_release_stay_valid():
 
 def test_pin_accounting_hook_caps_and_hears_totals():
     reports: list[int] = []
-    own = int(PIN_FRACTION * psutil.virtual_memory().total)
+    own = int(pin_share()[0] * psutil.virtual_memory().total)
     try:
         set_pin_accounting(lambda: 5 << 30, reports.append)
         assert reports == [pinned_bytes()]  # told the current total at once
@@ -193,3 +194,21 @@ def test_a_collected_storage_waits_for_its_readers_before_unpinning(stream_model
     del storage
     gc.collect()
     assert not [v for v in stream_model.violations if "unpinned" in v], stream_model.violations
+
+
+@pytest.mark.parametrize("release,platform,share", [
+    ("6.1.0-18-amd64", "linux", PIN_SHARE),
+    ("5.15.167.4-microsoft-standard-WSL2", "linux", PIN_SHARE_WINDOWS),
+    ("6.1.0-18-amd64", "win32", PIN_SHARE_WINDOWS),
+])
+def test_the_pin_cap_is_windows_share_on_windows_and_under_wsl(tmp_path, monkeypatch, release, platform, share):
+    """Under WSL pinned memory is also Windows' "shared GPU memory", in a VM with a share of the
+    machine's RAM: the cap is Windows' share there, with its reason; Linux keeps its own."""
+    os_release = tmp_path / "osrelease"
+    os_release.write_text(release + "\n")
+    monkeypatch.setattr(pinned, "OS_RELEASE", str(os_release))
+    monkeypatch.setattr(sys, "platform", platform)
+    got, where = pin_share()
+    monkeypatch.undo()
+    assert got == share and ("Windows" in where) == (share == PIN_SHARE_WINDOWS), (got, where)
+    assert ("WSL" in where) == ("WSL" in release and platform == "linux"), where

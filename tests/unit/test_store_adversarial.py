@@ -9,7 +9,6 @@ Processes are tests/unit/shared_store_probe.py, driven through its events (no sl
 """
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import pwd
@@ -38,6 +37,7 @@ from test_shared_store import Probe, _files, _model, _run, _share, _stores
 from toy_models import assert_restored, bits, snapshot
 
 pytestmark = pytest.mark.skipif(not SUPPORTED, reason="shared host stores need Linux")
+fcntl = pytest.importorskip("fcntl", reason="shared host stores need Linux")
 
 NEIGHBOUR = "tiered-neighbour"
 
