@@ -273,6 +273,8 @@ def test_tab_opens_with_device_totals(comfy, ui):
     assert "Pinned" in text
     if cpu:  # nothing to keep in reserve, no VRAM bar
         assert "VRAM reserve" not in text and panel.locator('[data-dev="vram"]').count() == 0, text
+        vram = comfy.get("/offload/tiers")["devices"]["vram"]
+        assert vram["total"] == vram["reserved"] == 0, vram  # the reserve is a GPU's, as a setting
     else:
         assert "VRAM reserve" in text, text
     assert ui.tier_gets() == 1, ui.requests
