@@ -10,9 +10,14 @@ core's.
 """
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
+
+import pytest
 
 import tiny_models
+from test_panel import CHROMIUM, PanelPage, browser  # noqa: F401  (browser is a fixture)
 from workflows import latent_sha, sample_workflow
 
 PASS = "whose GPU shares the RAM"
@@ -74,3 +79,24 @@ def test_host_copies_are_shared_only_where_the_os_has_the_calls(comfy):
         assert store == {"shared": False, "why": "sharing host memory needs Linux"}, store
     else:
         assert store and store["shared"], store
+
+
+@pytest.mark.skipif(not Path(CHROMIUM or "").exists(), reason="needs Debian's chromium (make test installs it)")
+def test_the_panel_says_a_mac_passes_models_through(comfy, browser):  # noqa: F811
+    page = PanelPage(browser, comfy.url)
+
+    def as_on_a_mac(route) -> None:
+        body = route.fetch().json()
+        body["devices"]["vram"].update(device="mps", total=0, used=0, free=0, reserved=0, unified_memory=True)
+        route.fulfill(status=200, content_type="application/json", body=json.dumps(body))
+
+    try:
+        page.page.route("**/offload/tiers", as_on_a_mac)
+        page.load()
+        page.open_tab()
+        row = page.page.locator('#tiered-offload-panel [data-dev="device"]')
+        row.wait_for(timeout=20_000)
+        assert "the GPU shares the RAM, so the offload nodes pass models through" in row.inner_text()
+        assert page.page.locator('#tiered-offload-panel [data-dev="vram"]').count() == 0
+    finally:
+        page.page.close()

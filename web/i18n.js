@@ -56,6 +56,7 @@ export const ENGLISH = {
     ramBudgetMarker: "RAM budget {size}",
     device: "Device",
     cpuOnly: "CPU: no GPU, so no VRAM tier",
+    unifiedMemory: "Apple silicon: the GPU shares the RAM, so the offload nodes pass models through",
     pinnedNoGpu: "none without a GPU",
   },
   placement: {

@@ -131,10 +131,10 @@ function devicesHtml(payload) {
   const ram = payload.devices?.ram;
   const out = [];
   if (vram && isCpu(payload)) {
-    // No GPU: the device is the CPU, and there is no VRAM tier to draw.
+    // No VRAM: the device is the CPU, or a GPU that shares the RAM (Apple silicon); no VRAM tier.
     out.push(`<div class="to-dev" data-dev="device">
       <div class="to-dev-head"><b>${esc(tr("devices.device"))}</b>
-        <span class="to-right">${esc(tr("devices.cpuOnly"))}</span></div>
+        <span class="to-right">${esc(tr(vram.unified_memory ? "devices.unifiedMemory" : "devices.cpuOnly"))}</span></div>
     </div>`);
   } else if (vram) {
     const total = num(vram.total), used = num(vram.used), reserved = num(vram.reserved);

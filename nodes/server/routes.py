@@ -160,9 +160,10 @@ def devices() -> dict[str, Any]:
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         vram = {"device": torch.cuda.get_device_name(device), "total": total, "used": total - free,
-                "free": free, "reserved": reserved}
+                "free": free, "reserved": reserved, "unified_memory": False}
     else:  # the CPU, or a GPU that shares the RAM (Apple's mps): no VRAM, so nothing to reserve
-        vram = {"device": str(device), "total": 0, "used": 0, "free": 0, "reserved": 0}
+        vram = {"device": str(device), "total": 0, "used": 0, "free": 0, "reserved": 0,
+                "unified_memory": device.type == "mps"}
     snapshot_ram = MANAGER.snapshot()["ram"]
     return {"vram": vram,
             "ram": {"total": mem.total, "available": mem.available, "pinned": pinned_bytes(),
