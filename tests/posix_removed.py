@@ -34,7 +34,3 @@ def _remove() -> None:
 
 _remove()  # at the plugin's import: ``-p`` plugins load before any conftest.py
 
-
-def posix_removed() -> bool:
-    """Whether this session runs without the calls (a test may say what it expects then)."""
-    return not hasattr(os, "pread") and sys.modules.get("fcntl", False) is None
