@@ -238,6 +238,11 @@ class ComfyServer:
             raise AssertionError(f"GET {path} -> {status}: {body}")
         return body
 
+    def loaded_tier(self) -> str:
+        """The tier the API gives a managed model loaded on the compute device: "cpu" where the
+        server has no GPU (no VRAM tier there), else "vram"."""
+        return "cpu" if self.get("/offload/tiers")["devices"]["vram"]["total"] == 0 else "vram"
+
     def post(self, path: str, body: Any = None) -> Any:
         status, payload = self.request("POST", path, body)
         if status != 200:

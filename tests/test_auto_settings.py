@@ -86,8 +86,7 @@ def test_an_interrupt_after_the_plan_changed_leaves_the_next_run_right(comfy):
     assert latent_sha(comfy.run(sample_workflow("hunyuan_video", steps=STEPS, seed=7))) == baseline
 
 
-@pytest.mark.skipif(not __import__("pathlib").Path(CHROMIUM or "").exists(),
-                    reason="needs Debian's chromium (make test installs it)")
+@pytest.mark.skipif(CHROMIUM is None, reason="needs Chromium (make test installs it)")
 def test_the_panel_shows_the_plan_and_its_reason(comfy, browser):  # noqa: F811
     workflow = sample_workflow("hunyuan_video", steps=STEPS, seed=3, layerwise=_auto(comfy, "hunyuan_video"))
     workflow["load"]["class_type"] = "TieredUNETLoader"

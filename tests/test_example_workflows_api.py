@@ -17,10 +17,8 @@ sys.path.insert(0, str(REPO / "tools"))
 import example_workflows  # noqa: E402
 
 SAVE_LATENT = "7"   # the examples' SaveLatent node
-# The Apply Layerwise Offload example (the demo streams too, but is the panel's).
-[LAYERWISE] = [stem for stem, example in example_workflows.EXAMPLES.items()
-               if stem != example_workflows.DEMO
-               and "ApplyLayerwiseOffload" in {n["class_type"] for n in example.build().values()}]
+# The Apply Layerwise Offload example: blocks streamed on any machine.
+LAYERWISE = example_workflows.LAYERWISE
 
 
 @pytest.fixture(scope="module")

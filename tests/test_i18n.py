@@ -39,6 +39,7 @@ from test_panel import browser  # noqa: F401  (a fixture)
 
 sys.path.insert(0, str(REPO / "tools"))
 import example_workflows  # noqa: E402
+from workflows import streamed_demo  # noqa: E402
 
 sync_api = pytest.importorskip("playwright.sync_api")
 sync_api.expect.set_options(timeout=30_000)
@@ -178,7 +179,7 @@ def models_loaded(comfy):
     """Real cards for the panel: the demo (core's loaders, a streamed DiT, a core-only text
     encoder) and the Tiered loaders with the tier manager."""
     example_workflows.write_models(comfy.base)
-    comfy.run(example_workflows.demo())
+    comfy.run(streamed_demo())
     tiered = example_workflows.tiered()
     comfy.run(tiered)
     yield

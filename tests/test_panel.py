@@ -23,7 +23,7 @@ import pytest
 from browser import LAUNCH_ARGS, boxes, chromium_path, load_template, open_offload_tab, overlapping, overflows, wait_for_ui
 from comfy_server import PACK_LINK_NAME
 from conftest import ARTIFACTS
-from workflows import sample_workflow
+from workflows import sample_workflow, streamed_demo
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 import example_workflows  # noqa: E402
@@ -34,7 +34,7 @@ sync_api.expect.set_options(timeout=20_000)
 
 CHROMIUM = chromium_path()
 WAN_FILE = "tiny_wan21_t2v.safetensors"
-TIER_LABEL = {"vram": "VRAM", "ram": "RAM", "disk": "DISK"}
+TIER_LABEL = {"vram": "VRAM", "cpu": "CPU", "ram": "RAM", "disk": "DISK"}
 # Any URL but the test server's (loopback): the requests a test page refuses.
 FOREIGN = re.compile(r"^(?!(https?|wss?)://(127\.0\.0\.1|localhost)(:\d+)?/)")
 BINARY = re.compile(r"\d (B|KiB|MiB|GiB|TiB)\b")
@@ -291,7 +291,7 @@ def test_demo_models_are_listed_with_core_loaders(comfy, ui):
     one with its strip, a legend for it and the run's figures, and all figures add up."""
     ui.show_open_panel(comfy)   # the cards must reach an open panel, whichever test ran before
     gets = ui.tier_gets()
-    comfy.run(example_workflows.demo())
+    comfy.run(streamed_demo())
     dit, clip = demo_dit(comfy), loaded_card(comfy, "SD1ClipModel")
     assert not dit["tier_id"] and clip["kind"] == "text encoder"
     for truth in (dit, clip):
@@ -331,7 +331,7 @@ def test_the_ram_bar_shows_the_streamed_blocks_as_the_packs_own(comfy, ui):
     """After the demo (blocks streamed from RAM) the RAM bar has a row for Apply Layerwise
     Offload's blocks (Model-Level Swap's masters: the swap test below)."""
     ui.show_open_panel(comfy)
-    comfy.run(example_workflows.demo())
+    comfy.run(streamed_demo())
     ram_bar_holds(comfy, ui, "layerwise_packs", "Apply Layerwise Offload blocks", "to-c-pack")
 
 
@@ -397,7 +397,7 @@ def test_model_appears_after_run(comfy, ui):
     row = ui.row(truth["id"])
     shown = row.locator('[data-role="tier"]').inner_text()
     assert shown.strip() == badge(truth["tier"], on_cpu(comfy))
-    assert truth["tier"] in ("vram", "ram"), truth
+    assert truth["tier"] in (comfy.loaded_tier(), "ram"), truth
     # One card for the managed model, with its part in core named, figures adding up.
     assert row.locator('[data-role="class"]').inner_text().startswith("WAN21")
     kind = row.locator('[data-role="kind"]').inner_text()
@@ -439,9 +439,10 @@ def test_park_updates_from_websocket(comfy, ui):
     model = wait_server(comfy, lambda m: m["in_use"] == 0, what="model idle")
     if model["policy"]["pinned"]:   # left pinned by another test module: parking would be refused
         comfy.post(f"/api/offload/models/{model['id']}/unpin")
-    if model["tier"] != "vram":
+    top = comfy.loaded_tier()
+    if model["tier"] != top:
         comfy.post(f"/api/offload/models/{model['id']}/load")
-    ui.wait_tier(model["id"], "vram", timeout_ms=20_000)
+    ui.wait_tier(model["id"], top, timeout_ms=20_000)
     ui.shot("panel_before_park.png")
 
     gets, posts = ui.tier_gets(), len(ui.requests)
@@ -455,7 +456,7 @@ def test_park_updates_from_websocket(comfy, ui):
 
     # A change made by someone else (here: the test, through REST) reaches the open panel too.
     comfy.post(f"/api/offload/models/{model['id']}/load")
-    ui.wait_tier(model["id"], "vram", timeout_ms=20_000)
+    ui.wait_tier(model["id"], top, timeout_ms=20_000)
     assert ui.tier_gets() == gets
 
 
@@ -521,7 +522,7 @@ def test_budgets_are_edited_from_the_panel(comfy, ui):
     form.locator('input[name="disk_tier"]').uncheck()
     # The form survives a websocket push while the user types (here: a pushed tier change).
     model = wait_server(comfy, lambda m: m["in_use"] == 0, what="model idle")
-    comfy.post(f"/api/offload/models/{model['id']}/{'park' if model['tier'] == 'vram' else 'load'}")
+    comfy.post(f"/api/offload/models/{model['id']}/{'park' if model['tier'] == comfy.loaded_tier() else 'load'}")
     ui.page.wait_for_timeout(300)
     assert form.locator('input[name="ram_budget_gb"]').input_value() == "3.5"
     ui.shot("panel_budgets_editing.png")
@@ -578,11 +579,11 @@ def test_policy_route_refuses_bad_input(comfy):
 
 def test_core_unload_refused_while_a_prompt_runs(comfy, ui):
     """While a long prompt runs, core's unload of a model it holds is refused."""
-    comfy.run(example_workflows.demo())   # the encoder's card arrives with the prompt's end
+    comfy.run(streamed_demo())   # the encoder's card arrives with the prompt's end
     clip = loaded_card(comfy, "SD1ClipModel")
     card = ui.core_card(clip["id"])
     sync_api.expect(card).to_have_count(1, timeout=20_000)
-    long_run = example_workflows.demo()   # the same loaders and encodes, cached; a long sampling
+    long_run = streamed_demo()   # the same loaders and encodes, cached; a long sampling
     long_run["6"]["inputs"].update(steps=10_000, seed=104)
     prompt_id = comfy.queue_running(long_run)  # sampling: an interrupt now reaches it
     try:
@@ -609,7 +610,7 @@ def test_core_unload_from_the_panel(comfy, ui):
     status, reply = comfy.request("POST", f"/api/offload/loaded/{clip['id']}/unload")
     assert status == 404, reply
     # Core loads it again on its next use (a new prompt text makes the encode run again).
-    wf = example_workflows.demo()
+    wf = streamed_demo()
     wf["3"]["inputs"]["text"] += ", after an unload"
     assert comfy.run(wf)["7"]["latents"]
     assert loaded_card(comfy, "SD1ClipModel")
@@ -643,7 +644,7 @@ def test_model_level_swap_cards_read_true_and_can_be_unloaded(comfy, ui):
     # A workflow without the node leaves the masters to core's cached models: the cards say so
     # (the last prompt did not swap them; Unload frees them), and a swap run again takes it back.
     assert not any(c["swap"]["held_from_earlier_prompt"] for c in swapped), swapped
-    comfy.run(example_workflows.demo())
+    comfy.run(streamed_demo())
     assert all(c["swap"]["held_from_earlier_prompt"] for c in loaded_cards(comfy) if c["swap"]), loaded_cards(comfy)
     earlier = ui.page.locator('#tiered-offload-panel [data-role="swap-earlier"]')
     sync_api.expect(earlier.first).to_contain_text("Unload frees both", timeout=20_000)
@@ -717,7 +718,7 @@ def test_nothing_on_the_panel_overflows_at_three_widths(comfy, ui):
     page = ui.page
     streamed = [c for c in loaded_cards(comfy) if c["layerwise"] and c["layerwise"]["blocks"] == 12]
     if not streamed or not streamed[0]["layerwise"]["timeline"]:  # run alone: the demo's card first
-        workflow = example_workflows.demo()
+        workflow = streamed_demo()
         workflow["6"]["inputs"].update(seed=107, steps=2)
         comfy.run(workflow)
     dit = demo_dit(comfy)
@@ -765,7 +766,7 @@ def test_closed_tab_does_no_dom_work(comfy, ui):
     ui.toggle_tab()
     ui.page.wait_for_selector("#tiered-offload-panel", state="detached", timeout=20_000)
     renders, gets = ui.renders(), ui.tier_gets()
-    target = "ram" if model["tier"] != "ram" else "vram"
+    target = "ram" if model["tier"] != "ram" else comfy.loaded_tier()
     ui.page.evaluate("""async () => { const { api } = await import('/scripts/api.js');
         window.__toEvents = 0; api.addEventListener('tiered_offload.tiers', () => window.__toEvents++); }""")
     comfy.post(f"/api/offload/models/{model['id']}/{'park' if target == 'ram' else 'load'}")

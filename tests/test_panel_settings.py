@@ -20,6 +20,7 @@ from test_panel import CHROMIUM, PanelPage, browser, loaded_cards, sync_api  # n
 
 sys.path.insert(0, str(REPO / "tools"))
 import example_workflows  # noqa: E402
+from workflows import streamed_demo  # noqa: E402
 
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Chromium (make test installs it)")
 
@@ -35,7 +36,7 @@ SETTINGS = {
 @pytest.fixture(scope="module")
 def page(comfy, browser):  # noqa: F811
     example_workflows.write_models(comfy.base)
-    comfy.run(example_workflows.demo())   # a streamed DiT and a text encoder only core manages
+    comfy.run(streamed_demo())   # a streamed DiT and a text encoder only core manages
     p = PanelPage(browser, comfy.url)
     p.load()
     p.open_tab()
@@ -157,7 +158,7 @@ def test_the_demos_picture_is_there_when_the_panel_opens(page, comfy):
         page.toggle_tab()
         page.page.wait_for_selector("#tiered-offload-panel", state="detached")
         comfy.post("/offload/timeline", {"enabled": record})
-        workflow = example_workflows.demo()
+        workflow = streamed_demo()
         workflow["6"]["inputs"].update(seed=seed, steps=2)  # a pass or two is all a picture needs
         comfy.run(workflow)
         comfy.post("/offload/timeline", {"enabled": False})

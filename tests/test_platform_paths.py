@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -81,7 +80,7 @@ def test_host_copies_are_shared_only_where_the_os_has_the_calls(comfy):
         assert store and store["shared"], store
 
 
-@pytest.mark.skipif(not Path(CHROMIUM or "").exists(), reason="needs Debian's chromium (make test installs it)")
+@pytest.mark.skipif(CHROMIUM is None, reason="needs Chromium (make test installs it)")
 def test_the_panel_says_a_mac_passes_models_through(comfy, browser):  # noqa: F811
     page = PanelPage(browser, comfy.url)
 

@@ -7,6 +7,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+import example_workflows  # noqa: E402
 import tiny_models  # noqa: E402
 
 LORA_FILE = tiny_models.LORAS[next(iter(tiny_models.LORAS))]["filename"]
@@ -54,3 +56,14 @@ def with_inputs(wf: dict, node: str, **inputs: Any) -> dict:
     out = copy.deepcopy(wf)
     out[node]["inputs"].update(inputs)
     return out
+
+
+def streamed_demo() -> dict[str, dict]:
+    """The demo workflow with streaming fixed on the node (2 of its 12 blocks resident, prefetch
+    2, whole blocks): the panel tests' picture, the same on every machine. The demo itself runs
+    the node's defaults, which keep the small demo model whole."""
+    wf = example_workflows.demo()
+    [node] = [n for n in wf.values() if n["class_type"] == "ApplyLayerwiseOffload"]
+    node["inputs"].update(resident_blocks=2, vram_budget_gb=12.0, prefetch=2, disk_workers=2,
+                          granularity="block")
+    return wf

@@ -49,6 +49,8 @@ def print_layerwise(server: ComfyServer) -> None:
               f"{t.get('peak_materialized_bytes', 0) / MiB:.1f} MiB of blocks on {state['device']} "
               f"(bound {state['bound_bytes'] / MiB:.1f} MiB), "
               f"{t.get('sync_fallbacks', 0)} synchronous fallbacks")
+        if state.get("tuning"):
+            print(f"  auto settings: {state['tuning']['reason']}")
 
 
 def print_loaded(server: ComfyServer) -> None:
@@ -116,6 +118,8 @@ def main() -> int:
         for picture in server.get("/offload/timeline")["timelines"]:
             print(f"picture of the run recorded for {picture['model_class']}: {len(picture['units'])} "
                   f"streamed units, a pass of {picture['pass_ms']:.1f} ms; the Offload panel shows it")
+        print(f"The demo runs the node's defaults; to see blocks streamed on any machine, open the "
+              f"example '{example_workflows.LAYERWISE}'.")
         print(f"\nComfyUI is served at {server.url}/ . To open the demo workflow there: "
               f"the Templates button in the left sidebar (or Browse Templates in the ComfyUI logo "
               f"menu), then '{PACK_LINK_NAME}' in the list on the left, then '{example_workflows.DEMO}'. The Offload tab in the left sidebar (the "

@@ -19,6 +19,7 @@ its caption), so each file is named for what the workflow shows.
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import sys
 import tempfile
@@ -88,19 +89,20 @@ def _base(unet: str = "UNETLoader", clip: str = "CLIPLoader") -> dict[str, dict]
 
 def _layerwise_inputs(**chosen) -> dict:
     """Apply Layerwise Offload over the loader's model: every input written out (the template
-    shows each widget's value), the node's defaults but for what an example chooses."""
-    inputs = {"model": ["1", 0], "resident_blocks": -1, "vram_budget_gb": 0.0, "prefetch": 2,
-              "pin": True, "mode": "auto", "host_cache_gb": 0.0, "disk_workers": 2,
-              "granularity": "block", "spill_dir": "", "compile_per_block": False, "share_host_memory": True}
+    shows each widget's value), the node's defaults but for what an example chooses
+    (tests/unit/test_example_files.py holds them to the node's own)."""
+    inputs = {"model": ["1", 0], "resident_blocks": -1, "vram_budget_gb": 0.0, "prefetch": 0,
+              "pin": True, "mode": "auto", "host_cache_gb": 0.0, "disk_workers": 0,
+              "granularity": "auto", "spill_dir": "", "compile_per_block": False, "share_host_memory": True}
     inputs.update(chosen)
     return inputs
 
 
 def demo() -> dict[str, dict]:
-    """`make demo`: core's loaders, the DiT streamed by Apply Layerwise Offload (2 blocks resident)."""
+    """`make demo`: core's loaders and Apply Layerwise Offload with the node's defaults, what a
+    user who drops the node in gets (auto settings; the panel says what they chose and why)."""
     wf = _base()
-    wf["8"] = {"class_type": "ApplyLayerwiseOffload",
-               "inputs": _layerwise_inputs(resident_blocks=2, vram_budget_gb=12.0)}
+    wf["8"] = {"class_type": "ApplyLayerwiseOffload", "inputs": _layerwise_inputs()}
     wf["6"]["inputs"]["model"] = ["8", 0]
     wf["7"]["inputs"]["filename_prefix"] = "latents/tiered_offload_demo"
     return wf
@@ -148,23 +150,27 @@ _MODELS_NOTE = (f"Models: {DIT_FILE} (in models/diffusion_models) and {CLIP_FILE
 class Example(NamedTuple):
     build: Callable[[], dict]
     note: str   # shown on the canvas
+    focus: tuple[str, ...] = ("ApplyLayerwiseOffload",)  # the nodes its thumbnail shows, large
 
 
 # The file stem -> the example. The template browser shows the stem as the title (cut at about 25
 # characters: the node comes first) and again as the caption (two lines, about 60 characters, with
 # "-" and "_" turned into spaces): it says what the workflow shows. A stem is a file name on every
 # system: none of / \ : * ? " < > | (Windows refuses them).
-DEMO = "Demo, a model streamed from RAM, seen in the Offload panel"
+DEMO = "Demo, the offload node's defaults, seen in the Offload panel"
+# The example with blocks streamed on any machine: the README's picture shows it (make screenshot).
+LAYERWISE = f"Apply Layerwise Offload, {DIT_BLOCKS - LAYERWISE_RESIDENT} of {DIT_BLOCKS} blocks streamed from RAM"
 EXAMPLES: dict[str, Example] = {
     DEMO: Example(demo, (
-        f"The demo of comfyui-tiered-offload (make demo). Apply Layerwise Offload streams the "
-        f"diffusion model's blocks from pinned RAM: 2 of its {DIT_BLOCKS} blocks stay on the GPU, "
-        f"the other {DIT_BLOCKS - 2} are copied in while earlier blocks compute. The result is "
-        f"bit-identical to the same workflow without the node. Open the Offload tab in the "
-        f"sidebar before a run: every loaded model, where its blocks are, and a picture of the "
-        f"run. " + _MODELS_NOTE)),
-    f"Apply Layerwise Offload, {DIT_BLOCKS - LAYERWISE_RESIDENT} of {DIT_BLOCKS} blocks streamed from RAM":
-    Example(layerwise, (
+        "The demo of comfyui-tiered-offload (make demo): Apply Layerwise Offload as you get it "
+        "when you add it, every input at its default. It keeps on the GPU as many of the "
+        "diffusion model's blocks as make the run faster, within what the card has free, and "
+        "streams the others from pinned RAM while earlier blocks compute; each run's timings "
+        "choose how many and how far ahead. The demo model is small, so a card with room for it "
+        "keeps every block. The result is bit-identical to the same workflow without the node. "
+        "Open the Offload tab in the sidebar before a run: every loaded model, where its blocks "
+        "are, what auto chose and why. " + _MODELS_NOTE)),
+    LAYERWISE: Example(layerwise, (
         f"Apply Layerwise Offload between the model loader (and any LoRA) and the sampler. "
         f"resident_blocks {LAYERWISE_RESIDENT}: that many of the model's blocks stay on the GPU, "
         f"the rest ({DIT_BLOCKS - LAYERWISE_RESIDENT} of the demo model's {DIT_BLOCKS}) are "
@@ -175,13 +181,13 @@ EXAMPLES: dict[str, Example] = {
     "Model-Level Swap, model and text encoder share the GPU": Example(swap, (
         "Model-Level Swap after the loaders: the diffusion model is parked in RAM while text is "
         "encoded, the text encoder while sampling. Both move from pinned RAM masters: a few "
-        "large copies in, nothing copied back. " + _MODELS_NOTE)),
+        "large copies in, nothing copied back. " + _MODELS_NOTE), ("ModelLevelSwap",)),
     "Tiered loaders, models kept in RAM between workflows": Example(tiered, (
         "The Tiered loaders load what core's loaders load, and the tier manager keeps their "
         "models across workflows (VRAM, RAM, disk). The VRAM Tier Manager sets the budgets (GiB) "
         "and this model's policy: keep in RAM, priority 10. Run another workflow, then this one "
         "again: its models come back from RAM, not from disk. The Offload tab edits the same "
-        "budgets and policy. " + _MODELS_NOTE)),
+        "budgets and policy. " + _MODELS_NOTE), ("VRAMTierManager",)),
 }
 
 
@@ -221,9 +227,37 @@ _BUILD_JS = """async ([apiGraph, note, name]) => {
 }"""
 
 
+# Runs in the page: the example's own nodes, drawn large on the canvas alone (no menus, no
+# minimap), cut to 4:3 around them. The template browser shows thumbnails a few hundred pixels
+# wide: a whole graph there is boxes without words, its own node can be read.
+_THUMBNAIL_JS = """([types, width, height, pad]) => {
+  const shown = app.graph.nodes.filter((n) => types.includes(n.type));
+  const title = LiteGraph.NODE_TITLE_HEIGHT;
+  let x0 = Math.min(...shown.map((n) => n.pos[0])) - pad;
+  let y0 = Math.min(...shown.map((n) => n.pos[1] - title)) - pad;
+  let w = Math.max(...shown.map((n) => n.pos[0] + n.size[0])) + pad - x0;
+  let h = Math.max(...shown.map((n) => n.pos[1] + n.size[1])) + pad - y0;
+  if (w / h < width / height) { const wide = h * width / height; x0 -= (wide - w) / 2; w = wide; }
+  else { const tall = w * height / width; y0 -= (tall - h) / 2; h = tall; }
+  const canvas = app.canvas.canvas;
+  const ratio = canvas.width / canvas.clientWidth;
+  const ds = app.canvas.ds;
+  ds.scale = Math.min(canvas.clientWidth / w, canvas.clientHeight / h);
+  ds.offset[0] = -x0; ds.offset[1] = -y0;
+  app.canvas.setDirty(true, true);
+  app.canvas.draw(true, true);
+  const out = document.createElement("canvas");
+  out.width = width; out.height = height;
+  out.getContext("2d").drawImage(canvas, 0, 0, w * ds.scale * ratio, h * ds.scale * ratio, 0, 0, width, height);
+  return out.toDataURL("image/jpeg", 0.85);
+}"""
+THUMBNAIL = (640, 480)
+THUMBNAIL_PAD = 30   # graph units around the example's own nodes
+
+
 def build_ui_files(url: str, out_dir: Path, chromium: str) -> list[Path]:
     """Let the frontend at `url` turn each API graph into its graph (UI) file in `out_dir`, with
-    the thumbnail the template browser shows beside it (<name>.jpg: the graph on the canvas)."""
+    the thumbnail the template browser shows beside it (<name>.jpg: the example's own nodes)."""
     from playwright.sync_api import sync_playwright
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -236,14 +270,15 @@ def build_ui_files(url: str, out_dir: Path, chromium: str) -> list[Path]:
         page.goto(url, wait_until="domcontentloaded")
         page.wait_for_function("() => window.app && window.app.graph && window.LiteGraph",
                                timeout=120_000)
+        page.evaluate("app.extensionManager.setting.set('Comfy.Graph.CanvasInfo', false)")
         for stem, example in EXAMPLES.items():
             graph = json.loads(page.evaluate(_BUILD_JS, [example.build(), example.note, stem]))
             path = out_dir / f"{stem}.json"
             path.write_text(json.dumps(graph, indent=1) + "\n")
-            page.evaluate("app.extensionManager.command.execute('Comfy.Canvas.FitView')")
-            page.wait_for_timeout(500)
+            page.wait_for_timeout(300)
+            data_url = page.evaluate(_THUMBNAIL_JS, [list(example.focus), *THUMBNAIL, THUMBNAIL_PAD])
             thumb = out_dir / f"{stem}.jpg"
-            page.locator("#graph-canvas").screenshot(path=str(thumb), type="jpeg", quality=70)
+            thumb.write_bytes(base64.b64decode(data_url.split(",", 1)[1]))
             written += [path, thumb]
         browser.close()
     return written

@@ -1,15 +1,16 @@
-"""`make screenshot`: the README's picture (web/screenshot.png), from the demo as a user runs it.
+"""`make screenshot`: the README's picture (web/screenshot.png), from the example workflow that
+streams blocks on any machine (example_workflows.LAYERWISE), as a user runs it.
 
-A user's server (core's and the pack's nodes only) serves the demo workflow; headless Chromium
-puts it on the canvas from the pack's template, with the Offload tab open before the run (the
-open tab asks the server to record the run's picture), then the demo runs: the picture shows
+A user's server (core's and the pack's nodes only) serves it; headless Chromium puts it on the
+canvas from the pack's template, with the Offload tab open before the run (the open tab asks the
+server to record the run's picture), then the workflow runs: the picture shows
 the workflow with Apply Layerwise Offload's current inputs, and the panel with the streamed
 model's blocks, figures and the picture of that run, beside the text encoder's card.
 
 Beside the picture it writes a sidecar (web/screenshot.json): the inputs and values of the pack's
 nodes as the canvas showed them, the ComfyUI and frontend versions, and a seal over the picture's
 bytes and those inputs. tests/unit/test_screenshot_sidecar.py fails when a node's inputs or the
-demo's values no longer match the picture (run `make screenshot` again), and when the picture and
+example's values no longer match the picture (run `make screenshot` again), and when the picture and
 its sidecar were not written together. Run on purpose only; `make test` never writes into the
 repository.
 
@@ -92,10 +93,10 @@ def main(argv: list[str]) -> int:
                 wait_for_ui(page, server.url)
                 # The minimap would cover the end of the graph.
                 page.evaluate("app.extensionManager.setting.set('Comfy.Minimap.Visible', false)")
-                load_template(page, PACK_LINK_NAME, example_workflows.DEMO)
+                load_template(page, PACK_LINK_NAME, example_workflows.LAYERWISE)
                 open_offload_tab(page)
                 wait_for_recording(server)
-                # The workflow on the canvas is the demo's; run that one.
+                # The workflow on the canvas is the template's; run that one.
                 shown_graph = page.evaluate("async () => (await app.graphToPrompt()).output")
                 server.run(shown_graph)
                 page.wait_for_selector(LAYERWISE_CARD, timeout=30_000)
@@ -119,7 +120,7 @@ def main(argv: list[str]) -> int:
     out.write_bytes(png)
     record = {
         "picture": out.name,
-        "workflow": example_workflows.DEMO,
+        "workflow": example_workflows.LAYERWISE,
         "comfyui": comfy_version(),
         "frontend": frontend,
         "viewport": VIEWPORT,

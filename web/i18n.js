@@ -315,7 +315,7 @@ export const ENGLISH = {
     core: "core · {device}",
     coreHere: "core",
     coreTitle: "Loaded by ComfyUI on {device}",
-    notLoaded: "Not loaded by ComfyUI now; the pack still holds its weights in RAM.",
+    notLoaded: "Not loaded by ComfyUI now: ComfyUI still keeps this earlier load, and the pack holds its weights in RAM. Unload frees them.",
     fileNotRecorded: "file not recorded by this ComfyUI",
     badgeTitle: {
       vram: "In VRAM: loaded by ComfyUI on the GPU",

@@ -9,11 +9,11 @@ import { compactTimelineHtml, fitPicture } from "./timeline.js";
 import { planHtml } from "./plan.js";
 import { View } from "./view.js";
 
-const TIER_LABEL = { vram: "VRAM", ram: "RAM", disk: "DISK" };
-// A tier's badge: [class, text, title key]. Without a GPU the top tier is the CPU's own memory:
-// a model ComfyUI loaded there is in RAM, so its badge says CPU, never VRAM.
+const TIER_LABEL = { vram: "VRAM", cpu: "CPU", ram: "RAM", disk: "DISK" };
+// A tier's badge: [class, text, title key]. Without a GPU the top tier is the CPU's own memory
+// (the API's tier "cpu"): a model ComfyUI loaded there is in RAM, so its badge says CPU, never VRAM.
 function tierBadge(tier, cpu) {
-  if (tier === "vram" && cpu) return ["cpu", "CPU", "card.badgeTitle.cpu"];
+  if (tier === "cpu" || (tier === "vram" && cpu)) return ["cpu", "CPU", "card.badgeTitle.cpu"];
   return [tier, TIER_LABEL[tier], `card.badgeTitle.${tier}`];
 }
 function badgeHtml(tier, cpu) {
@@ -22,7 +22,7 @@ function badgeHtml(tier, cpu) {
 }
 // `cpuTitle`: the button's title where the device is the CPU (no VRAM to load into or drop).
 const TIER_ACTIONS = [
-  { action: "load", icon: "pi-upload", off: (m) => m.tier === "vram", cpuTitle: "actions.load.titleCpu" },
+  { action: "load", icon: "pi-upload", off: (m) => m.tier === "vram" || m.tier === "cpu", cpuTitle: "actions.load.titleCpu" },
   { action: "park", icon: "pi-download", off: (m) => m.tier === "ram", cpuTitle: "actions.park.titleCpu" },
   { action: "evict", icon: "pi-trash", off: (m) => m.tier === "disk" },
 ];
@@ -430,8 +430,8 @@ export function timelineCards(payload) {
 function managedHtml(m, parts, ctx) {
   const { strips, pending, notice, cpu } = ctx;
   const bytes = m.bytes ?? {};
-  const p = placement(m.total_bytes || num(bytes.vram) + num(bytes.ram),
-    bytes.vram, num(bytes.ram) + num(bytes.pinned), cpu);
+  const device = num(bytes.vram) + num(bytes.cpu);
+  const p = placement(m.total_bytes || device + num(bytes.ram), device, num(bytes.ram) + num(bytes.pinned), cpu);
   const tier = TIER_LABEL[m.tier] ? m.tier : "disk";
   const busy = pending[m.id];
   const users = num(m.in_use);
@@ -491,7 +491,7 @@ function coreHtml(l, ctx) {
   if (l.core && l.bytes) {
     const p = placement(l.bytes.total, l.bytes.device, l.bytes.ram, cpu);
     figures = placementHtml(p, cpu, l.bytes);
-    tier = cpu || num(l.bytes.device) > 0 ? "vram" : "ram";  // core loaded it on the compute device
+    tier = cpu ? "cpu" : num(l.bytes.device) > 0 ? "vram" : "ram";  // core loaded it on the compute device
   } else {
     figures = `<div class="to-muted">${esc(tr("card.notLoaded"))}</div>`;
     tier = "ram";

@@ -268,6 +268,11 @@ class LayerwiseSession:
             log.info("Apply Layerwise Offload: %d units of %s read back from the model file for a run "
                      "without the node", count, self.model_class)
 
+    def root_model(self) -> torch.nn.Module | None:
+        """The model (core's BaseModel) this session streams, while it lives: what the pack's
+        load records know it by."""
+        return self._root()
+
     def _watched(self) -> list[torch.nn.Module]:
         """The modules whose own `.to()` core calls: the model's root (while it lives), and any
         module of the blocks (a partial unload moves each module that holds weights)."""

@@ -146,11 +146,12 @@ def report() -> list[dict[str, Any]]:
     cards = [card for lm in list(comfy.model_management.current_loaded_models)
              if (card := _card(lm, layerwise, tier_names, swapped)) is not None]
     managed = set(diffusion_module_ids().values())  # the tier manager's cards show these
+    files = _session_files() if layerwise else {}
     for module_id, lw in layerwise.items():
         if module_id in managed or (lw.get("dynamic_vram") or {}).get("path") == "core streams":
             continue  # the tier manager's card shows it, or core streams it and the pack holds nothing
         cards.append({"id": f"layerwise-{module_id:x}", "class": lw["model_class"],
-                      "network": lw["model_class"], "kind": "diffusion model", "file": None,
+                      "network": lw["model_class"], "kind": "diffusion model", "file": files.get(module_id),
                       "device": lw["device"], "core": False, "bytes": None, "tier_id": None,
                       "layerwise": lw, "swap": None})
     for member in SWAP_MEMBERS.values():
@@ -160,6 +161,18 @@ def report() -> list[dict[str, Any]]:
                           "core": False, "bytes": None, "tier_id": None, "layerwise": None,
                           "swap": member.report()})
     return cards
+
+
+def _session_files() -> dict[int, str]:
+    """The file each streamed model was loaded from, by its diffusion module's id, where the pack
+    recorded it: a model core let go of is named by its file, as its card was while loaded."""
+    files = {}
+    for module, session in LAYERWISE.sessions.items():
+        root = session.root_model()
+        name = _recorded_file(root) if root is not None else None
+        if name:
+            files[id(module)] = name
+    return files
 
 
 def _swap_card_id(member) -> str:

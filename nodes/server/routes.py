@@ -153,7 +153,28 @@ async def _off_loop(fn: Callable[..., Any], *args: Any) -> Any:
     return await asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
 
 
-def devices() -> dict[str, Any]:
+def _compute_is_cpu() -> bool:
+    return comfy.model_management.get_torch_device().type == "cpu"
+
+
+def as_shown(model: dict[str, Any], cpu: bool) -> dict[str, Any]:
+    """A managed model as the API shows it. The manager's top tier is the compute device; where
+    that is the CPU there is no VRAM, and the model ComfyUI loaded there sits in RAM: its tier
+    and bytes are named "cpu" (the panel's CPU badge), never "vram"."""
+    if not cpu:
+        return model
+
+    def named(tier: str) -> str:
+        return "cpu" if tier == "vram" else tier
+    shown = dict(model, tier=named(model["tier"]), bytes={named(k): n for k, n in model["bytes"].items()})
+    if model.get("moving"):
+        shown["moving"] = {k: named(v) if k in ("from", "to") else v for k, v in model["moving"].items()}
+    return shown
+
+
+def devices(models: list[dict[str, Any]]) -> dict[str, Any]:
+    """The device totals. `models`: the managed models as shown; on a CPU those loaded on it are
+    in RAM, and count in the RAM the models use."""
     device = comfy.model_management.get_torch_device()
     mem = psutil.virtual_memory()
     reserved = MANAGER.budgets()["vram_reserve_bytes"]
@@ -165,10 +186,11 @@ def devices() -> dict[str, Any]:
         vram = {"device": str(device), "total": 0, "used": 0, "free": 0, "reserved": 0,
                 "unified_memory": device.type == "mps"}
     snapshot_ram = MANAGER.snapshot()["ram"]
+    used = snapshot_ram["used_by_models"] + sum(int(m["bytes"].get("cpu", 0)) for m in models)
     return {"vram": vram,
             "ram": {"total": mem.total, "available": mem.available, "pinned": pinned_bytes(),
-                    "budget": snapshot_ram["budget"], "used_by_models": snapshot_ram["used_by_models"],
-                    "held_by_pack": held_by_pack(snapshot_ram["used_by_models"])}}
+                    "budget": snapshot_ram["budget"], "used_by_models": used,
+                    "held_by_pack": held_by_pack(used)}}
 
 
 def held_by_pack(tier_models: int) -> dict[str, int]:
@@ -193,9 +215,10 @@ def tiers_payload() -> dict[str, Any]:
     snapshot = MANAGER.snapshot()
     layerwise = _layerwise_by_model()
     module_ids = diffusion_module_ids()
-    for model in snapshot["models"]:
-        model["layerwise"] = layerwise.get(module_ids.get(model["id"]))
-    return {"models": snapshot["models"], "devices": devices(), "budgets": snapshot["budgets"],
+    cpu = _compute_is_cpu()
+    models = [dict(as_shown(model, cpu), layerwise=layerwise.get(module_ids.get(model["id"])))
+              for model in snapshot["models"]]
+    return {"models": models, "devices": devices(models), "budgets": snapshot["budgets"],
             "loaded": loaded_models.report()}
 
 
@@ -264,7 +287,7 @@ def _act(action: str, model: str) -> dict[str, Any]:
         with prompt_lifecycle.between_prompts(action) if action in MOVES else contextlib.nullcontext():
             entry = ACTIONS[action](model)
     sync_tiers()
-    return entry.to_dict()
+    return as_shown(entry.to_dict(), _compute_is_cpu())
 
 
 def _unpin(key: str):

@@ -58,11 +58,37 @@ def test_every_note_names_the_models_its_workflow_loads():
         assert "tools/demo_models.py" in example.note, stem
 
 
+def offload_inputs(stem: str) -> dict:
+    [inputs] = [node["inputs"] for node in example_workflows.EXAMPLES[stem].build().values()
+                if node["class_type"] == "ApplyLayerwiseOffload"]
+    return inputs
+
+
+def node_defaults(node: str) -> dict:
+    """Each input's default as the server serves the node (tests/fixtures/node_interfaces.json,
+    which tests/test_node_schema.py holds to the server)."""
+    schema = json.loads((ROOT / "tests" / "fixtures" / "node_interfaces.json").read_text(encoding="utf-8"))[node]
+    return {name: spec[1]["default"] for group in schema["input"].values()
+            for name, spec in group.items() if len(spec) > 1 and "default" in spec[1]}
+
+
+def test_the_demo_runs_the_offload_nodes_defaults():
+    """A user's first run shows what they get when they add the node: every input at its default."""
+    defaults = node_defaults("ApplyLayerwiseOffload")
+    demo = {k: v for k, v in offload_inputs(example_workflows.DEMO).items() if k != "model"}
+    assert demo == defaults
+
+
+def test_every_example_writes_the_defaults_of_what_it_does_not_choose():
+    defaults = node_defaults("ApplyLayerwiseOffload")
+    chosen = {k: v for k, v in offload_inputs(example_workflows.LAYERWISE).items()
+              if k != "model" and v != defaults[k]}
+    assert chosen == {"resident_blocks": example_workflows.LAYERWISE_RESIDENT}, chosen
+
+
 def test_the_layerwise_example_streams_blocks_on_any_machine():
     """A budget in GiB keeps the whole demo model resident on a large card and on a CPU; a count
     of resident blocks below the model's streams the rest everywhere (a real run: the server
     test)."""
-    [layerwise] = [node["inputs"] for stem, ex in example_workflows.EXAMPLES.items()
-                   if stem != example_workflows.DEMO for node in ex.build().values()
-                   if node["class_type"] == "ApplyLayerwiseOffload"]
+    layerwise = offload_inputs(example_workflows.LAYERWISE)
     assert 0 <= layerwise["resident_blocks"] < example_workflows.DIT_BLOCKS

@@ -212,3 +212,21 @@ def test_the_pin_cap_is_windows_share_on_windows_and_under_wsl(tmp_path, monkeyp
     monkeypatch.undo()
     assert got == share and ("Windows" in where) == (share == PIN_SHARE_WINDOWS), (got, where)
     assert ("WSL" in where) == ("WSL" in release and platform == "linux"), where
+
+
+def test_host_memory_maps_where_mmap_has_no_posix_flags(monkeypatch):
+    """Windows' mmap has no MAP_PRIVATE or MAP_ANONYMOUS: host memory there is a plain anonymous
+    map, zeroed, writable, and the engine's buffers over it work as on Linux."""
+    import mmap
+    monkeypatch.setattr(pinned.os, "name", "nt")
+    monkeypatch.delattr(mmap, "MAP_PRIVATE")
+    monkeypatch.delattr(mmap, "MAP_ANONYMOUS")
+    hs = HostStorage([PAGE * 2, PAGE], pin=False)
+    try:
+        buffers = [hs.buffer(0), hs.buffer(1)]
+        assert [b.numel() for b in buffers] == [PAGE * 2, PAGE]
+        assert all(int(b.sum()) == 0 for b in buffers)
+        buffers[0].fill_(7)
+        assert int(buffers[0].sum()) == 7 * PAGE * 2 and int(buffers[1].sum()) == 0
+    finally:
+        hs.release()

@@ -1,8 +1,9 @@
 """The README's picture (web/screenshot.png) shows the pack's nodes as they are: `make screenshot`
-(tools/screenshot.py) writes it from the demo with a sidecar (web/screenshot.json) recording the
+(tools/screenshot.py) writes it from the example that streams blocks (example_workflows.LAYERWISE)
+with a sidecar (web/screenshot.json) recording the
 inputs and values of the pack's nodes the canvas showed, sealed with the picture's bytes. This
 fails when a node's inputs (tests/fixtures/node_interfaces.json, which tests/test_node_schema.py
-holds to what the server serves) or the demo's values change and the picture was not made
+holds to what the server serves) or the example's values change and the picture was not made
 again, and when the picture and its sidecar were not written together."""
 from __future__ import annotations
 
@@ -29,23 +30,30 @@ def schema_inputs(node: str) -> set[str]:
     return set(order.get("required", [])) | set(order.get("optional", []))
 
 
-def stale(record: dict, demo: dict[str, dict]) -> list[str]:
-    """What the picture's record says that the pack's nodes and the demo no longer say."""
+PICTURED = example_workflows.LAYERWISE
+
+
+def pictured() -> dict[str, dict]:
+    return example_workflows.EXAMPLES[PICTURED].build()
+
+
+def stale(record: dict, workflow: dict[str, dict]) -> list[str]:
+    """What the picture's record says that the pack's nodes and the pictured example no longer say."""
     found = []
-    if record.get("workflow") != example_workflows.DEMO:
-        found.append(f"the picture shows '{record.get('workflow')}', the demo is '{example_workflows.DEMO}'")
-    for node in sorted({n["class_type"] for n in demo.values()} & set(INTERFACES)):
+    if record.get("workflow") != PICTURED:
+        found.append(f"the picture shows '{record.get('workflow')}', the example is '{PICTURED}'")
+    for node in sorted({n["class_type"] for n in workflow.values()} & set(INTERFACES)):
         shown = record["nodes"].get(node)
         if shown is None:
-            found.append(f"{node} is in the demo but not in the picture")
+            found.append(f"{node} is in the example but not in the picture")
             continue
         if set(shown["inputs"]) != schema_inputs(node):
             found.append(f"{node}: the picture shows inputs {sorted(shown['inputs'])}, the node has "
                          f"{sorted(schema_inputs(node))}")
-        [inputs] = [n["inputs"] for n in demo.values() if n["class_type"] == node]
+        [inputs] = [n["inputs"] for n in workflow.values() if n["class_type"] == node]
         values = {k: v for k, v in inputs.items() if not isinstance(v, list)}   # not the links
         if shown["values"] != values:
-            found.append(f"{node}: the picture shows {shown['values']}, the demo sets {values}")
+            found.append(f"{node}: the picture shows {shown['values']}, the example sets {values}")
     return found
 
 
@@ -55,24 +63,24 @@ def test_the_picture_and_its_sidecar_were_written_together():
     assert record["seal"] == screenshot.seal(PICTURE.read_bytes(), record["nodes"]), AGAIN
 
 
-def test_the_picture_shows_the_nodes_inputs_and_the_demos_values():
-    found = stale(sidecar(), example_workflows.demo())
+def test_the_picture_shows_the_nodes_inputs_and_the_examples_values():
+    found = stale(sidecar(), pictured())
     assert found == [], f"{AGAIN}:\n" + "\n".join(found)
 
 
 def test_a_stale_picture_is_found():
-    """A node that gained an input, a demo value changed, and a picture of another workflow are
+    """A node that gained an input, a value of the example changed, and a picture of another workflow are
     each named (a check that cannot fail proves nothing)."""
     record = sidecar()
-    demo = example_workflows.demo()
-    [node_id] = [k for k, n in demo.items() if n["class_type"] == "ApplyLayerwiseOffload"]
-    assert stale(record, demo) == []
+    workflow = pictured()
+    [node_id] = [k for k, n in workflow.items() if n["class_type"] == "ApplyLayerwiseOffload"]
+    assert stale(record, workflow) == []
     fewer = json.loads(json.dumps(record))
     fewer["nodes"]["ApplyLayerwiseOffload"]["inputs"].remove("spill_dir")
-    assert [p.split(":")[0] for p in stale(fewer, demo)] == ["ApplyLayerwiseOffload"]
-    demo[node_id]["inputs"]["prefetch"] += 1
-    assert "the demo sets" in " ".join(stale(record, demo))
-    assert stale(dict(record, workflow="another"), example_workflows.demo())[0].startswith(
+    assert [p.split(":")[0] for p in stale(fewer, workflow)] == ["ApplyLayerwiseOffload"]
+    workflow[node_id]["inputs"]["prefetch"] += 1
+    assert "the example sets" in " ".join(stale(record, workflow))
+    assert stale(dict(record, workflow="another"), pictured())[0].startswith(
         "the picture shows 'another'")
-    assert stale(dict(record, nodes={}), example_workflows.demo()) == [
-        "ApplyLayerwiseOffload is in the demo but not in the picture"]
+    assert stale(dict(record, nodes={}), pictured()) == [
+        "ApplyLayerwiseOffload is in the example but not in the picture"]
