@@ -79,6 +79,25 @@ def test_core_unload_between_prompts_and_the_next_prompt_is_identical(comfy):
     assert status == 409 and "Park" in body["error"], body
 
 
+def test_a_streamed_model_core_let_go_of_is_named_by_its_file(comfy):
+    """Core unloads a streamed model that ComfyUI's cache still keeps: the pack still holds its
+    blocks, and the card listing them names the file it was loaded from, as its card did while
+    loaded (one file, one name, on every card); its Unload frees them and the next prompt is
+    bit-identical."""
+    wf = sample_workflow("wan21", layerwise={"resident_blocks": 1}, seed=5, steps=2)
+    base = latent_sha(comfy.run(wf))
+    wan = card(comfy, "WAN21")
+    status, body = comfy.request("POST", f"/offload/loaded/{wan['id']}/unload")
+    assert status == 200, body
+    held = [c for c in cards(comfy) if not c["core"] and c["layerwise"] and c["class"] == "WanModel"]
+    assert wan["file"] in [c["file"] for c in held], (wan["file"], held)
+    assert all(c["file"] for c in held), held
+    [mine] = [c for c in held if c["layerwise"]["module_id"] == wan["layerwise"]["module_id"]]
+    status, body = comfy.request("POST", f"/offload/loaded/{mine['id']}/unload")
+    assert status == 200, body
+    assert latent_sha(comfy.run(wf)) == base
+
+
 def test_a_held_swap_master_is_unloaded_between_prompts_and_the_next_prompt_is_identical(comfy):
     """A card that lists what the pack still holds of a model core let go of (the text encoder's
     Model-Level Swap master, out of core while the model samples) is unloaded as core's cards

@@ -159,8 +159,8 @@ def _compute_is_cpu() -> bool:
 
 def as_shown(model: dict[str, Any], cpu: bool) -> dict[str, Any]:
     """A managed model as the API shows it. The manager's top tier is the compute device; where
-    that is the CPU there is no VRAM, and the model ComfyUI loaded there sits in RAM: its tier
-    and bytes are named "cpu" (the panel's CPU badge), never "vram"."""
+    that is the CPU there is no VRAM, and the model ComfyUI loaded there sits in RAM (its bytes
+    are counted there): its tier is named "cpu" (the panel's CPU badge), never "vram"."""
     if not cpu:
         return model
 
@@ -172,9 +172,7 @@ def as_shown(model: dict[str, Any], cpu: bool) -> dict[str, Any]:
     return shown
 
 
-def devices(models: list[dict[str, Any]]) -> dict[str, Any]:
-    """The device totals. `models`: the managed models as shown; on a CPU those loaded on it are
-    in RAM, and count in the RAM the models use."""
+def devices() -> dict[str, Any]:
     device = comfy.model_management.get_torch_device()
     mem = psutil.virtual_memory()
     reserved = MANAGER.budgets()["vram_reserve_bytes"]
@@ -186,11 +184,10 @@ def devices(models: list[dict[str, Any]]) -> dict[str, Any]:
         vram = {"device": str(device), "total": 0, "used": 0, "free": 0, "reserved": 0,
                 "unified_memory": device.type == "mps"}
     snapshot_ram = MANAGER.snapshot()["ram"]
-    used = snapshot_ram["used_by_models"] + sum(int(m["bytes"].get("cpu", 0)) for m in models)
     return {"vram": vram,
             "ram": {"total": mem.total, "available": mem.available, "pinned": pinned_bytes(),
-                    "budget": snapshot_ram["budget"], "used_by_models": used,
-                    "held_by_pack": held_by_pack(used)}}
+                    "budget": snapshot_ram["budget"], "used_by_models": snapshot_ram["used_by_models"],
+                    "held_by_pack": held_by_pack(snapshot_ram["used_by_models"])}}
 
 
 def held_by_pack(tier_models: int) -> dict[str, int]:
@@ -218,7 +215,7 @@ def tiers_payload() -> dict[str, Any]:
     cpu = _compute_is_cpu()
     models = [dict(as_shown(model, cpu), layerwise=layerwise.get(module_ids.get(model["id"])))
               for model in snapshot["models"]]
-    return {"models": models, "devices": devices(models), "budgets": snapshot["budgets"],
+    return {"models": models, "devices": devices(), "budgets": snapshot["budgets"],
             "loaded": loaded_models.report()}
 
 
