@@ -202,6 +202,37 @@ def test_tensors_the_file_cannot_serve_go_to_the_spill_file(tmp_path):
     st.close()
 
 
+def test_folders_with_spaces_other_scripts_and_past_260_characters(tmp_path):
+    """Users' folders (Windows' above all): spaces, letters of other scripts, and a path longer
+    than the 260 characters Windows once allowed. The model file is read in place from there and
+    the spill file written there, with the same bits."""
+    folder = tmp_path / "Program Files (x86)" / "ComfyUI modèles 模型" / " ".join(["deep"] * 45)
+    folder.mkdir(parents=True)
+    model = PlainModel()
+    with torch.no_grad():  # one unit the file cannot serve, so the spill file is used too
+        model.blocks[1].up.weight = nn.Parameter(model.blocks[1].up.weight.detach().t().contiguous().t())
+    path = folder / "модель v1 (fp16).safetensors"
+    _save(model, path)
+    spill = folder / "spill ü 溢出"
+    assert len(str(spill)) > 260
+    x = _x()
+    with torch.no_grad():
+        ref = model(x)
+    probe = LayerwiseStreamer(model.blocks, "cpu", resident=0, prefetch=1)
+    unit = max(p.nbytes for p in probe._plan.packs) + 4 * PAGE
+    del probe
+    st = LayerwiseStreamer(model.blocks, "cpu", resident=0, prefetch=1,
+                           disk=DiskOptions(cap_bytes=3 * unit, spill_dir=str(spill), model_file=_file_map(model, path)))
+    st.attach()
+    with torch.no_grad():
+        assert torch.equal(_bits(model(x)), _bits(ref))
+    st.check_files()
+    disk = st.disk_figures()
+    assert disk["spill_units"] == 1 and disk["file_units"] == _packs(st) - 1, disk
+    assert disk["model_files"] == [str(path)]
+    st.close()
+
+
 def _change(path, op: str, tmp_path) -> None:
     if op == "truncate":
         os.truncate(path, path.stat().st_size // 2)
