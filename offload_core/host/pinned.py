@@ -53,7 +53,9 @@ PIN_SHARE_WINDOWS = 0.45
 OS_RELEASE = "/proc/sys/kernel/osrelease"  # "...-microsoft-standard-WSL2" under WSL
 PAGE = mmap.PAGESIZE
 
-_lock = threading.Lock()
+# Reentrant: an unpin may run inside the section on the same thread (the garbage collector runs
+# the finalizer of a storage nobody released at any allocation, the report hook's included).
+_lock = threading.RLock()
 _pinned_total = 0
 _external_cap: Callable[[], int | None] | None = None
 _report: Callable[[int], None] | None = None
@@ -79,7 +81,7 @@ def set_pin_accounting(cap: Callable[[], int | None] | None, report: Callable[[i
     global _external_cap, _report
     with _lock:
         _external_cap, _report = cap, report
-        _tell(_pinned_total)
+        _tell()
 
 
 @functools.lru_cache(maxsize=None)
@@ -118,17 +120,21 @@ def _count_pinned(delta: int) -> None:
     global _pinned_total
     with _lock:
         _pinned_total += delta
-        _tell(_pinned_total)
+        _tell()
 
 
-def _tell(total: int) -> None:
-    """Report the pinned total to the application; its failure must never undo a pin or unpin."""
-    if _report is None:
-        return
-    try:
-        _report(total)
-    except Exception:
-        log.exception("the pinned-memory report hook failed")
+def _tell() -> None:
+    """Report the pinned total to the application (lock held); its failure must never undo a pin
+    or unpin. A count made inside the report (the same thread, reentering) is reported again, so
+    the application's last word is the total as it is."""
+    total = None
+    while _report is not None and total != _pinned_total:
+        total = _pinned_total
+        try:
+            _report(total)
+        except Exception:
+            log.exception("the pinned-memory report hook failed")
+            return
 
 
 def _align_up(n: int, a: int) -> int:

@@ -230,3 +230,30 @@ def test_host_memory_maps_where_mmap_has_no_posix_flags(monkeypatch):
         assert int(buffers[0].sum()) == 7 * PAGE * 2 and int(buffers[1].sum()) == 0
     finally:
         hs.release()
+
+
+def test_an_unpin_inside_the_pin_report_neither_deadlocks_nor_leaves_a_stale_total():
+    """The garbage collector may run the finalizer of a storage nobody released (an unpin) inside
+    the accounting's own section, on the same thread: here, inside the application's report hook.
+    It must count without waiting for itself, and the application's last word is the real total."""
+    import threading
+    told = []
+
+    def report(total):
+        told.append(total)
+        if len(told) == 2:  # a finalizer's unpin, nested in the report of a pin
+            pinned._count_pinned(-4096)
+
+    before = pinned_bytes()
+    worker = threading.Thread(target=lambda: (set_pin_accounting(None, report), pinned._count_pinned(8192)),
+                              daemon=True)
+    try:
+        worker.start()
+        worker.join(timeout=10)
+        assert not worker.is_alive(), "the pinned-memory count deadlocked on itself"
+        assert pinned_bytes() == before + 4096
+        assert told[-1] == pinned_bytes(), told
+    finally:
+        if not worker.is_alive():  # a deadlocked worker holds the lock: leave it be
+            pinned._count_pinned(-4096)
+            set_pin_accounting(None, None)
