@@ -6,8 +6,10 @@ comfy_server.py). A test gets that marker by itself when it uses the shared `com
 module imports the server harness (ComfyServer, COMFY_ROOT); unit tests do not, so they run on
 one lane only, except the auto settings' acceptance figures (the planner's simulation, the
 Dynamic VRAM order's, the disk-bound read-ahead run), marked by hand to run on both. Soaks (many
-prompts through paths each lane's other tests already run once) are marked `one_lane`: they run
-against 0.3.75 only, since they repeat what the pack does, not what core version it meets.
+prompts through paths each lane's other tests already run once), and the cases of a matrix that
+exercise only the pack's own logic once its other cases have met core, are marked `one_lane`:
+they run against 0.3.75 only, since they repeat what the pack does, not what core version it
+meets.
 """
 from __future__ import annotations
 
@@ -71,7 +73,8 @@ def pytest_configure(config) -> None:
         "markers", f"{TREE_MARKER}: runs ComfyUI from the tree under test; the only tests of the "
                    "0.33 lane (set automatically for users of the server harness)")
     config.addinivalue_line(
-        "markers", f"{ONE_LANE}: a soak that runs on the 0.3.75 lane only, though it uses the server harness")
+        "markers", f"{ONE_LANE}: a soak, or a case of the pack's own logic, that runs on the 0.3.75 "
+                   "lane only, though it uses the server harness")
 
 
 def pytest_report_header(config) -> str:

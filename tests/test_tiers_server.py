@@ -245,6 +245,7 @@ def test_preload_at_start_then_a_prompt_neither_loads_twice_nor_fails(tmp_path):
         s.stop()
 
 
+@pytest.mark.one_lane
 def test_soak_alternating_workflows_does_not_leak(tier_server):
     """50 prompts alternating two workflows: RSS, pinned bytes, open files and threads stay flat
     after warm-up. A leak of one file descriptor or one thread per prompt shows as +40."""

@@ -88,7 +88,7 @@ class LayerwiseSession:
         # Core's unload of the model (without this node) moves it to the host with its root's
         # `.to()`, and a partial unload under memory pressure module by module: the kept pack
         # takes the moved module's tensors back first, so nothing is copied back.
-        self._root = weakref.ref(patcher.model)
+        self.model_ref = weakref.ref(patcher.model)  # core's BaseModel: what load records know
         for module in self._watched():
             host_moves.watch(module, LAYERWISE_KEY, self._reclaim_before_host_move)
 
@@ -268,15 +268,10 @@ class LayerwiseSession:
             log.info("Apply Layerwise Offload: %d units of %s read back from the model file for a run "
                      "without the node", count, self.model_class)
 
-    def root_model(self) -> torch.nn.Module | None:
-        """The model (core's BaseModel) this session streams, while it lives: what the pack's
-        load records know it by."""
-        return self._root()
-
     def _watched(self) -> list[torch.nn.Module]:
         """The modules whose own `.to()` core calls: the model's root (while it lives), and any
         module of the blocks (a partial unload moves each module that holds weights)."""
-        root = self._root()
+        root = self.model_ref()
         return [*([] if root is None else [root]),
                 *(module for block in self.blocks for module in block.modules())]
 
@@ -286,7 +281,7 @@ class LayerwiseSession:
         taken = self.streamer.reclaim(within=module)
         if not taken:
             return
-        if module is self._root():
+        if module is self.model_ref():
             log.info("Apply Layerwise Offload: %s moves to the host: %d block tensors re-pointed "
                      "at the kept pack, with no copy", self.model_class, taken)
         else:  # one of many modules a partial unload moves

@@ -168,7 +168,7 @@ def _session_files() -> dict[int, str]:
     recorded it: a model core let go of is named by its file, as its card was while loaded."""
     files = {}
     for module, session in LAYERWISE.sessions.items():
-        root = session.root_model()
+        root = session.model_ref()
         name = _recorded_file(root) if root is not None else None
         if name:
             files[id(module)] = name
