@@ -433,17 +433,19 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--read-ahead-units", type=int, default=6,
                     help="cache size, in units, of the read-ahead comparison (1, 2, 4 workers and auto)")
     ap.add_argument("--read-ahead-rounds", type=int, default=8,
-                    help="rounds of that comparison, each starting one setting later")
+                    help="rounds of that comparison, each starting one setting later; 0 leaves it out")
     ap.add_argument("--read-limit-mib-s", type=int, default=None,
                     help="hold this run's disk reads to this rate (root; the kernel's block throttle): "
                          "step times then compare the settings, not the disk's drift")
     ap.add_argument("--out", type=Path, help="JSON path (default: bench/results/disk_stream-<device>-<time>.json)")
     args = ap.parse_args(argv)
+    if args.read_ahead_rounds < 0:
+        ap.error("--read-ahead-rounds must be 0 (no read-ahead comparison) or more")
     logging.basicConfig(level=logging.WARNING)
     if args.smoke:
         args.passes = min(args.passes, 2)
         args.cache_units = min(args.cache_units, 4)
-        args.read_ahead_rounds = 1
+        args.read_ahead_rounds = min(args.read_ahead_rounds, 1)
         torch.set_num_threads(1)
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -466,9 +468,10 @@ def main(argv: list[str] | None = None) -> dict:
         }
         for mode in args.modes.split(","):
             result["modes"][mode] = run_mode(mode, spec, device, path, ref, args)
-        result["read_ahead"] = run_read_ahead(spec, device, path, args)
+        result["read_ahead"] = run_read_ahead(spec, device, path, args) if args.read_ahead_rounds else None
     print_table(result)
-    print_read_ahead(result)
+    if result["read_ahead"] is not None:
+        print_read_ahead(result)
     write_result(result, "disk_stream", name, args)
     return result
 

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.comfy_tree
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "disk_stream.py"
 
 
-def test_disk_stream_smoke_writes_json(tmp_path):
+def _bench():
     spec = importlib.util.spec_from_file_location("bench_disk_stream", BENCH)
     bench = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = bench
@@ -31,6 +31,22 @@ def test_disk_stream_smoke_writes_json(tmp_path):
         spec.loader.exec_module(bench)
     finally:
         sys.modules.pop(spec.name, None)
+    return bench
+
+
+def test_the_read_ahead_comparison_can_be_left_out_and_a_negative_count_is_refused(tmp_path, capsys):
+    bench = _bench()
+    out = tmp_path / "modes.json"
+    bench.main(["--smoke", "--read-ahead-rounds", "0", "--modes", "direct", "--dir", str(tmp_path), "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert data["read_ahead"] is None and set(data["modes"]) == {"direct"}
+    with pytest.raises(SystemExit):
+        bench.main(["--smoke", "--read-ahead-rounds", "-1"])
+    assert "--read-ahead-rounds must be 0" in capsys.readouterr().err
+
+
+def test_disk_stream_smoke_writes_json(tmp_path):
+    bench = _bench()
     out = tmp_path / "smoke.json"
     bench.main(["--smoke", "--dir", str(tmp_path), "--out", str(out)])
     data = json.loads(out.read_text())
