@@ -178,6 +178,8 @@ def test_rest_actions_move_models_and_bad_requests_get_clear_4xx(tier_server):
     for action, tier in (("park", "ram"), ("load", top), ("evict", "disk"), ("load", top)):
         status, body = s.request("POST", f"/offload/models/{key}/{action}")
         assert status == 200 and body["model"]["tier"] == tier, (action, status, body)
+    status, body = s.request("POST", f"/offload/policy/{key}", {"priority": 0})
+    assert status == 200 and body["model"]["tier"] == top, body  # every answer names the tier alike
     assert s.request("POST", f"/offload/models/{key}/pin")[1]["model"]["policy"]["pinned"]
     status, body = s.request("POST", f"/offload/models/{key}/evict")
     assert status == 409 and "pinned" in body["error"].lower(), body

@@ -385,7 +385,7 @@ def _policy(key: str, keep_in_ram: bool | None, priority: int | None) -> dict[st
         MANAGER.pin(key) if keep_in_ram else _unpin(key)
     if priority is not None:
         MANAGER.set_priority(key, priority)
-    return entry.to_dict()
+    return as_shown(entry.to_dict(), _compute_is_cpu())
 
 
 @state_changing
