@@ -70,11 +70,11 @@ def _file_map(model: PlainModel, path) -> ModelFileMap:
     return ModelFileMap(str(path), tensors)
 
 
-def _streamer(model, tmp_path, path, granularity="block", resident=0, entries=3, prefetch=1):
+def _streamer(model, tmp_path, path, granularity="block", resident=0, entries=3, prefetch=1, spill=None):
     probe = LayerwiseStreamer(model.blocks, "cpu", resident=resident, prefetch=prefetch, granularity=granularity)
     unit = max(p.nbytes for p in probe._plan.packs) + 4 * PAGE  # the file's spans: a page or two more
     del probe
-    disk = DiskOptions(cap_bytes=entries * unit, workers=2, spill_dir=str(tmp_path / "spill"),
+    disk = DiskOptions(cap_bytes=entries * unit, workers=2, spill_dir=str(spill or tmp_path / "spill"),
                        model_file=_file_map(model, path) if path is not None else None)
     return LayerwiseStreamer(model.blocks, "cpu", resident=resident, prefetch=prefetch, granularity=granularity,
                              disk=disk)
@@ -218,11 +218,7 @@ def test_folders_with_spaces_other_scripts_and_past_260_characters(tmp_path):
     x = _x()
     with torch.no_grad():
         ref = model(x)
-    probe = LayerwiseStreamer(model.blocks, "cpu", resident=0, prefetch=1)
-    unit = max(p.nbytes for p in probe._plan.packs) + 4 * PAGE
-    del probe
-    st = LayerwiseStreamer(model.blocks, "cpu", resident=0, prefetch=1,
-                           disk=DiskOptions(cap_bytes=3 * unit, spill_dir=str(spill), model_file=_file_map(model, path)))
+    st = _streamer(model, tmp_path, path, spill=spill)
     st.attach()
     with torch.no_grad():
         assert torch.equal(_bits(model(x)), _bits(ref))
