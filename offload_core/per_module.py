@@ -34,10 +34,9 @@ class PerModule(Generic[T]):
         self._freed: queue.SimpleQueue[tuple[int, weakref.ref]] = queue.SimpleQueue()  # safe in a callback
 
     def get(self, module: torch.nn.Module) -> T | None:
+        self._sweep()
         with self._lock:
             entry = self._entries.get(id(module))
-            closing = self._take_freed()
-        _close(closing)
         return entry[1] if entry is not None and entry[0]() is module else None
 
     def get_or_create(self, module: torch.nn.Module, create: Callable[[], T],
@@ -56,39 +55,36 @@ class PerModule(Generic[T]):
                 self._entries[key] = (weakref.ref(module, lambda dead: self._drop(key, dead)), value)
                 return value
         finally:
-            with self._lock:
-                closing = self._take_freed()
-            _close(closing)
+            self._sweep()  # what was freed while the lock was held, create() included
 
     def discard(self, module: torch.nn.Module) -> T | None:
         """Forget and close the module's object, if it has one; return it."""
+        self._sweep()
         with self._lock:
             entry = self._entries.get(id(module))
-            closing = self._take_freed()
-            if entry is not None and entry[0]() is module:
-                del self._entries[id(module)]
-            else:
-                entry = None
-        _close(closing)
-        if entry is None:
-            return None
+            if entry is None or entry[0]() is not module:
+                return None
+            del self._entries[id(module)]
         entry[1].close()
         return entry[1]
 
     def values(self) -> list[T]:
+        self._sweep()
         with self._lock:
-            closing = self._take_freed()
-            values = [value for _, value in self._entries.values()]
-        _close(closing)
-        return values
+            return [value for _, value in self._entries.values()]
 
     def items(self) -> list[tuple[torch.nn.Module, T]]:
         """(module, object) of every module still alive."""
+        self._sweep()
+        with self._lock:
+            entries = list(self._entries.values())
+        return [(module, value) for ref, value in entries if (module := ref()) is not None]
+
+    def _sweep(self) -> None:
+        """Close the objects of the modules freed since the last call."""
         with self._lock:
             closing = self._take_freed()
-            entries = list(self._entries.values())
         _close(closing)
-        return [(module, value) for ref, value in entries if (module := ref()) is not None]
 
     def _take_freed(self) -> list[T]:
         """The objects of the modules freed since the last call, out of the registry (lock held)."""
@@ -107,7 +103,7 @@ class PerModule(Generic[T]):
     def _drop(self, key: int, dead: weakref.ref) -> None:
         self._freed.put((key, dead))
         if not self._lock.acquire(blocking=False):
-            return  # held, maybe by this very thread: the holder's call closes it on its way out
+            return  # held, maybe by this very thread: the next call (or this one's end) closes it
         try:
             closing = self._take_freed()
         finally:
