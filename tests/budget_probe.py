@@ -131,7 +131,8 @@ def lora_figures(path: Path) -> dict:
     factors = [sum(t.numel() * t.element_size() for t in patcher.patches[f"{prefixes[i]}.{name}"][0][1].weights
                    if isinstance(t, torch.Tensor)) for i, name, _ in patched]
     per_block = [sum(f for (i, _, _), f in zip(patched, factors) if i == b) for b in range(len(blocks))]
-    store = comfy_weights.BlockPatches(patcher, prefixes, blocks, torch.device("cpu"))
+    store = comfy_weights.BlockPatches(patcher, prefixes, blocks,
+                                       comfy_weights.merged_keys(patcher, prefixes, blocks), torch.device("cpu"))
     try:
         key = f"{prefixes[1]}.{patched[0][1]}"
         on_device = store.patches(1, key)[0][1]
@@ -226,12 +227,13 @@ def merge_peaks(path: Path) -> list[dict]:
 
 
 def _merge_peak(comfy_weights, patcher, prefixes, blocks, known) -> dict:
-    transform = comfy_weights.lora_transform(patcher, prefixes)
+    keys = comfy_weights.merged_keys(patcher, prefixes, blocks)
+    transform = comfy_weights.lora_transform(patcher, prefixes, keys)
     unit = max(comfy_weights.lora_merge_dtype(patcher.load_device).itemsize, 4)
     peak = ratio = merged = 0
     for index, (prefix, block) in enumerate(zip(prefixes, blocks)):
         for name, weight in block.named_parameters():
-            if f"{prefix}.{name}" not in patcher.patches:
+            if f"{prefix}.{name}" not in keys:
                 continue
             copy = weight.detach().clone()  # the slot copy the engine merges into
             with torch.no_grad(), LiveBytes(known | {copy.untyped_storage().data_ptr()}) as live:

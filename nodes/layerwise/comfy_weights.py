@@ -53,6 +53,27 @@ def block_keys(prefix: str, block: torch.nn.Module) -> list[str]:
     return [f"{prefix}.{name}" for name, _ in block.named_parameters()]
 
 
+def merged_keys(patcher, block_prefixes: Sequence[str], blocks: Sequence[torch.nn.Module]) -> frozenset[str]:
+    """The blocks' weights core's load merges a weight patch into: those with patches, on the
+    modules core loads.
+
+    Core's load (its load list, the same in 0.3.x and 0.33, classic and Dynamic VRAM) leaves out
+    every module that has parameters below it besides its own, such as a Wan block's own
+    `modulation`: a patch on such a weight is never merged, and the weight runs as loaded. LoRAs
+    rarely patch one; a model merge patches every weight. Hook patches are another matter: core
+    applies those to every weight (see ``CoreMerge``).
+    """
+    keys = set()
+    for prefix, block in zip(block_prefixes, blocks):
+        for name, module in block.named_modules():
+            own = dict(module.named_parameters(recurse=False))
+            if not own or len(own) != sum(1 for _ in module.parameters()):
+                continue  # no weights, or weights below it: core does not load it
+            path = f"{prefix}.{name}" if name else prefix
+            keys.update(key for key in (f"{path}.{param}" for param in own) if key in patcher.patches)
+    return frozenset(keys)
+
+
 # Core's merge holds at most this many temporaries of the weight's size at once, each in fp32 (the
 # adapters' intermediate dtype) or the merge dtype if wider: DoRA over LoHa holds six (the weight
 # in the merge dtype, LoHa's two products, their product, DoRA's merged weight and its scaled
@@ -137,9 +158,10 @@ def merge_temporary_bytes(patcher, block_prefixes: Sequence[str],
     weight of the blocks, in fp32 or the merge dtype if wider (0 without patches). GGUF's
     quantized weights are merged at dequantization, not here."""
     largest = 0
+    merged = merged_keys(patcher, block_prefixes, blocks)
     for prefix, block in zip(block_prefixes, blocks):
         for name, weight in block.named_parameters():
-            if f"{prefix}.{name}" in patcher.patches and not (is_ggml(weight) and ggml_quantized(weight)):
+            if f"{prefix}.{name}" in merged and not (is_ggml(weight) and ggml_quantized(weight)):
                 largest = max(largest, true_numel(weight))
     size = torch.empty((), dtype=lora_merge_dtype(patcher.load_device)).element_size()
     return largest * max(size, 4)
@@ -200,7 +222,7 @@ class BlockPatches:
     """
 
     def __init__(self, patcher, block_prefixes: Sequence[str], blocks: Sequence[torch.nn.Module],
-                 device: torch.device) -> None:
+                 merged: frozenset[str], device: torch.device) -> None:
         groups: list[list[torch.Tensor]] = []
         templates: list[dict[str, Any]] = []
         left = 0
@@ -210,7 +232,7 @@ class BlockPatches:
             template: dict[str, Any] = {}
             for name, weight in block.named_parameters():
                 key = f"{prefix}.{name}"
-                if key not in patcher.patches or (is_ggml(weight) and ggml_quantized(weight)):
+                if key not in merged or (is_ggml(weight) and ggml_quantized(weight)):
                     continue  # GGUF merges its quantized weights at dequantization
 
                 def take(t: torch.Tensor, full: int = true_numel(weight)) -> Any:
@@ -261,11 +283,12 @@ class BlockPatches:
         self._side.close()
 
 
-def lora_transform(patcher, block_prefixes: Sequence[str], block_patches: BlockPatches | None = None,
-                   hooks: StreamedHooks | None = None) -> CoreMerge:
-    """A transform that merges the patcher's weight patches the way core's full load does, and,
-    with ``hooks``, the hook patches in force the way core's hook patching does (``CoreMerge``)."""
-    return CoreMerge(patcher, block_prefixes, block_patches, hooks)
+def lora_transform(patcher, block_prefixes: Sequence[str], merged: frozenset[str],
+                   block_patches: BlockPatches | None = None, hooks: StreamedHooks | None = None) -> CoreMerge:
+    """A transform that merges the patcher's weight patches into ``merged`` (``merged_keys``) the
+    way core's full load does, and, with ``hooks``, the hook patches in force the way core's hook
+    patching does (``CoreMerge``)."""
+    return CoreMerge(patcher, block_prefixes, merged, block_patches, hooks)
 
 
 class CoreMerge:
@@ -291,10 +314,12 @@ class CoreMerge:
     and carries on from (it logs the error and keeps the base weight) raises MergeFailed.
     """
 
-    def __init__(self, patcher, block_prefixes: Sequence[str], block_patches: BlockPatches | None,
-                 hooks: StreamedHooks | None, hooked: dict[str, list] | None = None) -> None:
+    def __init__(self, patcher, block_prefixes: Sequence[str], merged: frozenset[str],
+                 block_patches: BlockPatches | None, hooks: StreamedHooks | None,
+                 hooked: dict[str, list] | None = None) -> None:
         self._patcher = patcher
         self._prefixes = block_prefixes
+        self._merged = merged
         self._block_patches = block_patches
         self._hooks = hooks
         self._hooked = hooked  # frozen hook patches (``now``); None: ask ``hooks`` at each call
@@ -304,7 +329,8 @@ class CoreMerge:
         """This transform with the hook patches in force now (``host.transform.transform_now``)."""
         if self._hooks is None:
             return self
-        return CoreMerge(self._patcher, self._prefixes, self._block_patches, self._hooks, self._hooks.snapshot())
+        return CoreMerge(self._patcher, self._prefixes, self._merged, self._block_patches, self._hooks,
+                         self._hooks.snapshot())
 
     def _patches_of(self, block_index: int, key: str):
         on_device = None if self._block_patches is None else self._block_patches.patches(block_index, key)
@@ -314,7 +340,7 @@ class CoreMerge:
         key = f"{self._prefixes[block_index]}.{name}"
         hooked = self._hooked if self._hooked is not None or self._hooks is None else self._hooks.snapshot()
         hook_patches = None if hooked is None else hooked.get(key)
-        patched = key in self._patcher.patches
+        patched = key in self._merged
         if not patched and hook_patches is None:
             return tensor
         model, device = self._patcher.model, self._patcher.load_device
@@ -379,10 +405,11 @@ def _attach_ggml_patches(patcher, block_prefixes: Sequence[str],
     never loads the engine's blocks (they are hidden from it), so this is done here, once per run;
     the engine keeps the objects, so streamed copies carry them too.
     """
+    merged = merged_keys(patcher, block_prefixes, blocks)
     for prefix, block in zip(block_prefixes, blocks):
         for name, weight in block.named_parameters():
             key = f"{prefix}.{name}"
-            if key in patcher.patches and is_ggml(weight) and ggml_quantized(weight):
+            if key in merged and is_ggml(weight) and ggml_quantized(weight):
                 device = patcher.load_device if getattr(patcher, "patch_on_device", False) \
                     else patcher.offload_device
                 weight.patches = [(_move_patches(type(weight), patcher.patches[key], device), key)]
@@ -441,9 +468,10 @@ def _settle_requires_grad(patcher, block_prefixes: Sequence[str],
     """
     if getattr(patcher, "weight_inplace_update", False):
         return
+    merged = merged_keys(patcher, block_prefixes, blocks)
     for prefix, block in zip(block_prefixes, blocks):
         for name, weight in block.named_parameters():
-            if weight.requires_grad and f"{prefix}.{name}" in patcher.patches:
+            if weight.requires_grad and f"{prefix}.{name}" in merged:
                 weight.requires_grad_(False)
 
 

@@ -105,15 +105,15 @@ class LayerwiseSession:
         self._close_block_patches()
         host_sharing.check_unchanged(self.share, "Apply Layerwise Offload")
         keys = [key for prefix, block in zip(self.prefixes, self.blocks) for key in comfy_weights.block_keys(prefix, block)]
-        touched = any(key in patcher.patches for key in keys)
+        merged = comfy_weights.merged_keys(patcher, self.prefixes, self.blocks)
         root = compiled_models.diffusion_module(patcher)
         self.streamed_hooks = hook_weights.StreamedHooks.for_keys(patcher, root, keys)
         merge_bytes = 0
-        if touched:
+        if merged:
             # The patches' tensors go to the device with each block copy (no host wait in a
             # merge); the device holds one block's at a time, beside the merge's workspace.
             self.block_patches = comfy_weights.BlockPatches(patcher, self.prefixes, self.blocks,
-                                                            self.device)
+                                                            merged, self.device)
             merge_bytes = self.block_patches.device_bytes + comfy_weights.merge_workspace_bytes(
                 patcher, self.prefixes, self.blocks)
         self._plan(patcher, noise_shape, conds, model_options, merge_bytes)
@@ -130,8 +130,8 @@ class LayerwiseSession:
             # While core loads, the model it sees is the part outside the blocks, which it loads.
             patcher.size = self.rest_bytes
         comfy_weights.hand_over_from_core(patcher, self.prefixes, self.blocks, self.streamer.reclaim)
-        transform = comfy_weights.lora_transform(patcher, self.prefixes, self.block_patches, self.streamed_hooks) \
-            if touched or self.streamed_hooks else None
+        transform = comfy_weights.lora_transform(patcher, self.prefixes, merged, self.block_patches,
+                                                 self.streamed_hooks) if merged or self.streamed_hooks else None
         self.streamer.reset_figures()
         # A picture of the run only while a panel asks for it: off, the hot path pays nothing.
         self.streamer.record_timeline(LAYERWISE.timeline.wanted())

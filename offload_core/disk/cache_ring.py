@@ -18,6 +18,7 @@ import torch
 
 from ..device.slots import SlotRing
 from ..device.telemetry import Telemetry
+from ..host.plain_writes import plain_writes
 from ..host.staging import Ticket
 from ..ordering import host_caught_up, host_clock
 from .host_cache import DiskTelemetry, HostCache
@@ -80,7 +81,7 @@ class CacheRing(SlotRing):
         pieces = lease.pieces
         dst = self.buffers[slot][:nbytes]
         ordering, stream = self._ordering, self.stream
-        with torch.no_grad(), torch.inference_mode(False), ordering.on(stream):
+        with plain_writes(), ordering.on(stream):
             stream.wait_event(self._free[slot])  # the slot's last reader is done
             timeline = self._tel.timeline
             start = timeline.mark(stream) if timeline is not None else None

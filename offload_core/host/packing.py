@@ -14,6 +14,7 @@ import torch
 
 from .binding import BlockBinding, BlockViews
 from .layout import PHASE, BlockLayout, PackedTensor
+from .plain_writes import plain_writes
 from .tensor_refs import TensorRef
 from .transform import Transform, transform_units
 
@@ -95,7 +96,7 @@ class PackedBlock:
         if self.layout.keep_address_phase and buf.data_ptr() % PHASE:
             raise ValueError(f"block {self.index}: a host pack that keeps address phases must start on a "
                              f"{PHASE}-byte boundary")
-        with torch.no_grad(), torch.inference_mode(False):
+        with plain_writes():
             for e in self.entries:
                 e.view_in(buf).copy_(e.original)
 
@@ -108,7 +109,7 @@ class PackedBlock:
         self.layout.check_buffer(host)
         shown = host if shown is None else shown
         self.layout.check_buffer(shown)
-        with torch.no_grad(), torch.inference_mode(False):
+        with plain_writes():
             for e in self.entries:  # written in full: only now may originals go
                 if e.dense:
                     e.original = None

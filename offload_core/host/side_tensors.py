@@ -23,6 +23,7 @@ import torch
 
 from ..ordering import for_device
 from .pinned import HostStorage
+from .plain_writes import plain_writes
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ class SideTensors:
         self._ordering = for_device(self.device)
         # page-locking only speeds up asynchronous copies (to a GPU)
         self._host = HostStorage(sizes, pin=self._ordering.asynchronous, label="side tensors")
-        with torch.no_grad(), torch.inference_mode(False):
+        with plain_writes():
             for g, tensors in enumerate(groups):
                 buf = self._host.buffer(g)
                 for (offset, nbytes, dtype, shape), t in zip(self._layout[g], tensors):

@@ -28,6 +28,7 @@ import torch
 
 from ..ordering import Event, Stream, for_device, host_caught_up, host_clock
 from .pinned import HostStorage
+from .plain_writes import plain_writes
 
 PIECE_BYTES = 16 << 20  # one half of the bounce buffer
 
@@ -145,7 +146,7 @@ class Stager:
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, bounce: bool, after_free: Event | None,
               prepare: Callable[[torch.Tensor], None] | None, ready: Event | None, tag: Hashable) -> None:
         stream, recorder = self._stream, self._recorder
-        with torch.no_grad(), torch.inference_mode(False), self._ordering.on(stream):
+        with plain_writes(), self._ordering.on(stream):
             if after_free is not None:
                 stream.wait_event(after_free)
             start = recorder.mark(stream) if recorder is not None else None

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .layout import BlockLayout, PackedTensor, PackedUnit, same_view
+from .plain_writes import plain_writes
 from .subclass import PLAIN_TYPES, Flat, flatten, held_tensors
 
 Transform = Callable[[int, str, torch.Tensor], torch.Tensor]
@@ -32,7 +33,7 @@ def transform_units(layout: BlockLayout, buf: torch.Tensor, transform: Transform
     """Run ``transform`` over every unit of ``layout`` laid over ``buf`` and write what it returns
     into ``buf``; a wrapper's new context is kept on its unit. Returns how many it rewrote."""
     count = 0
-    with torch.no_grad(), torch.inference_mode(False):
+    with plain_writes():
         for u in layout.units:
             entries = [layout.entries[i] for i in u.entries]
             views = [e.view_in(buf) for e in entries]
