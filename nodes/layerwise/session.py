@@ -38,6 +38,7 @@ from ...offload_core.disk.host_cache import CacheTooSmallError
 from ...offload_core.disk.in_place import ModelFileChanged
 from ...offload_core.layerwise.streamer import LayerwiseStreamer
 from ..core import host_moves, host_sharing
+from ..core.read_back import read_back_patches
 from ..core.state import LAYERWISE, LAYERWISE_KEY
 from . import (block_budget, comfy_weights, compile_policy, compiled_models, dynamic_vram, engine_setup,
                granularity, hook_weights)
@@ -106,6 +107,9 @@ class LayerwiseSession:
         host_sharing.check_unchanged(self.share, "Apply Layerwise Offload")
         keys = [key for prefix, block in zip(self.prefixes, self.blocks) for key in comfy_weights.block_keys(prefix, block)]
         merged = comfy_weights.merged_keys(patcher, self.prefixes, self.blocks)
+        # A merge's patches are another model's weights, released if an engine streams that model
+        # from its file: the merges into these blocks read them.
+        read_back_patches(patcher.patches)
         root = compiled_models.diffusion_module(patcher)
         self.streamed_hooks = hook_weights.StreamedHooks.for_keys(patcher, root, keys)
         merge_bytes = 0

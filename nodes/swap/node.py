@@ -48,6 +48,7 @@ from comfy_api.v0_0_2 import io
 
 from ...offload_core.models.swap import ModuleSwap
 from ..core import host_moves, host_sharing, prompt_lifecycle
+from ..core.read_back import read_back_for
 from ..core.models import is_dynamic, loaded_entries, unified_memory, unload_from_core
 from ..core.state import LAYERWISE, LAYERWISE_KEY, SWAP_KEY, SWAP_MEMBERS
 
@@ -65,8 +66,10 @@ class SwapMember:
     def __init__(self, patcher, name: str, kind: str, share_host_memory: bool = True) -> None:
         module = patcher.model
         # Core restores every base weight from its backup when it unloads the model: only then
-        # does the module hold what the master must hold.
+        # does the module hold what the master must hold. Blocks an earlier Apply Layerwise
+        # Offload run streamed from the model's file hold no bytes until they are read back.
         unload_from_core(module)
+        read_back_for([patcher])
         if _patched_keys(patcher):
             raise RuntimeError(
                 f"Model-Level Swap: {name} still holds merged weights after ComfyUI unloaded it "
