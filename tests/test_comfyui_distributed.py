@@ -1,7 +1,7 @@
 """The pack under ComfyUI-Distributed, as users run it: a master and a local worker on one machine,
 both streaming the same model from one shared host store.
 
-The unmodified ComfyUI-Distributed (../shared/third_party/, copied into the server's base folder so
+The unmodified ComfyUI-Distributed (`make third-party`, copied into the server's base folder so
 its config file is the test's own) runs on the master; the worker is configured and launched
 through the master's own REST API (`/distributed/config/update_worker`, `/distributed/launch_worker`,
 with `extra_args` "--cpu", WORKER_ARGS says why it has one more), so the master's own launch code starts it, with the master's base
@@ -26,17 +26,17 @@ import psutil
 import pytest
 
 import host_store_soak as soak
-from comfy_server import COMFY_ROOT, REPO, ComfyServer, free_port
+from comfy_server import COMFY_ROOT, THIRD_PARTY, ComfyServer, free_port
 from workflows import sample_workflow
 
-DISTRIBUTED = REPO.parent / "shared" / "third_party" / "ComfyUI-Distributed"
+DISTRIBUTED = THIRD_PARTY / "ComfyUI-Distributed"
 WORKER_ID = "1"
 # --cpu as the issue's users run it here; ComfyUI's database in memory, or the worker (launched
 # without the master's --database-url) would write one into the ComfyUI tree under test.
 WORKER_ARGS = "--cpu --database-url sqlite:///:memory:"
 
 pytestmark = [
-    pytest.mark.skipif(not DISTRIBUTED.is_dir(), reason="needs ../shared/third_party/ComfyUI-Distributed"),
+    pytest.mark.skipif(not DISTRIBUTED.is_dir(), reason="needs ComfyUI-Distributed (make third-party)"),
     pytest.mark.skipif(not os.path.isdir("/dev/shm") or not os.path.exists("/proc/self/smaps"),
                        reason="shared host stores need Linux"),
 ]

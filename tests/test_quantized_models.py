@@ -5,7 +5,7 @@ Formats, each with quantized *block* layers and a LoRA on them:
   converts the metadata and loads comfy_kitchen's;
 - 0.33 only: its native comfy_quant checkpoints in fp8, INT8 tensorwise, NVFP4 and MXFP8
   (comfy_kitchen's eager backend runs all four on a CPU);
-- GGUF Q8_0, Q4_0 and Q4_K through ComfyUI-GGUF (the unmodified pack from ../shared/third_party),
+- GGUF Q8_0, Q4_0 and Q4_K through ComfyUI-GGUF (the unmodified pack, from `make third-party`),
   whose LoRA stays on the weights' `patches` and is applied at dequantization.
 
 Every comparison is against the same workflow without the pack's nodes on the same server (the
@@ -25,12 +25,12 @@ import pytest
 from safetensors import safe_open
 
 import quantized_models as qm
-from comfy_server import COMFY_PYTHON, COMFY_ROOT, REPO, ComfyServer
+from comfy_server import COMFY_PYTHON, COMFY_ROOT, THIRD_PARTY, ComfyServer
 from conftest import WAN_CLIP_LORA
 from test_model_swap import with_text_encode
 from workflows import LORA_FILE, latent_sha, sample_workflow
 
-GGUF_NODES = REPO.parent / "shared" / "third_party" / "ComfyUI-GGUF"
+GGUF_NODES = THIRD_PARTY / "ComfyUI-GGUF"
 FP8_BLOCKS = "tiny_wan21_fp8_blocks.safetensors"
 PARTLY_FP8 = "tiny_wan21_partly_fp8.safetensors"
 STREAMED = {"resident_blocks": 0, "prefetch": 1}
@@ -49,7 +49,7 @@ def _imports(python: str, module: str) -> bool:
 ON_033 = comfy_version() >= (0, 33)
 HAS_GGUF = GGUF_NODES.is_dir() and _imports(COMFY_PYTHON, "gguf") and _imports(sys.executable, "gguf")
 only_033 = pytest.mark.skipif(not ON_033, reason="comfy_quant with comfy_kitchen layouts is ComfyUI 0.33's")
-needs_gguf = pytest.mark.skipif(not HAS_GGUF, reason="needs the gguf package and ../shared/third_party/ComfyUI-GGUF")
+needs_gguf = pytest.mark.skipif(not HAS_GGUF, reason="needs the gguf package and ComfyUI-GGUF (make third-party)")
 
 
 def gguf_name(qtype: str) -> str:
