@@ -12,7 +12,7 @@ import collections
 
 import pytest
 
-from differential import ARTIFACTS, campaign, catalogue, generator, report, shrink, twin, verdict
+from differential import ARTIFACTS, campaign, catalogue, core_nodes, generator, report, shrink, twin, verdict
 from differential.workflow import is_link
 
 SEEDS = [52, 109]
@@ -83,6 +83,91 @@ def test_compile_is_drawn_on_and_off_from_a_stream_of_its_own():
             assert {"kind": "compile_streamed"} in step["allowed_refusals"], step["tags"]
 
 
+# What /object_info says of a few nodes, in both declaration styles (a list of choices, and
+# newer nodes' "COMBO" with options).
+OBJECT_INFO = {
+    "ModelMergeSimple": {"input": {"required": {"model1": ["MODEL"], "model2": ["MODEL"], "ratio": [
+        "FLOAT", {"default": 1.0, "min": 0.0, "max": 1.0, "step": 0.01}]}}, "output": ["MODEL"],
+        "python_module": "comfy_extras.nodes_model_merging"},
+    "SkipLayerGuidanceDiT": {"input": {"required": {"model": ["MODEL"], "double_layers": ["STRING", {"default": "7, 8, 9"}],
+                                                    "scale": ["FLOAT", {"default": 3.0, "min": 0.0, "max": 10.0}],
+                                                    "rescaling_scale": ["FLOAT", {"default": 0.0, "min": 0.0, "max": 10.0}]}},
+                             "output": ["MODEL"], "python_module": "comfy_extras.nodes_slg"},
+    "ModelSamplingDiscrete": {"input": {"required": {"model": ["MODEL"], "sampling": [["eps", "v_prediction", "lcm"]],
+                                                     "zsnr": ["BOOLEAN", {"default": False}]}},
+                              "output": ["MODEL"], "python_module": "comfy_extras.nodes_model_advanced"},
+    "EasyCache": {"input": {"required": {"model": ["MODEL"], "reuse_threshold": ["FLOAT", {"default": 0.2, "min": 0.0, "max": 3.0}],
+                                         "start_percent": ["FLOAT", {"default": 0.15}], "end_percent": ["FLOAT", {"default": 0.95}],
+                                         "verbose": ["BOOLEAN", {"default": False}], "mode": ["COMBO", {"options": ["a", "b"]}]}},
+                  "output": ["MODEL"], "python_module": "comfy_extras.nodes_easycache"},
+    "LoraLoader": {"input": {"required": {"model": ["MODEL"], "clip": ["CLIP"], "lora_name": [["a.safetensors"]]}},
+                   "output": ["MODEL", "CLIP"], "python_module": "nodes"},
+    "HypernetworkLoader": {"input": {"required": {"model": ["MODEL"], "hypernetwork_name": [[]],
+                                                  "strength": ["FLOAT", {"default": 1.0}]}},
+                           "output": ["MODEL"], "python_module": "comfy_extras.nodes_hypernetwork"},
+    "TorchCompileModel": {"input": {"required": {"model": ["MODEL"], "backend": [["inductor", "cudagraphs"]]}},
+                          "output": ["MODEL"], "python_module": "comfy_extras.nodes_torch_compile"},
+    "ModelOptional": {"input": {"required": {"steps": ["INT", {"default": 4}]}, "optional": {"model": ["MODEL"]}},
+                      "output": ["LATENT", "MODEL"], "python_module": "comfy_extras.nodes_x"},
+    "CLIPSetLastLayer": {"input": {"required": {"clip": ["CLIP"], "stop_at_clip_layer": ["INT", {"default": -1}]}},
+                         "output": ["CLIP"], "python_module": "nodes"},
+    "ApplyLayerwiseOffload": {"input": {"required": {"model": ["MODEL"]}}, "output": ["MODEL"],
+                              "python_module": "custom_nodes.comfyui-tiered-offload"},
+}
+
+
+def test_core_s_model_nodes_are_read_from_object_info():
+    core = core_nodes.from_object_info(OBJECT_INFO)
+    assert [n.name for n in core.drawable] == ["EasyCache", "ModelMergeSimple", "ModelSamplingDiscrete",
+                                               "SkipLayerGuidanceDiT"]
+    assert core.skipped == {
+        "HypernetworkLoader": "hypernetwork_name: a choice with no options on this server",
+        "LoraLoader": "clip: needs a CLIP input, which the campaign has no loader for",
+        "ModelOptional": "its MODEL input is optional",
+        "TorchCompileModel": "compiles with inductor; drawn by the compile share instead"}
+    assert core.count == 8  # a pack's own node and a CLIP-only node are not counted
+    merge = next(n for n in core.drawable if n.name == "ModelMergeSimple")
+    assert merge.models == ("model1", "model2") and merge.output == 0 and list(merge.values) == ["ratio"]
+    rng = __import__("random").Random(3)
+    for node in core.drawable:
+        for name, value in node.values.items():
+            for _ in range(50):
+                drawn = core_nodes.draw(rng, value)
+                if value.kind == "COMBO":
+                    assert drawn in value.options
+                elif value.kind in ("INT", "FLOAT"):
+                    assert (value.low is None or drawn >= value.low) and (value.high is None or drawn <= value.high), \
+                        (node.name, name, drawn)
+                    assert abs(drawn - value.default) <= 4 * abs(value.default) + 16, (node.name, name, drawn)
+                elif value.kind == "STRING":
+                    assert drawn == value.default
+
+
+def test_core_nodes_are_drawn_from_a_stream_of_their_own():
+    """With a table of core's nodes, chains get one of them before or after the pack's nodes, in
+    the prompt and its twin alike, a merge with a second model of the family; every other choice
+    is drawn as without them, so the bounded campaign keeps its coverage."""
+    cat = offline_catalogue(["flux"])
+    core = core_nodes.from_object_info(OBJECT_INFO)
+    plain = [step for seed in SEEDS for step in generator.generate(seed, PROMPTS, cat)]
+    drawn = [step for seed in SEEDS for step in generator.generate(seed, PROMPTS, cat, core=core)]
+    assert drawn == [step for seed in SEEDS for step in generator.generate(seed, PROMPTS, cat, core=core)]
+    assert [step.get("models") for step in plain] == [step.get("models") for step in drawn]
+    assert [sorted(t for t in s["tags"] if not t.startswith("core_node")) for s in plain] == \
+        [sorted(t for t in s["tags"] if not t.startswith("core_node")) for s in drawn]
+    tags = collections.Counter(tag for step in drawn for tag in step["tags"])
+    assert tags["core_node:before_offload"] and tags["core_node:after_offload"], tags
+    assert tags["core_node:ModelMergeSimple"], tags
+    for step in (s for s in drawn if s["op"] == "prompt" and "core_node" in s["tags"]):
+        p_nodes = sorted(n["class_type"] for n in step["p"].values())
+        q_nodes = sorted(n["class_type"] for n in step["q"].values())
+        for name in (n.name for n in core.drawable):
+            assert p_nodes.count(name) == q_nodes.count(name)
+        for node in (n for n in step["p"].values() if n["class_type"] == "ModelMergeSimple"):
+            partner = step["p"][node["inputs"]["model2"][0]]
+            assert partner["class_type"] in ("UNETLoader", "CheckpointLoaderSimple"), partner
+
+
 def test_twin_rewires_through_chained_pass_throughs():
     wf = {"1": {"class_type": "TieredUNETLoader", "inputs": {"unet_name": "m", "weight_dtype": "default"}},
           "2": {"class_type": "TieredCLIPLoader", "inputs": {"clip_name": "c", "type": "stable_diffusion",
@@ -151,6 +236,10 @@ def test_bounded_differential_campaign(tmp_path):
     flux = [] if "flux" in summary["catalogue"]["excluded"] else ["family:flux"]
     missing = [tag for tag in REQUIRED + flux if tag not in summary["coverage"]]
     assert not missing, missing
+    # Core's nodes that change the model, from this server's /object_info, were drawn.
+    core = summary["core_nodes"]
+    assert core["model_nodes"] > core["drawable"] > 20 and sum(core["prompts_through"].values()) >= 6, core
+    assert {"core_node:before_offload", "core_node:after_offload"} <= set(summary["coverage"]), core
     ran = summary["totals"].get("match", 0) - summary["totals"].get("both_failed", 0)
     assert ran >= PROMPTS // 2, f"too few prompts ran to completion on both servers:\n{text}"
     assert summary["mismatch_count"] == 0, (

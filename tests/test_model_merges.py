@@ -12,6 +12,7 @@ the pack's nodes on the same server.
 """
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -151,3 +152,49 @@ def test_swap_after_a_prompt_that_streamed_the_model_from_its_file(comfy, merge_
     assert engine(comfy, "WanModel", blocks=BLOCKS)["disk"]["file_bytes"] > 0
     assert latent_sha(comfy.run(with_text_encode(plain, swap=True))) == reference
     assert latent_sha(comfy.run(with_text_encode(plain, swap=False))) == reference
+
+
+def slg_workflow(layerwise: dict | None = None, seed: int = 42) -> dict:
+    """The first model with skip-layer guidance over two of its blocks in every step: each step
+    runs one more call, in which those blocks are replaced by a pass-through."""
+    wf = sample_workflow("wan21", seed=seed, steps=4)
+    wf["load"]["inputs"]["unet_name"] = FIRST
+    wf["slg"] = {"class_type": "SkipLayerGuidanceDiT", "inputs": {
+        "model": ["load", 0], "double_layers": "1, 3", "single_layers": "", "scale": 3.0,
+        "start_percent": 0.0, "end_percent": 1.0, "rescaling_scale": 0.0}}
+    model = ["slg", 0]
+    if layerwise is not None:
+        wf["offload"] = {"class_type": "ApplyLayerwiseOffload",
+                         "inputs": {"model": model, "vram_budget_gb": 12.0, "pin": True, **layerwise}}
+        model = ["offload", 0]
+    wf["sample"]["inputs"]["model"] = model
+    return wf
+
+
+INTERRUPTED = {
+    # a merge merged into each streamed copy, from the model's file
+    "merge": lambda models: merged_workflow("ModelMergeSimple", disk_settings(models), seed=45),
+    # a step's extra call that skips two of the streamed blocks
+    "skipped-block call": lambda models: slg_workflow(STREAMED, seed=45),
+}
+
+
+@pytest.mark.parametrize("point", list(INTERRUPTED))
+def test_an_interrupt_leaves_core_s_model_whole(comfy, merge_models, point):
+    """Interrupted at its second step, a prompt leaves the loaded model as core holds it: the
+    next prompts on it, without the pack's nodes, with Apply Layerwise Offload and with
+    Model-Level Swap, give core's latents (while packing: test_layerwise_nodes.py's
+    test_interrupt_while_packing_leaves_core_consistent; in a swap: the test above)."""
+    if point == "merge":
+        follow_ups = {"core": merged_workflow("ModelMergeSimple"),
+                      "offload": merged_workflow("ModelMergeSimple", STREAMED)}
+    else:
+        follow_ups = {"core": slg_workflow(), "offload": slg_workflow(STREAMED)}
+    reference = latent_sha(comfy.run(follow_ups["core"]))
+    prompt_id, sent = queue_and_interrupt(comfy.url, INTERRUPTED[point](merge_models),
+                                          lambda data: data.get("value", 0) >= 2)
+    assert sent, "the prompt ended before its second progress event"
+    assert comfy.wait(prompt_id)["status"]["status_str"] == "error"
+    swap = with_text_encode(copy.deepcopy(follow_ups["offload"]), swap=True, model_node="offload")
+    for name, wf in (*follow_ups.items(), ("swap", swap), ("core again", follow_ups["core"])):
+        assert latent_sha(comfy.run(wf)) == reference, name

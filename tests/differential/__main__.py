@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from . import ARTIFACTS, campaign, minimize, report
-from .generator import HOOK_SHARE
+from .generator import CORE_NODE_SHARE, HOOK_SHARE
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="share of chains that get a torch.compile, whole model or per block (0: none)")
     ap.add_argument("--hook-share", type=float, default=HOOK_SHARE,
                     help="share of prompts with a hook LoRA on the positive (0: none)")
+    ap.add_argument("--core-node-share", type=float, default=CORE_NODE_SHARE,
+                    help="share of chains with one of core's MODEL -> MODEL nodes, from /object_info (0: none)")
     ap.add_argument("--name", help="run folder under tests/artifacts/differential/ (default: a timestamp and the process id)")
     ap.add_argument("--replay", type=Path, help="run the steps of a replay.json on fresh servers")
     ap.add_argument("--minimize", type=Path, help="shrink a replay.json to the fewest steps that still mismatch")
@@ -61,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     opts = campaign.Options(seeds=seeds, prompts=a.prompts, workdir=ARTIFACTS / "work" / name,
                             out_dir=ARTIFACTS / name, models_root=models_root, big=not a.no_big,
                             interrupts=not a.no_interrupts, compile_share=a.compile_share,
-                            hook_share=a.hook_share, threads=a.threads, echo=print)
+                            hook_share=a.hook_share, core_node_share=a.core_node_share,
+                            threads=a.threads, echo=print)
     summary = campaign.run(opts)
     print(report.summary_text(summary))
     print(f"summary: {opts.out_dir / 'summary.json'}")

@@ -20,8 +20,8 @@ from typing import Any, Callable
 from comfy_server import COMFY_PYTHON, COMFY_ROOT
 
 from . import catalogue as catalogue_mod
-from . import probe
-from .generator import HOOK_SHARE, generate
+from . import core_nodes, probe
+from .generator import CORE_NODE_SHARE, HOOK_SHARE, generate
 from .report import node_list, step_line
 from .runner import run_step
 from .servers import ServerPair
@@ -39,6 +39,7 @@ class Options:
     rest_actions: bool = True
     compile_share: float = 0.0  # chains that get a torch.compile (see generator.py)
     hook_share: float = HOOK_SHARE  # prompts with a hook LoRA on the positive (see generator.py)
+    core_node_share: float = CORE_NODE_SHARE  # chains with one of core's MODEL → MODEL nodes
     threads: int = 2
     timeout: float = 900.0
     echo: Callable[[str], None] = field(default=lambda line: None, repr=False)
@@ -128,17 +129,20 @@ def run(opts: Options) -> dict[str, Any]:
     mismatches: list[dict[str, Any]] = []
     graph_differences: list[dict[str, Any]] = []
     excluded: dict[str, str] = {}
+    core = core_nodes.CoreNodes([], {})
     stopped_early = False
     try:
         probing = probe.start(cat)
         pair.start()
         excluded = probe.finish(probing, cat)
+        # What core has on this server (the one without the pack: only core's and the test nodes).
+        core = core_nodes.from_object_info(pair.q.get("/object_info"))
         for n, seed in enumerate(opts.seeds):
             if n:
                 pair.restart()
             steps = generate(seed, opts.prompts, cat, interrupts=opts.interrupts,
                              rest_actions=opts.rest_actions, compile_share=opts.compile_share,
-                             hook_share=opts.hook_share)
+                             hook_share=opts.hook_share, core=core, core_node_share=opts.core_node_share)
             run_sequence(pair, seed, steps, opts, cat, totals, coverage, log_flags, mismatches,
                          graph_differences)
     except KeyboardInterrupt:  # Ctrl-C ends a long campaign early, with its summary so far
@@ -157,6 +161,9 @@ def run(opts: Options) -> dict[str, Any]:
         "graph_differences": graph_differences,
         "signatures": dict(signatures.most_common()),
         "mismatches": mismatches, "coverage": dict(sorted(coverage.items())),
+        "core_nodes": {**core.describe(), "prompts_through": {
+            tag.split(":", 1)[1]: count for tag, count in sorted(coverage.items())
+            if tag.startswith("core_node:") and tag.split(":", 1)[1] not in ("before_offload", "after_offload")}},
         "p_log_flags": dict(log_flags.most_common(40)),
     }
     (opts.out_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))

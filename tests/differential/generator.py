@@ -12,7 +12,10 @@ Prompts are built from "chains": a loader and an ordered list of model operation
 loaders, Apply Layerwise Offload, VRAM Tier Manager, Model-Level Swap, a test block-replace
 patch, torch.compile of the whole model or of each block). Compile is drawn from a random stream
 of its own, so a campaign without it (`compile_share` 0) draws every other choice as before; so
-is a hook LoRA on the positive (`hook_share`), which core applies while it samples. Shapes: one sampler, two branches from one loader, or two samplers with two models.
+is a hook LoRA on the positive (`hook_share`), which core applies while it samples, and one of
+core's own nodes that change the model (`core_node_share`: every MODEL → MODEL node the server
+lists, core_nodes.py). Shapes: one sampler, two branches from one loader, or two samplers with two
+models.
 Consecutive prompts often reuse the previous chain's model and loader with changed operations,
 because state carried between prompts is where the pack can go wrong. Two scenarios are planted
 as fixed runs of prompts: an interrupt while a LoRA'd 16-block Wan is packed (issue 10's case
@@ -27,6 +30,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import core_nodes
 from .catalogue import GIB, Catalogue, Model
 from .twin import strip
 from .workflow import Graph, out
@@ -48,6 +52,9 @@ COMPILED_FILE_DTYPES = ("fp32", "bf16", "fp16")
 # Drawn from a stream of their own, so the other draws of a seed stay as they were.
 HOOK_SHARE = 0.3
 HOOK_STRENGTHS = (1.0, 0.6, -0.5, 1.4)
+# Core's own nodes that change the model (core_nodes.py, read from the server), one in a chain of
+# this share, before or after the pack's nodes; from a stream of their own too.
+CORE_NODE_SHARE = 0.4
 
 
 @dataclass
@@ -66,13 +73,17 @@ class Chain:
 
 class Generator:
     def __init__(self, seed: int, catalogue: Catalogue, *, interrupts: bool = True,
-                 rest_actions: bool = True, compile_share: float = 0.0, hook_share: float = HOOK_SHARE) -> None:
+                 rest_actions: bool = True, compile_share: float = 0.0, hook_share: float = HOOK_SHARE,
+                 core: core_nodes.CoreNodes | None = None, core_node_share: float = CORE_NODE_SHARE) -> None:
         self.seed = seed
         self.rng = random.Random(seed)
         self.compile_rng = random.Random(f"compile-{seed}")
         self.compile_share = compile_share
         self.hook_rng = random.Random(f"hook-{seed}")
         self.hook_share = hook_share
+        self.core_rng = random.Random(f"core-{seed}")
+        self.core = core
+        self.core_node_share = core_node_share if core is not None and core.drawable else 0.0
         self.cat = catalogue
         self.models = [m for m in catalogue.usable() if not m.big]
         self.big = [m for m in catalogue.usable() if m.big]
@@ -206,6 +217,9 @@ class Generator:
         tiered_loader = loader.startswith("Tiered")
         if rng.random() < (0.3 if tiered_loader else 0.02):
             ops.insert(rng.randint(0, len(ops)), self._tier_op())
+        core_op = self._core_node_op(model)
+        if core_op is not None:
+            ops.insert(self.core_rng.randint(0, len(ops)), core_op)
         chain = Chain(model, loader, weight_dtype, ops, self._compile_op(model, weight_dtype))
         self.previous = chain
         return chain
@@ -218,6 +232,20 @@ class Generator:
                 and model.file_dtype in COMPILED_FILE_DTYPES and crng.random() < self.compile_share):
             return {"op": "compile", "how": crng.choice(COMPILES), "at": crng.random()}
         return None
+
+    def _core_node_op(self, model: Model) -> dict[str, Any] | None:
+        """With ``core_node_share``, one of core's MODEL → MODEL nodes, its values drawn from
+        their declarations; a second MODEL input gets another file of the model's family (a
+        merge's partner), or of any family where the catalogue has none."""
+        crng = self.core_rng
+        if not self.core_node_share or crng.random() >= self.core_node_share:
+            return None
+        node = crng.choice(self.core.drawable)
+        kin = [m for m in self.models if m.family == model.family and m.name != model.name and not m.mixed] \
+            or [m for m in self.models if m.name != model.name]
+        return {"op": "core_node", "node": node.name, "model_input": node.models[0], "output": node.output,
+                "inputs": {name: core_nodes.draw(crng, value) for name, value in node.values.items()},
+                "others": {name: crng.choice(kin).name for name in node.models[1:]}}
 
     def _offload_op(self, model: Model) -> dict[str, Any]:
         rng = self.rng
@@ -404,6 +432,13 @@ class Generator:
                     self.lift_after = self.lift_after or 2
                 if 0 < op["ram_budget_gb"] < 0.01:
                     tags.add("tiny_budget")
+            elif kind == "core_node":
+                inputs = {**op["inputs"], op["model_input"]: model}
+                for name, other in op["others"].items():
+                    partner = next(m for m in self.cat.models if m.name == other)
+                    inputs[name] = out(self._loader(g, Chain(partner, "CheckpointLoaderSimple"
+                                                             if partner.folder == "checkpoints" else "UNETLoader")))
+                model = out(g.add(op["node"], **inputs), op["output"])
             elif kind == "block_replace":
                 model = out(g.add("TieredTestBlockReplace", model=model, scale=op["scale"]))
             elif kind == "compile":
@@ -473,6 +508,11 @@ class Generator:
             tags.add("tier_manager")
         if "block_replace" in kinds:
             tags.add("block_replace")
+        for at, op in enumerate(chain.ops):
+            if op["op"] == "core_node":
+                tags.update({"core_node", f"core_node:{op['node']}"})
+                if "offload" in kinds:
+                    tags.add("core_node:before_offload" if at < kinds.index("offload") else "core_node:after_offload")
         if chain.compile is not None:
             tags.update({"compile", f"compile:{chain.compile['how']}"})
         return tags

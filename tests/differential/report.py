@@ -74,6 +74,12 @@ def summary_text(summary: dict[str, Any]) -> str:
              f"calls; "
              f"{summary['mismatch_count']} mismatches in {len(summary['signatures'])} classes; "
              f"{summary['seconds']} s" + (" (stopped early)" if summary.get("stopped_early") else "")]
+    core = summary.get("core_nodes") or {}
+    if core.get("model_nodes"):
+        through = core["prompts_through"]
+        lines.append(f"core's nodes that change a model: {core['model_nodes']} on this server, "
+                     f"{core['drawable']} drawable, {len(through)} drawn in "
+                     f"{sum(through.values())} prompts: " + ", ".join(f"{n} {c}" for n, c in through.items()))
     if t.get("graphs_p") or t.get("graphs_q"):
         lines.append(f"dynamo graphs compiled: {t.get('graphs_p', 0)} with the pack, "
                      f"{t.get('graphs_q', 0)} without; prompts where they differ: "
