@@ -130,6 +130,8 @@ export const ENGLISH = {
     fallbacksTitle: "synchronous copies",
     orderMisses: "order misses",
     orderMissesTitle: "blocks run out of order",
+    unusedCopies: "copied, not run",
+    unusedCopiesTitle: "block copies that no call ran before their slot was needed again: a call skipped those blocks (skip-layer guidance, a block cache)",
     diskRead: "disk read",
     diskReadTitle: "bytes read from disk over the time spent reading",
     cacheHits: "cache hits",

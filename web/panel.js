@@ -283,6 +283,9 @@ function telemetryHtml(raw, cpu) {
   }
   if (num(fallbacks) > 0) rows.push(stat("fallbacks", String(fallbacks), "to-warn"));
   if (num(raw.order_misses) > 0) rows.push(stat("orderMisses", String(raw.order_misses), "to-warn"));
+  if (num(raw.unused_copies) > 0) {
+    rows.push(stat("unusedCopies", `${fmtBytes(pick(raw, "unused_copy_bytes") ?? 0)} · ${raw.unused_copies}×`));
+  }
   // Disk streaming: how fast the disk delivered while reading, what the RAM cache saved, and
   // how long compute waited for a read. The read rate is GiB/s unless a fixed unit is chosen.
   if (typeof raw.disk_read_gibps === "number") {

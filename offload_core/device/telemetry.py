@@ -88,6 +88,10 @@ class Telemetry:
         self.copies = 0
         self.sync_fallbacks = 0
         self.order_misses = 0
+        # Copies into a slot whose unit never ran before the slot was copied over: the calls
+        # skipped it (skip-layer guidance, a block cache) or a new transform replaced it.
+        self.unused_copies = 0
+        self.unused_copy_bytes = 0
         self.blocks_packed = 0
         self.transforms = 0  # tensors rewritten by the attach's transform, on device copies
         self.staged_copies = 0  # copies that went through the pinned bounce buffer (pageable pack)
@@ -147,6 +151,8 @@ class Telemetry:
             "copies": self.copies,
             "sync_fallbacks": self.sync_fallbacks,
             "order_misses": self.order_misses,
+            "unused_copies": self.unused_copies,
+            "unused_copy_bytes": self.unused_copy_bytes,
             "blocks_packed": self.blocks_packed,
             "transforms": self.transforms,
             "staged_copies": self.staged_copies,

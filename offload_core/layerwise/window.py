@@ -8,7 +8,10 @@ first units of the next pass are already being fetched (wrap-around).
 Units that run out of the expected order (block caches that skip, a block run twice, a retry
 after an exception) are still served: the window re-centres on the unit that actually runs and,
 if its bytes are not in a slot, it is loaded right away. That is counted (``sync_fallbacks``,
-``order_misses``), never fatal.
+``order_misses``), never fatal. A slot copied over before its unit ran (a call that skipped the
+unit: skip-layer guidance's extra call, a block cache) was a copy for nothing: counted too
+(``unused_copies``, ``unused_copy_bytes``). The copies the last pass of a run makes for a next
+pass that never comes are not: that is prefetch across steps.
 
 A transform (a LoRA merge) rewrites each streamed unit's slot right after its copy lands, never
 the host pack. The compute stream waits for each slot's copy (per-slot events, in the ring), so
@@ -62,6 +65,7 @@ class StreamWindow:
         self._transform = transform
         self._await_resident = await_resident
         self._slot_of: dict[int, int] = {}  # streamed unit -> slot it holds (in flight or running)
+        self._unrun: dict[int, int] = {}  # slot -> the unit copied into it that has not run yet
         self.running: int | None = None  # the unit whose weights are bound now
         self._expected = 0  # position in streamed_indices of the unit expected next
         self._view_cache: dict[tuple[int, int], list[torch.Tensor]] = {}
@@ -79,6 +83,7 @@ class StreamWindow:
         transform its factors, for as long as anything still holds the window (a hook kept by a
         compiled graph's cache)."""
         self._slot_of = {}
+        self._unrun = {}
         self.running = None
         self._view_cache = {}
         self._transform = None
@@ -115,6 +120,7 @@ class StreamWindow:
         if retarget:
             self.fill()
         slot = self._slot_of[i]
+        self._unrun.pop(slot, None)
         try:
             self.ring.wait_ready(slot)
         except BaseException:  # its copy failed: the slot holds nothing, the next entry loads it again
@@ -177,6 +183,11 @@ class StreamWindow:
             self.telemetry.add_materialized(self._packs[b].nbytes)
 
     def _copy_in(self, slot: int, b: int) -> None:
+        skipped = self._unrun.get(slot)
+        if skipped is not None:  # copied over before it ran
+            self.telemetry.unused_copies += 1
+            self.telemetry.unused_copy_bytes += self._packs[skipped].nbytes
+        self._unrun[slot] = b
         if isinstance(self.ring, CacheRing):
             self.ring.copy_unit(slot, b, self._packs[b].nbytes, self._prepare(b))
         else:

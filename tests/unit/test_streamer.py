@@ -240,6 +240,34 @@ def test_out_of_order_and_skipped_blocks(order, fallbacks):
     st.close()
 
 
+def test_copies_of_blocks_a_call_skips_are_counted():
+    """Skip-layer guidance's extra call replaces two blocks with a pass-through: the window has
+    copied them already (prefetch cannot know), so their slots are copied over before they run.
+    Each such copy is counted with its bytes; whole passes, and the copies of the last pass for a
+    next one, count nothing."""
+    model = ToyDiT(depth=6)
+    x, t = inputs()
+    skipping = [0, 1, 3, 5]
+    with torch.no_grad():
+        ref_skip, ref_full = model(x, t, order=skipping), model(x, t)
+    st = LayerwiseStreamer(model.blocks, "cpu", resident=0, prefetch=2)
+    st.attach()
+    try:
+        with torch.no_grad():
+            for _ in range(3):
+                assert torch.equal(model(x, t), ref_full)
+            assert st.telemetry.snapshot()["unused_copies"] == 0
+            for _ in range(3):
+                assert torch.equal(model(x, t), ref_full)
+                assert torch.equal(model(x, t, order=skipping), ref_skip)
+        snap = st.telemetry.snapshot()
+        block = st.describe_units()[0]["bytes"]  # the toy's blocks are all the same size
+        assert 3 * 2 <= snap["unused_copies"] <= 3 * 3, snap  # blocks 2 and 4, each skipping pass
+        assert snap["unused_copy_bytes"] == snap["unused_copies"] * block
+    finally:
+        st.close()
+
+
 def test_inference_mode_attach_and_run_then_restore():
     model = ToyDiT(depth=4)
     x, t = inputs()
