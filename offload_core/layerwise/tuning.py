@@ -399,6 +399,13 @@ class Tuner:
         known = kind.member_costs.get(ended) if kind.members else kind.costs
         measured = self._meter.measure(previous, mark, timeline, complete, self.disk_cap, known)
         if measured is None:  # the pass was not complete (a block skipped, a retry): the next one
+            if ended in kind.members and len(kind.members) > 1:
+                # One kind of the cycle leaves blocks out (skip-layer guidance's extra call): its
+                # passes are never whole, so the plan is made on the members that run every block.
+                kind.members = tuple(m for m in kind.members if m != ended)
+                log.info("layerwise auto settings: one kind of the model's calls leaves blocks out; "
+                         "the setting is planned on the calls that run every block")
+                return
             self._misses += 1
             if self._misses > MAX_MISSES:  # passes that skip blocks (a block cache): nothing to plan on
                 kind.verdict = "the model's passes do not run every block: the setting stays"

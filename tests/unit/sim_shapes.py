@@ -39,11 +39,13 @@ class TimedStack(nn.Module):
         super().__init__()
         self.clock, self.outside_ms = clock, outside_ms
         self.blocks = nn.ModuleList(blocks)
+        self.skip: frozenset[int] = frozenset()  # blocks a call leaves out (skip-layer guidance)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.clock.spend(self.outside_ms / 2)
-        for block in self.blocks:
-            x = block(x)
+        for index, block in enumerate(self.blocks):
+            if index not in self.skip:
+                x = block(x)
         self.clock.spend(self.outside_ms / 2)
         return x
 

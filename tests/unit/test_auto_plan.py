@@ -296,6 +296,40 @@ def test_passes_that_skip_a_block_keep_the_setting():
     assert tuning["changes"] == [], tuning
 
 
+def test_calls_that_leave_blocks_out_are_planned_on_the_whole_ones(monkeypatch):
+    """Skip-layer guidance on every step: a whole call (a cond and an uncond batch), then an
+    extra call of a cond batch with two blocks replaced by a pass-through. The extra call's
+    passes can never be measured whole (its two blocks never run): the plan is made on the whole
+    calls' passes (it held the setting before); over both kinds it is as fast as the best fixed
+    setting under the same calls, never slower than the default, its prediction is the step it
+    measured, and the outputs are core's."""
+    shape = SHAPES[0]
+    clock = shape.clock()
+    whole, guidance = torch.zeros(4), torch.zeros(2)
+
+    with installed(clock, monkeypatch):
+        stack = shape.build(clock)
+
+        def leave_out(k: int) -> None:
+            stack.skip = frozenset({2, 5}) if k % 2 else frozenset()
+
+        calls = dict(on_pass=leave_out, inputs=lambda k: guidance if k % 2 else whole)
+        passes = PASSES + 4  # an even number: the last call is a guidance call
+        reference = run(shape, clock, stack, passes, setting=Setting(tuple(range(len(shape.sizes))), 1, 0), **calls)
+        auto = run(shape, clock, stack, passes, auto=True, **calls)
+        steps = {s: run(shape, clock, stack, STEADY + 4, setting=s, **calls).steady(STEADY) for s in _settings(shape)}
+        default_step = run(shape, clock, stack, STEADY + 4, setting=_default(shape), **calls).steady(STEADY)
+    tuning = auto.tuning
+    step, best = auto.steady(STEADY), min(steps.values())
+    report = (f"auto {step:.3f} ms ({tuning['verdict']}; {tuning['reason']}), best {best:.3f} ms with "
+              f"{min(steps, key=steps.get)}, default {default_step:.3f} ms")
+    assert torch.equal(auto.output, reference.output), report
+    assert tuning["phase"] == "hold" and tuning["changes"], report
+    assert step <= best * 1.03 and step <= default_step * 1.005, report
+    # The prediction is per call over the cycle of both kinds, as the steady mean is.
+    assert abs(tuning["predicted_ms"] - step) <= 0.05 * step, report
+
+
 def test_a_plan_slower_than_predicted_is_rolled_back(monkeypatch):
     """On the compute-bound shape the plan streams every block, its copies hidden behind compute;
     once it is applied the link slows to a fifth, so its checked pass is slower than predicted, and
