@@ -4,8 +4,7 @@ Lanes: `make test` runs every test against the ComfyUI tree beside .venv/ (0.3.7
 the tests marked `comfy_tree` against ComfyUI 0.33.0 (TIERED_OFFLOAD_COMFY_ROOT/_PYTHON, see
 comfy_server.py). A test gets that marker by itself when it uses the shared `comfy` server or its
 module imports the server harness (ComfyServer, COMFY_ROOT); unit tests do not, so they run on
-one lane only, except the auto settings' acceptance figures (the planner's simulation, the
-Dynamic VRAM order's, the disk-bound read-ahead run), marked by hand to run on both. Soaks (many
+one lane only: they run the engine alone, which no ComfyUI version changes. Soaks (many
 prompts through paths each lane's other tests already run once), and the cases of a matrix that
 exercise only the pack's own logic once its other cases have met core, are marked `one_lane`:
 they run against 0.3.75 only, since they repeat what the pack does, not what core version it

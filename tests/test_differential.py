@@ -15,8 +15,8 @@ import pytest
 from differential import ARTIFACTS, campaign, catalogue, core_nodes, generator, report, shrink, twin, verdict
 from differential.workflow import is_link
 
-SEEDS = [52, 109]
-PROMPTS = 14
+SEEDS = [113, 307]
+PROMPTS = 11
 REQUIRED = ["family:wan", "family:sd3", "family:hunyuan_video", "offload", "lora", "lora_stack",
             "adapter:loha", "swap", "text_encode", "loader:TieredUNETLoader",
             "loader:TieredCLIPLoader", "loader:CheckpointLoaderSimple", "tier_manager",
@@ -207,6 +207,14 @@ def test_verdicts():
     assert verdict.judge(step, other, _ok("a"))["kind"] == "p_failed"
     assert verdict.judge({**step, "allowed_refusals": []}, clear, _ok("a"))["kind"] == "p_failed"
     assert verdict.judge(step, {"status": "interrupted"}, _ok("a"))["result"] == "interrupted"
+    # Both failing alike, in either branch's node of one class: counted, not a mismatch.
+    sampler = {"node_type": "KSampler", "exception_type": "AssertionError", "exception_message": "x"}
+    both = verdict.judge(step, {"status": "error", "error": {**sampler, "node_id": "16"}},
+                         {"status": "error", "error": {**sampler, "node_id": "17"}})
+    assert both == {"result": "match", "both_failed": True}
+    other = verdict.judge(step, {"status": "error", "error": {**sampler, "node_id": "16"}},
+                          {"status": "error", "error": {**sampler, "exception_message": "y", "node_id": "16"}})
+    assert other["kind"] == "errors_differ"
     # Refused when queued: the node's validation error is judged like the same refusal at run.
     queued = {"status": "rejected", "detail": {"node_errors": {"3": {"errors": [
         {"details": "model - resident_blocks=5 but the model has 2 blocks"}]}}}}
@@ -225,6 +233,7 @@ def test_verdicts():
     assert verdict.judge({**step, "allowed_refusals": []}, ran, two)["kind"] == "rejected"
 
 
+@pytest.mark.comfy_tree  # on both lanes: what it draws is what each ComfyUI has
 def test_bounded_differential_campaign(tmp_path):
     out_dir = ARTIFACTS / "bounded"
     opts = campaign.Options(seeds=SEEDS, prompts=PROMPTS, workdir=tmp_path / "servers", out_dir=out_dir,

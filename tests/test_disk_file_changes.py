@@ -192,7 +192,10 @@ def test_a_changed_model_file_gives_cores_images_or_a_clear_error(servers, op, w
     assert state["disk"]["active"] and state["disk"]["spill_bytes"] == 0, state["disk"]
     assert state["disk"]["model_files"] and state["disk"]["model_files"][0].endswith(name), state["disk"]
     if when == "while streaming":
-        slow = _workflow(name, disk, seed=3, steps=100)
+        # Long enough for the change to land while it streams (it lands in milliseconds after the
+        # first read; a step takes a tenth of a second or more), short enough that core's twin,
+        # which runs every step, does not hold the lane up.
+        slow = _workflow(name, disk, seed=3, steps=24)
         queued = pack.queue(slow), core.queue(_strip(slow))  # both queued before the change
         _wait_streaming(pack)
         _change(servers, op, name, other_seed=200 + case)

@@ -167,22 +167,30 @@ class LayerwiseSession:
 
     def _plan(self, patcher, noise_shape, conds, model_options, merge_bytes: int) -> None:
         """Resident blocks for this run: the node's count, or the most its budget (or, in auto,
-        the card) allows."""
-        if self.settings.resident_blocks >= 0:
-            self.budget_bytes = None
-            return
+        the card) allows. With the count fixed, that budget is still what the panel's "auto would
+        choose" is weighed in, so that it is what a run left to auto would do."""
+        fixed = self.settings.resident_blocks >= 0
         least, most = self.streamer.bound_range()
         requested = self.settings.requested_budget
-        if self.device.type == "cpu":
-            # The "device" is host RAM: nothing to clamp to. Auto may keep every block resident.
-            budget = most if requested is None else requested
-        else:
-            wanted = most if requested is None else min(requested, most)
-            room = block_budget.device_room(patcher, self.rest_bytes, wanted, noise_shape, conds,
-                                            model_options, merge_bytes)
-            if self._fit_granularity(room.for_blocks):
-                least, most = self.streamer.bound_range()
-            budget = block_budget.choose_budget(self.model_class, requested, room, least, most)
+        try:
+            if self.device.type == "cpu":
+                # The "device" is host RAM: nothing to clamp to. Auto may keep every block resident.
+                budget = most if requested is None else requested
+            else:
+                wanted = most if requested is None else min(requested, most)
+                room = block_budget.device_room(patcher, self.rest_bytes, wanted, noise_shape, conds,
+                                                model_options, merge_bytes)
+                if not fixed and self._fit_granularity(room.for_blocks):
+                    least, most = self.streamer.bound_range()
+                budget = block_budget.choose_budget(self.model_class, requested, room, least, most)
+        except ValueError:
+            if not fixed:
+                raise
+            budget = None  # auto would not fit where the fixed count does: no advice to weigh
+        if fixed:
+            self.streamer.advise_within(budget)
+            self.budget_bytes = None
+            return
         self.streamer.replan(vram_budget_bytes=budget)
         self.budget_bytes = budget
 

@@ -132,6 +132,12 @@ class StreamerFigures:
         if self._tuner is not None:
             self._tuner.run_cap = nbytes
 
+    def advise_within(self, nbytes: int | None) -> None:
+        """With settings fixed, what auto would choose is weighed within ``nbytes`` of device
+        memory: the budget a run left to auto would have had (None: the fixed setting's own)."""
+        if self._tuner is not None:
+            self._tuner.advice_budget = nbytes
+
     def use(self, setting: Setting) -> None:
         """Stream with ``setting`` (the planner's terms: resident units, prefetch, disk read-ahead)
         from the next attach. Only while detached."""

@@ -314,6 +314,8 @@ class LayerwiseStreamer(StreamerFigures):
         """Detach (unchecked: nothing of it is used any more) and free everything; the streamer
         cannot be attached again."""
         self.detach(keep_pack=False, check=False)
+        if self._tuner is not None:
+            self._tuner.close()
         self._closed = True
 
     def _put_up(self, record: bool) -> None:

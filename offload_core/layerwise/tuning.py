@@ -55,7 +55,6 @@ computes with the same weights, so results do not change with it.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -160,10 +159,8 @@ def default_setting(p: StreamPlan, auto: dict[str, bool], budget_bytes: int | No
 
 
 # Candidate units a plan may weigh on the sampling thread (a few milliseconds of predictions);
-# a larger search (many units, from disk) runs on the planner's thread.
+# a larger search (many units, from disk) runs on the tuner's planner thread.
 SYNC_PLAN_WORK = 4000
-_planner: ThreadPoolExecutor | None = None
-_planner_lock = threading.Lock()
 
 
 def plan_work(costs: Costs, choices: Choices) -> int:
@@ -176,18 +173,12 @@ def plan_work(costs: Costs, choices: Choices) -> int:
 
 
 def _plans(costs: Costs, choices: Choices, budget: int | None, current: Setting, rejected: tuple[Setting, ...],
-           advice_budget: int | None) -> tuple[Plan, Plan | None]:
-    """The plan, and with ``advice_budget`` what auto would choose within it."""
+           advice_budget: int | None, auto_start: Setting | None) -> tuple[Plan, Plan | None]:
+    """The plan, and with ``advice_budget`` what auto would choose within it: the plan a run with
+    every setting left to auto makes, from the setting that run starts with (``auto_start``), so
+    the advice is never a setting auto itself would not apply."""
     planned = plan(costs, choices, budget, current, rejected)
-    return planned, None if advice_budget is None else plan(costs, Choices(), advice_budget, None)
-
-
-def _planner_thread() -> ThreadPoolExecutor:
-    global _planner
-    with _planner_lock:
-        if _planner is None:
-            _planner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-offload-planner")
-        return _planner
+    return planned, None if advice_budget is None else plan(costs, Choices(), advice_budget, auto_start)
 
 
 def _short_of_memory(error: BaseException) -> bool:
@@ -256,6 +247,7 @@ class Tuner:
         self._skip = 0
         self._final = False  # the run's last pass (``stop``): a new setting waits for the next run
         self._pending: tuple[_Kind, float, Future] | None = None  # a plan on the planner's thread
+        self._planner: ThreadPoolExecutor | None = None  # that thread, made at the first large plan
         self._periods: list[float] = []  # the steps measured in this phase so far
         self._misses = 0  # passes of this phase that could not be measured
         self._recording = False
@@ -268,6 +260,8 @@ class Tuner:
         self.run_cap: int | None = None  # device bytes this attach's later settings may take
         self.disk_cap: int | None = None
         self.default: Setting | None = None
+        self.auto_start: Setting | None = None  # with a setting fixed: where a run left to auto starts
+        self.advice_budget: int | None = None  # with a setting fixed: the budget auto would have had
         self.events: list[dict] = []  # this run's plan changes
         self.passes = 0
         self._switches = 0  # changes of the kind of pass in this run
@@ -293,6 +287,17 @@ class Tuner:
             # Plans count per run (runs that end before their check still plan), and a rollback
             # speaks of the conditions of its run, not of every later one.
             kind.plans, kind.rejected, kind.tried = 0, [], {}
+        self.auto_start = None
+        if self._fixed():  # the advice is auto's own plan, which starts where a run left to auto does
+            rules = dict(self._plan.settings)
+            try:
+                every = dict.fromkeys(self._auto, True)
+                self.auto_start, _ = default_setting(self._plan, every, self.advice_budget, disk_cap,
+                                                     disk_read_ahead)
+            except ValueError:  # auto would not fit where the fixed setting does: no start to weigh from
+                pass
+            finally:
+                self._plan.restore(rules)
         self.default, self.choices = default_setting(self._plan, self._auto, budget_bytes, disk_cap, disk_read_ahead)
         # The kind of pass this run most likely makes: the last one with a LoRA, or without.
         last = self._last_kind.get(transform)
@@ -326,10 +331,17 @@ class Tuner:
             self._hook = None
             if self._kind is not None:
                 if self._phase in ("measure", "check", "planning"):
-                    _last_pass(self)
+                    self._last_pass()
                 self._kinds[self._kind].runs += 1
         self._meter.off()
         self._recording = False
+
+    def close(self) -> None:
+        """The streamer closes: a plan still being made is dropped, and the planner's thread ends."""
+        self._pending = None
+        if self._planner is not None:
+            self._planner.shutdown(wait=False, cancel_futures=True)
+            self._planner = None
 
     def rebuilt(self) -> None:
         """The schedule was made again: the resident blocks' timing follows the new residents."""
@@ -349,7 +361,7 @@ class Tuner:
             if self._watching:
                 moved = self._watch.call()
                 if moved is not None:
-                    _conditions_moved(self, self._kinds[kind_key], *moved)
+                    self._conditions_moved(self._kinds[kind_key], *moved)
             return
         self._calls.seen()
         timeline = self._timeline()
@@ -375,7 +387,7 @@ class Tuner:
                 key, members = self._calls.cycle()
                 kind = self._kinds.setdefault(key, _Kind(members=members))
                 self._kind = self._last_kind[self._transform] = key
-                _begin_kind(self, kind)
+                self._begin_kind(kind)
                 return
             self._kind = self._last_kind[self._transform] = key
             if switches >= MAX_SWITCHES:
@@ -386,7 +398,7 @@ class Tuner:
                              "the setting stays for the rest of the run")
                 self._enter("hold")
                 return
-            _begin_kind(self, kind)
+            self._begin_kind(kind)
             return
         if self._phase == "hold":
             return
@@ -434,7 +446,7 @@ class Tuner:
         kind.measured_passes = (self.passes - count, self.passes - 1)
         kind.tried[self.current()] = period
         if self._phase == "check":
-            _check(self, kind, costs, period)
+            self._check(kind, costs, period)
         else:
             kind.costs = costs
             self._plan_kind(kind, period)
@@ -457,13 +469,16 @@ class Tuner:
         current = self.current()
         kind.plans += 1
         advice = None
-        if self._fixed():  # what auto would choose, in the same device memory
-            advice = self.budget_bytes if self.budget_bytes is not None else predict(kind.costs, current).device_bytes
-        job = (kind.costs, self.choices, self._budget(), current, tuple(kind.rejected), advice)
+        if self._fixed():  # what auto would choose, in the device memory auto would have
+            advice = next((b for b in (self.advice_budget, self.budget_bytes) if b is not None),
+                          predict(kind.costs, current).device_bytes)
+        job = (kind.costs, self.choices, self._budget(), current, tuple(kind.rejected), advice, self.auto_start)
         if self._final or plan_work(kind.costs, self.choices if advice is None else Choices()) <= SYNC_PLAN_WORK:
-            _planned(self, kind, period, *_plans(*job))
+            self._planned(kind, period, *_plans(*job))
             return
-        self._pending = (kind, period, _planner_thread().submit(_plans, *job))
+        if self._planner is None:
+            self._planner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-offload-planner")
+        self._pending = (kind, period, self._planner.submit(_plans, *job))
         self._phase = "planning"
 
     def _take_plan(self) -> None:
@@ -471,7 +486,7 @@ class Tuner:
         kind, period, future = self._pending
         if future.done():
             self._pending = None
-            _planned(self, kind, period, *future.result())
+            self._planned(kind, period, *future.result())
 
     # ------------------------------------------------------------------ applying
     def _apply(self, kind: _Kind, setting: Setting, why: str) -> bool:
@@ -534,166 +549,181 @@ class Tuner:
         else:
             self._meter.off()
 
+    # ------------------------------------------------------------------ phases
+    def _begin_kind(self, kind: _Kind) -> None:
+        """A run's first pass, or a kind of pass other than the last: start from what is known
+        (the setting held, and the steps an earlier run measured toward its phase)."""
+        current = self.current()
+        if kind.held is not None and self._fits(kind.held) and self.choices.free:
+            if kind.held != current and not self._apply(kind, kind.held, "the setting held for these inputs"):
+                self._enter("hold")
+                return
+            kind.predicted_ms = predict(kind.costs, kind.held).step_ms if kind.costs else kind.predicted_ms
+            self._enter("check")
+        else:
+            self._enter("measure")
+        if kind.runs and self.current() == current:
+            self._skip = 0  # the schedule was made at the attach: the first pass is no colder than the rest
+        if kind.periods and kind.periods_of == self.current():
+            self._periods = kind.periods
+        kind.periods, kind.periods_of = [], None
+
+    def _conditions_moved(self, kind: _Kind, base_ms: float, now_ms: float) -> None:
+        """A held setting's steps moved beyond their spread (a link that slows, a host that gets
+        busy): what was tried and rolled back in the old conditions says nothing of the new ones,
+        so the kind is measured and planned again."""
+        kind.rejected, kind.tried, kind.plans, kind.before = [], {}, 0, None
+        kind.verdict = f"the step moved from {ms_text(base_ms)} to {ms_text(now_ms)}: measuring again"
+        log.info("layerwise auto settings: pass %d: %s", self.passes, kind.verdict)
+        self._enter("measure")
+
+    def _planned(self, kind: _Kind, period: float, planned: Plan, advice: Plan | None) -> None:
+        """A plan made: applied and checked, or the setting in force held (a plan for it, one the
+        run already measured no faster, or too many plans)."""
+        current = self.current()
+        kind.plan = planned
+        if advice is not None:
+            kind.advice = self._steady_advice(kind, advice)
+        chosen = kind.plan.chosen
+        tried = kind.tried.get(chosen.setting)
+        no_faster = tried is not None and chosen.setting != current and tried >= period * (1 - CHECK_TOLERANCE)
+        if chosen.setting == current:
+            kind.reasons[current] = planned.reason
+        if chosen.setting == current or not self.choices.free or kind.plans > MAX_PLANS or no_faster:
+            kind.held = current
+            kind.predicted_ms = predict(kind.costs, current).step_ms
+            kind.verdict = ("the planned setting measured no faster in this run: the setting stays" if no_faster
+                            else verdict(kind.predicted_ms, period))
+            self._enter("hold", watch=True)
+            return
+        kind.before = (current, period)
+        if not self._apply(kind, chosen.setting, kind.plan.reason.text):
+            kind.held = current
+            kind.predicted_ms = predict(kind.costs, current).step_ms
+            self._enter("hold", watch=True)
+            return
+        kind.reasons[chosen.setting] = planned.reason
+        kind.predicted_ms = chosen.prediction.step_ms
+        self._enter("check")
+
+    def _check(self, kind: _Kind, costs: Costs, period: float) -> None:
+        """A steady pass of a planned setting against its prediction: held, rolled back to the setting
+        before it, or planned again (the module docstring's step 4)."""
+        predicted = kind.predicted_ms or period
+        current = self.current()
+        if period <= predicted * (1 + CHECK_TOLERANCE):
+            kind.held, kind.costs = current, costs
+            kind.verdict = verdict(predicted, period)
+            self._enter("hold", watch=True)
+            return
+        before = kind.before
+        planned_outside = kind.costs.outside_ms if kind.costs is not None else None
+        if before is not None and before[0] != current and slower_than_before(costs, current, before, predicted, period,
+                                                                               planned_outside):
+            kind.rejected.append(current)
+            kind.held = before[0]
+            kind.verdict = "slower than predicted, and than the setting before: rolled back"
+            self._apply(kind, before[0], "rolled back: slower than predicted")
+            # The setting is back for this reason, whatever plan (if any) first chose it.
+            kind.reasons[before[0]] = Reason(f"rolled back: {ms_text(period)} a step measured, "
+                                             f"{ms_text(predicted)} predicted, {ms_text(before[1])} before")
+            kind.predicted_ms, kind.before = predict(costs, before[0]).step_ms, None
+            self._enter("hold", watch=True)
+            return
+        kind.costs = costs  # slower than predicted, but no slower than before: measured again
+        self._plan_kind(kind, period)
+
+    def _last_pass(self) -> None:
+        """``Tuner.stop``: the pass that ended the run, as a boundary would see it, with no new setting
+        applied now (the device schedule is going): a plan made from it, or a check that fails, is the
+        setting the next run starts with; a check that cannot end yet leaves the planned setting to be
+        checked then; steps measured toward the phase are kept for the next run of the kind."""
+        timeline = self._timeline()
+        previous, mark, complete = self._meter.pass_starts(timeline)
+        kind = self._kinds[self._kind]
+        self._final = True
+        try:
+            if self._phase == "planning":  # a plan still being made is left to the next run's passes
+                if self._pending[2].done():
+                    self._take_plan()
+            elif complete:
+                self._step(self._kind, previous, mark, timeline, complete, self._calls.current)
+        except Exception:  # the plan is advice: never the detach's failure
+            log.exception("layerwise auto settings: the run's last pass could not be planned on")
+        finally:
+            self._final = False
+        if self._phase in ("measure", "check"):
+            kind.periods, kind.periods_of = list(self._periods), self.current()
+            if self._phase == "check" and kind.held is None:
+                kind.held = self.current()  # planned, not checked yet: the next run checks it
+
+    def _steady_advice(self, kind: _Kind, advice: Plan) -> Plan:
+        """What auto would choose, kept from run to run: a new choice replaces the last one only
+        where it is predicted faster by more than the run's spread (noise in the measurements
+        alone does not move it)."""
+        old = kind.advice
+        if old is None or old.chosen.setting == advice.chosen.setting or kind.costs is None:
+            return advice
+        old_ms = predict(kind.costs, old.chosen.setting).step_ms
+        if old_ms <= advice.chosen.prediction.step_ms * (1 + max(CHECK_TOLERANCE, kind.spread)):
+            return old
+        return advice
+
+    def _advice(self, kind: _Kind, costs: Costs, current: Setting) -> dict[str, Any]:
+        """With a setting fixed, what auto would choose instead, where that is worth saying: a step
+        faster beyond the run's spread (at least what a check counts as noise), or the same step
+        within it in less VRAM. Never a slower setting, nor the one in force."""
+        auto = kind.advice.chosen.setting
+        if auto == current:
+            return {}
+        now, then = predict(costs, current), predict(costs, auto)
+        cost = now.step_ms - then.step_ms
+        noise = max(CHECK_TOLERANCE, kind.spread) * max(kind.measured_ms or 0.0, then.step_ms)
+        out: dict[str, Any] = {"auto_choice": _setting_json(auto, self._plan), "auto_predicted_ms": then.step_ms,
+                               "auto_reason": kind.advice.reason.text}
+        if cost > noise:
+            return {**out, "explicit_cost_ms": cost}
+        if abs(cost) <= noise and then.device_bytes < now.device_bytes:
+            return {**out, "explicit_within_noise": True}
+        return {}
+
+    def _report(self, kind: _Kind | None) -> dict[str, Any] | None:
+        """``Tuner.report`` for ``kind``, the kind of pass last seen."""
+        if kind is None:
+            return None
+        costs = kind.costs
+        current = self.current()
+        # Why the setting in force is in force: the plan that chose it, or the rollback that brought
+        # it back (none for the start setting; a later plan whose choice was not applied leaves it).
+        in_force = kind.reasons.get(current)
+        out: dict[str, Any] = {
+            "auto": [k for k, on in self._auto.items() if on],
+            "phase": self._phase,
+            "setting": _setting_json(current, self._plan),
+            "predicted_ms": kind.predicted_ms,
+            "measured_ms": kind.measured_ms,
+            "measured_passes": list(kind.measured_passes) if kind.measured_passes else None,
+            "verdict": kind.verdict,
+            "reason": in_force.text if in_force is not None else None,
+            # the same words with {} for each size, and the sizes in bytes: the panel's own units
+            "reason_template": in_force.template if in_force is not None else None,
+            "reason_sizes": list(in_force.sizes) if in_force is not None else None,
+            "budget_bytes": self.budget_bytes,
+            "passes": self.passes,
+            "changes": [{"pass": e["pass"], "from": _setting_json(e["from"], self._plan),
+                         "to": _setting_json(e["to"], self._plan), "why": e["why"]} for e in self.events],
+        }
+        if costs is not None:
+            now = predict(costs, current)
+            out.update(bound=now.bound, device_bytes=now.device_bytes, hit_rate=now.hit_rate)
+        if kind.advice is not None and self._fixed() and costs is not None:
+            out.update(self._advice(kind, costs, current))
+        return out
+
     # ------------------------------------------------------------------ the panel
     def report(self) -> dict[str, Any] | None:
         """What the tuner chose and why, for the panel (None before anything was measured)."""
-        return _report(self, self._kinds.get(self._kind) if self._kind is not None else None)
-
-def _begin_kind(tuner: Tuner, kind: _Kind) -> None:
-    """A run's first pass, or a kind of pass other than the last: start from what is known
-    (the setting held, and the steps an earlier run measured toward its phase)."""
-    current = tuner.current()
-    if kind.held is not None and tuner._fits(kind.held) and tuner.choices.free:
-        if kind.held != current and not tuner._apply(kind, kind.held, "the setting held for these inputs"):
-            tuner._enter("hold")
-            return
-        kind.predicted_ms = predict(kind.costs, kind.held).step_ms if kind.costs else kind.predicted_ms
-        tuner._enter("check")
-    else:
-        tuner._enter("measure")
-    if kind.runs and tuner.current() == current:
-        tuner._skip = 0  # the schedule was made at the attach: the first pass is no colder than the rest
-    if kind.periods and kind.periods_of == tuner.current():
-        tuner._periods = kind.periods
-    kind.periods, kind.periods_of = [], None
-
-
-def _conditions_moved(tuner: Tuner, kind: _Kind, base_ms: float, now_ms: float) -> None:
-    """A held setting's steps moved beyond their spread (a link that slows, a host that gets
-    busy): what was tried and rolled back in the old conditions says nothing of the new ones,
-    so the kind is measured and planned again."""
-    kind.rejected, kind.tried, kind.plans, kind.before = [], {}, 0, None
-    kind.verdict = f"the step moved from {ms_text(base_ms)} to {ms_text(now_ms)}: measuring again"
-    log.info("layerwise auto settings: pass %d: %s", tuner.passes, kind.verdict)
-    tuner._enter("measure")
-
-
-def _planned(tuner: Tuner, kind: _Kind, period: float, planned: Plan, advice: Plan | None) -> None:
-    """A plan made: applied and checked, or the setting in force held (a plan for it, one the
-    run already measured no faster, or too many plans)."""
-    current = tuner.current()
-    kind.plan, kind.advice = planned, advice if advice is not None else kind.advice
-    chosen = kind.plan.chosen
-    tried = kind.tried.get(chosen.setting)
-    no_faster = tried is not None and chosen.setting != current and tried >= period * (1 - CHECK_TOLERANCE)
-    if chosen.setting == current:
-        kind.reasons[current] = planned.reason
-    if chosen.setting == current or not tuner.choices.free or kind.plans > MAX_PLANS or no_faster:
-        kind.held = current
-        kind.predicted_ms = predict(kind.costs, current).step_ms
-        kind.verdict = ("the planned setting measured no faster in this run: the setting stays" if no_faster
-                        else verdict(kind.predicted_ms, period))
-        tuner._enter("hold", watch=True)
-        return
-    kind.before = (current, period)
-    if not tuner._apply(kind, chosen.setting, kind.plan.reason.text):
-        kind.held = current
-        kind.predicted_ms = predict(kind.costs, current).step_ms
-        tuner._enter("hold", watch=True)
-        return
-    kind.reasons[chosen.setting] = planned.reason
-    kind.predicted_ms = chosen.prediction.step_ms
-    tuner._enter("check")
-
-
-def _check(tuner: Tuner, kind: _Kind, costs: Costs, period: float) -> None:
-    """A steady pass of a planned setting against its prediction: held, rolled back to the setting
-    before it, or planned again (the module docstring's step 4)."""
-    predicted = kind.predicted_ms or period
-    current = tuner.current()
-    if period <= predicted * (1 + CHECK_TOLERANCE):
-        kind.held, kind.costs = current, costs
-        kind.verdict = verdict(predicted, period)
-        tuner._enter("hold", watch=True)
-        return
-    before = kind.before
-    planned_outside = kind.costs.outside_ms if kind.costs is not None else None
-    if before is not None and before[0] != current and slower_than_before(costs, current, before, predicted, period,
-                                                                           planned_outside):
-        kind.rejected.append(current)
-        kind.held = before[0]
-        kind.verdict = "slower than predicted, and than the setting before: rolled back"
-        tuner._apply(kind, before[0], "rolled back: slower than predicted")
-        # The setting is back for this reason, whatever plan (if any) first chose it.
-        kind.reasons[before[0]] = Reason(f"rolled back: {ms_text(period)} a step measured, "
-                                         f"{ms_text(predicted)} predicted, {ms_text(before[1])} before")
-        kind.predicted_ms, kind.before = predict(costs, before[0]).step_ms, None
-        tuner._enter("hold", watch=True)
-        return
-    kind.costs = costs  # slower than predicted, but no slower than before: measured again
-    tuner._plan_kind(kind, period)
-
-
-def _last_pass(tuner: Tuner) -> None:
-    """``Tuner.stop``: the pass that ended the run, as a boundary would see it, with no new setting
-    applied now (the device schedule is going): a plan made from it, or a check that fails, is the
-    setting the next run starts with; a check that cannot end yet leaves the planned setting to be
-    checked then; steps measured toward the phase are kept for the next run of the kind."""
-    timeline = tuner._timeline()
-    previous, mark, complete = tuner._meter.pass_starts(timeline)
-    kind = tuner._kinds[tuner._kind]
-    tuner._final = True
-    try:
-        if tuner._phase == "planning":  # a plan still being made is left to the next run's passes
-            if tuner._pending[2].done():
-                tuner._take_plan()
-        elif complete:
-            tuner._step(tuner._kind, previous, mark, timeline, complete, tuner._calls.current)
-    except Exception:  # the plan is advice: never the detach's failure
-        log.exception("layerwise auto settings: the run's last pass could not be planned on")
-    finally:
-        tuner._final = False
-    if tuner._phase in ("measure", "check"):
-        kind.periods, kind.periods_of = list(tuner._periods), tuner.current()
-        if tuner._phase == "check" and kind.held is None:
-            kind.held = tuner.current()  # planned, not checked yet: the next run checks it
-
-
-def _report(tuner: Tuner, kind: _Kind | None) -> dict[str, Any] | None:
-    """``Tuner.report`` for ``kind``, the kind of pass last seen."""
-    if kind is None:
-        return None
-    costs = kind.costs
-    current = tuner.current()
-    # Why the setting in force is in force: the plan that chose it, or the rollback that brought
-    # it back (none for the start setting; a later plan whose choice was not applied leaves it).
-    in_force = kind.reasons.get(current)
-    out: dict[str, Any] = {
-        "auto": [k for k, on in tuner._auto.items() if on],
-        "phase": tuner._phase,
-        "setting": _setting_json(current, tuner._plan),
-        "predicted_ms": kind.predicted_ms,
-        "measured_ms": kind.measured_ms,
-        "measured_passes": list(kind.measured_passes) if kind.measured_passes else None,
-        "verdict": kind.verdict,
-        "reason": in_force.text if in_force is not None else None,
-        # the same words with {} for each size, and the sizes in bytes: the panel's own units
-        "reason_template": in_force.template if in_force is not None else None,
-        "reason_sizes": list(in_force.sizes) if in_force is not None else None,
-        "budget_bytes": tuner.budget_bytes,
-        "passes": tuner.passes,
-        "changes": [{"pass": e["pass"], "from": _setting_json(e["from"], tuner._plan),
-                     "to": _setting_json(e["to"], tuner._plan), "why": e["why"]} for e in tuner.events],
-    }
-    if costs is not None:
-        now = predict(costs, current)
-        out.update(bound=now.bound, device_bytes=now.device_bytes, hit_rate=now.hit_rate)
-    if kind.advice is not None and tuner._fixed():
-        auto = kind.advice.chosen
-        out["auto_choice"] = _setting_json(auto.setting, tuner._plan)
-        out["auto_predicted_ms"] = auto.prediction.step_ms
-        out["auto_reason"] = kind.advice.reason.text
-        if costs is not None and auto.setting != current:
-            cost = predict(costs, current).step_ms - auto.prediction.step_ms
-            # Only a gain beyond the run's own spread (at least what a check counts as noise) is
-            # advice, and auto is never said slower; a smaller one is said to be within the noise.
-            noise = max(CHECK_TOLERANCE, kind.spread) * max(kind.measured_ms or 0.0, auto.prediction.step_ms)
-            if cost > noise:
-                out["explicit_cost_ms"] = cost
-            else:
-                out["explicit_within_noise"] = True
-    return out
-
+        return self._report(self._kinds.get(self._kind) if self._kind is not None else None)
 
 def slower_than_before(costs: Costs, current: Setting, before: tuple[Setting, float], predicted: float,
                        period: float, outside_ms: float | None = None) -> bool:

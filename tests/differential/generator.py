@@ -66,6 +66,8 @@ class Chain:
     # A torch.compile among the ops: {"how", "at": where, as a share of the final op list}. Kept
     # apart so that no draw of the main stream depends on it.
     compile: dict[str, Any] | None = None
+    # One of core's MODEL -> MODEL nodes, kept apart the same way (placed by its own "at").
+    core_node: dict[str, Any] | None = None
 
     def adapters(self) -> list[dict[str, Any]]:
         return [op for op in self.ops if op["op"] == "lora"]
@@ -217,10 +219,8 @@ class Generator:
         tiered_loader = loader.startswith("Tiered")
         if rng.random() < (0.3 if tiered_loader else 0.02):
             ops.insert(rng.randint(0, len(ops)), self._tier_op())
-        core_op = self._core_node_op(model)
-        if core_op is not None:
-            ops.insert(self.core_rng.randint(0, len(ops)), core_op)
-        chain = Chain(model, loader, weight_dtype, ops, self._compile_op(model, weight_dtype))
+        chain = Chain(model, loader, weight_dtype, ops, self._compile_op(model, weight_dtype),
+                      self._core_node_op(model))
         self.previous = chain
         return chain
 
@@ -245,7 +245,7 @@ class Generator:
             or [m for m in self.models if m.name != model.name]
         return {"op": "core_node", "node": node.name, "model_input": node.models[0], "output": node.output,
                 "inputs": {name: core_nodes.draw(crng, value) for name, value in node.values.items()},
-                "others": {name: crng.choice(kin).name for name in node.models[1:]}}
+                "others": {name: crng.choice(kin).name for name in node.models[1:]}, "at": crng.random()}
 
     def _offload_op(self, model: Model) -> dict[str, Any]:
         rng = self.rng
@@ -396,6 +396,13 @@ class Generator:
                            {"op": "swap"})
         if chain.compile is not None:
             ops.insert(int(chain.compile["at"] * (len(ops) + 1)), chain.compile)
+        if chain.core_node is not None:
+            ops.insert(int(chain.core_node["at"] * (len(ops) + 1)), chain.core_node)
+            kinds = [op["op"] for op in ops]
+            tags.update({"core_node", f"core_node:{chain.core_node['node']}"})
+            if "offload" in kinds:
+                tags.add("core_node:before_offload" if kinds.index("core_node") < kinds.index("offload")
+                         else "core_node:after_offload")
         swapped = False
         for op in ops:
             kind = op["op"]
@@ -508,11 +515,6 @@ class Generator:
             tags.add("tier_manager")
         if "block_replace" in kinds:
             tags.add("block_replace")
-        for at, op in enumerate(chain.ops):
-            if op["op"] == "core_node":
-                tags.update({"core_node", f"core_node:{op['node']}"})
-                if "offload" in kinds:
-                    tags.add("core_node:before_offload" if at < kinds.index("offload") else "core_node:after_offload")
         if chain.compile is not None:
             tags.update({"compile", f"compile:{chain.compile['how']}"})
         return tags

@@ -2,7 +2,8 @@
 
 Both succeeded: every stats output must be equal (shape, dtype, finiteness, sha256). P failed
 and Q did not: a mismatch unless it is an allowed, clearly worded documented refusal. Both
-failed: the same node with the same exception. An interrupted prompt is not compared (the
+failed: the same kind of node with the same exception (a prompt failing alike on both is counted,
+not compared). An interrupted prompt is not compared (the
 prompts after it are). Every mismatch carries a signature that groups it with its kind.
 """
 from __future__ import annotations
@@ -22,7 +23,10 @@ def _norm(message: str) -> str:
 
 
 def _error_key(error: dict[str, Any]) -> tuple:
-    return error.get("node_id"), error.get("exception_type"), _norm(error.get("exception_message", ""))
+    """What a failure is: the node's class, the exception and its message. Not the node's id: in a
+    prompt of two branches ComfyUI may run them in another order with the pack's nodes in one, so
+    the same failure can come first in the other branch's node of the same class."""
+    return error.get("node_type"), error.get("exception_type"), _norm(error.get("exception_message", ""))
 
 
 def pack_nodes(workflow: dict[str, Any]) -> list[str]:

@@ -92,13 +92,15 @@ class Run:
 
 def run(shape: Shape, clock: TimedStreamModel, stack: TimedStack, passes: int, *,
         setting: Setting | None = None, auto: bool = False, spill_dir: str | None = None,
-        on_pass=None, advise: bool = False, inputs=None, host_ms_per_streamed_unit: float = 0.0) -> Run:
+        on_pass=None, advise: bool = False, inputs=None, host_ms_per_streamed_unit: float = 0.0,
+        budget: bool = False) -> Run:
     """``passes`` calls of ``stack`` under ``clock``: with a fixed ``setting``, or with every
     setting left to auto (the tuner hooked to the stack's calls). ``on_pass(k)`` runs before
     call ``k``; ``advise``: a fixed setting's calls are hooked too, for what auto would choose;
     ``inputs(k)``: call ``k``'s input (default 4 zeros); ``host_ms_per_streamed_unit``: a cost of
     every call that grows with the units streamed, which the pipeline model does not know of (the
-    host's work per hooked block)."""
+    host's work per hooked block); ``budget``: a fixed setting's run has the shape's VRAM budget
+    too (what auto would choose is weighed within it)."""
     disk = shape.disk("auto" if auto else None)
     if disk is not None and spill_dir is not None:
         disk = DiskOptions(cap_bytes=disk.cap_bytes, workers=disk.workers, read_ahead=disk.read_ahead,
@@ -109,6 +111,8 @@ def run(shape: Shape, clock: TimedStreamModel, stack: TimedStack, passes: int, *
                                      vram_budget_bytes=shape.budget, disk=disk)
     else:
         streamer = LayerwiseStreamer(blocks, "cpu", resident=0, prefetch=setting.prefetch, disk=disk)
+        if budget:
+            streamer.advise_within(shape.budget)
         streamer.use(setting)
     x = torch.zeros(4)
     periods, ends = [], [clock.device_time()]

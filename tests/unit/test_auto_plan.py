@@ -32,8 +32,6 @@ from offload_core.layerwise.pipeline import DISK_STEADY, Costs, DiskCosts, Setti
 from offload_core.layerwise.planner import DEFAULT_PREFETCH, Choices, candidates
 from offload_core.layerwise.tuning import CHECK_TOLERANCE
 
-# Acceptance figures of the auto settings: run on both lanes (0.3.75 and 0.33).
-pytestmark = pytest.mark.comfy_tree
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts" / "unit-auto-plan"
 L = 64 * KiB
@@ -172,7 +170,8 @@ def test_short_runs_stream_with_the_plan_from_an_early_run(monkeypatch, tmp_path
 def test_a_large_search_is_planned_off_the_sampling_thread(monkeypatch):
     """Sixty link-bound blocks: the search is too large for the sampling thread, so the planner's
     thread makes the plan while the passes go on with the setting in force, and it is applied at
-    a later boundary; the result is the plan the same costs give, and the output core's."""
+    a later boundary; the result is the plan the same costs give, and the output core's. The
+    thread ends when its engine closes."""
     import threading
 
     from offload_core.layerwise import tuning as tuning_mod
@@ -207,7 +206,12 @@ def test_a_large_search_is_planned_off_the_sampling_thread(monkeypatch):
                 out = stack(torch.zeros(4))
         tuning = streamer.tuning()
         streamer.detach()
+        planner_threads = [t for t in threading.enumerate() if t.name.startswith("tiered-offload-planner")]
+        assert planner_threads, "the plan was made on the tuner's own thread"
         streamer.close()
+        for thread in planner_threads:  # the planner closes with its engine
+            thread.join(timeout=10)
+            assert not thread.is_alive(), thread
     assert threads and all(t is not threading.main_thread() for t in threads), threads
     assert tuning["phase"] in ("check", "hold") and tuning["changes"], tuning
     assert tuning["changes"][0]["pass"] > started, tuning  # applied at a later boundary
@@ -513,6 +517,26 @@ def test_inputs_that_alternate_are_planned_for_both(shape, monkeypatch):
     assert torch.equal(auto.output, reference.output), report
     assert tuning["phase"] == "hold" and len(tuning["changes"]) <= 2, report
     assert step <= best * 1.03 and step <= start_step * 1.005, report
+
+
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s.disk_rate is None], ids=lambda s: s.name)
+def test_advice_is_the_setting_auto_applies(shape, monkeypatch):
+    """What a fixed run says auto would choose is what a run left to auto applies in the same
+    budget, or nothing where that would change nothing worth saying; never a setting auto itself
+    would not take (a run with 4 blocks fixed was told "0 of 12" while auto kept 12 of 12)."""
+    clock = shape.clock()
+    fixed_setting = Setting((0,), 1, 0)  # one block resident
+    with installed(clock, monkeypatch):
+        stack = shape.build(clock)
+        auto = run(shape, clock, stack, PASSES, auto=True)
+        fixed = run(shape, clock, stack, 6, setting=fixed_setting, advise=True, budget=True)
+    applied, told = auto.tuning["setting"], fixed.tuning
+    report = f"{shape.name}: auto applied {applied}; the fixed run was told {told.get('auto_choice')} ({told})"
+    if shape.name == "link-bound":  # the fixed setting keeps too few blocks: auto's is faster
+        assert told.get("explicit_cost_ms", 0) > 0, report
+    if "auto_choice" in told:
+        assert told["auto_choice"] == applied, report
+        assert told.get("explicit_cost_ms", 0) > 0 or told.get("explicit_within_noise"), report
 
 
 def test_advice_within_the_runs_spread_is_said_to_be_within_it(monkeypatch):

@@ -17,8 +17,6 @@ import json
 import sys
 from pathlib import Path
 
-# Acceptance figures of the auto settings: run on both lanes (0.3.75 and 0.33).
-pytestmark = pytest.mark.comfy_tree
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "disk_stream.py"
 

@@ -33,8 +33,6 @@ from offload_core.layerwise.pipeline import Setting
 from offload_core.layerwise.planner import DEFAULT_PREFETCH
 from offload_core.layerwise.residency_order import CORE_PREFETCH, OrderTuner
 
-# Acceptance figures of the auto settings: run on both lanes (0.3.75 and 0.33).
-pytestmark = pytest.mark.comfy_tree
 
 L = 64 * KiB
 PASSES = 8
