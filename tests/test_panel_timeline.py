@@ -17,7 +17,8 @@ pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Chromium (make t
 
 VERDICT = {"link": "link (compute waited for copies)", "disk": "disk (compute waited for reads)",
            "compute": "compute (copies hidden behind it)",
-           "compute_between_copies": "compute (copies ran between blocks, briefly)"}
+           "compute_between_copies": "compute (copies ran between blocks, briefly)",
+           "copies": "copies (each block was copied between the others, on the CPU)"}
 
 
 def _workflow(seed: int) -> dict:

@@ -72,7 +72,7 @@ def test_tiered_loader_matches_core_and_switching_back_comes_from_ram(tier_serve
     assert latent_sha(s.run(tiered("wan21"))) == core_a
     wan = model(s, WAN)
     assert wan["loads_from_disk"] == 1 and wan["loads_from_ram"] >= 1, wan
-    assert f"'{WAN}' ({wan['id']}) served from RAM, no disk read" in s.log_text()
+    assert f"'{WAN}' ({wan['id']}) served from its RAM copy, no disk read" in s.log_text()
 
 
 def test_ram_budget_pushes_lru_model_to_disk_and_reload_is_identical(tier_server):

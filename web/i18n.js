@@ -195,6 +195,7 @@ export const ENGLISH = {
       disk: "disk (compute waited for reads)",
       compute: "compute (copies hidden behind it)",
       compute_between_copies: "compute (copies ran between blocks, briefly)",
+      copies: "copies (each block was copied between the others, on the CPU)",
     },
     kind: {
       disk: "disk read",
@@ -219,7 +220,7 @@ export const ENGLISH = {
     startExplain: "(0 ms): compute asks for this pass's first streamed unit. Every time on the axis counts from here.",
     aheadExplain: "(shaded, left of 0): while the previous pass computed its last units, the prefetch was already reading and copying the first units of this one. They are drawn in this pass because this pass computes them; their reads and copies simply started earlier. A pass starts with prefetch + 1 units fetched: the one compute asks for first, and the prefetch after it.",
     rowsExplain: "One row per streamed unit, top to bottom in the order they computed. Point at a bar for its times.",
-    nothingStreamed: "Nothing streamed in the last run: every block stayed in VRAM, so there were no copies to picture.",
+    nothingStreamed: "Nothing streamed in the last run: every block stayed resident, so there were no copies to picture.",
     noPicture: "No picture yet. Keep the Offload panel or this view open while a workflow with Apply Layerwise Offload runs. ComfyUI reuses a finished result while nothing changes, so change the seed (or any input) before you run it again.",
     msValue: "{value} ms",
     aheadFigure: "{units} units, up to {ms} ms before",

@@ -251,7 +251,7 @@ function chartHtml(fig, full) {
 }
 
 function verdictHtml(tl) {
-  const bound = ["link", "disk", "compute", "compute_between_copies"].includes(tl.bound_by) ? tl.bound_by : null;
+  const bound = ["link", "copies", "disk", "compute", "compute_between_copies"].includes(tl.bound_by) ? tl.bound_by : null;
   return bound ? `<div class="to-tl-verdict to-tl-bound-${bound}" data-role="tl-verdict" data-bound="${bound}">${
     esc(tr("timeline.boundBy", { what: tr(`timeline.bound.${bound}`) }))}</div>` : "";
 }

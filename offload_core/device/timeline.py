@@ -244,7 +244,9 @@ def verdict(spans: Sequence[dict]) -> dict[str, Any]:
     still running as the wait began (a wait measured on the GPU is the GPU's; a host that waited
     is counted where it waited longer). The run's ``Telemetry.compute_wait_s`` counts by the
     same rule. A pass whose waits are under a tenth of its compute time is bound by compute
-    ("compute_between_copies" where the copies ran on the sampling thread, between the blocks).
+    ("compute_between_copies" where the copies ran on the sampling thread, between the blocks);
+    one whose copies ran on the sampling thread and took longer is bound by those copies
+    ("copies": a CPU has no link).
     """
     compute = sum(s["end_ms"] - s["start_ms"] for s in spans if s["kind"] == "compute")
     copy_busy = _busy([s for s in spans if s["kind"] == "copy"])
@@ -262,13 +264,13 @@ def verdict(spans: Sequence[dict]) -> dict[str, Any]:
                 disk_wait += waited
             else:
                 link_wait += waited
+    # Copies that ran on the sampling thread (a CPU, which has no link to wait on) were not
+    # hidden: compute waited for each.
+    blocking = any(s["kind"] == "copy" and s.get("blocking") for s in spans)
     if link_wait + disk_wait < _WAIT_SHARE_BOUND * compute:
-        # Copies that ran on the sampling thread (a CPU) were not hidden: compute waited for
-        # each, only briefly.
-        blocking = any(s["kind"] == "copy" and s.get("blocking") for s in spans)
         bound = "compute_between_copies" if blocking else "compute"
     else:
-        bound = "disk" if disk_wait > link_wait else "link"
+        bound = "disk" if disk_wait > link_wait else "copies" if blocking else "link"
     return {"totals": {"compute_ms": compute, "copy_busy_ms": copy_busy, "disk_busy_ms": disk_busy,
                        "link_wait_ms": link_wait, "disk_wait_ms": disk_wait},
             "bound_by": bound}

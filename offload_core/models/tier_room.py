@@ -77,9 +77,9 @@ class TierRoom:
             self._moves.step(entry, Tier.VRAM, reason)
         if start is Tier.RAM:
             entry.loads_from_ram += 1
-        if start is not Tier.DISK:
-            logger.info("%s '%s' (%s) served from %s, no disk read (%s)", entry.kind, entry.name,
-                        entry.id, start.value.upper(), reason)
+        if start is not Tier.DISK:  # a model loaded on the compute device already: no tier named
+            logger.info("%s '%s' (%s) %s, no disk read (%s)", entry.kind, entry.name, entry.id,
+                        "served from its RAM copy" if start is Tier.RAM else "already loaded", reason)
         entry.load_count += 1
         self._registry.touch(entry)
 

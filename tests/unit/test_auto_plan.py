@@ -334,6 +334,35 @@ def test_calls_that_leave_blocks_out_are_planned_on_the_whole_ones(monkeypatch):
     assert abs(tuning["predicted_ms"] - step) <= 0.05 * step, report
 
 
+def test_steps_whose_call_a_cache_skips_do_not_mislead_the_plan(monkeypatch):
+    """A step cache (EasyCache, LazyCache) skips the model's call in some steps: the sampler's own
+    work of such a step falls between two calls, and no block runs. Each call is still a whole
+    pass; the plan made on them is as fast as the best fixed setting under the same steps and
+    never slower than the default, and the outputs are core's."""
+    shape = SHAPES[0]
+    clock = shape.clock()
+
+    def cached_step(k: int) -> None:
+        if k % 3 == 2:  # the step before this call had its call skipped: only the sampler's work
+            clock.spend(shape.outside_ms)
+
+    with installed(clock, monkeypatch):
+        stack = shape.build(clock)
+        reference = run(shape, clock, stack, PASSES, setting=Setting(tuple(range(len(shape.sizes))), 1, 0),
+                        on_pass=cached_step)
+        auto = run(shape, clock, stack, PASSES, auto=True, on_pass=cached_step)
+        # Steps are means over whole cycles of three calls (the window ends on the same call).
+        steps = {s: run(shape, clock, stack, 12, setting=s, on_pass=cached_step).steady(6) for s in _settings(shape)}
+        default_step = run(shape, clock, stack, 12, setting=_default(shape), on_pass=cached_step).steady(6)
+    tuning = auto.tuning
+    step, best = auto.steady(6), min(steps.values())
+    report = (f"auto {step:.3f} ms ({tuning['verdict']}; {tuning['reason']}), best {best:.3f} ms with "
+              f"{min(steps, key=steps.get)}, default {default_step:.3f} ms")
+    assert torch.equal(auto.output, reference.output), report
+    assert tuning["phase"] == "hold", report
+    assert step <= best * 1.03 and step <= default_step * 1.005, report
+
+
 def test_a_plan_slower_than_predicted_is_rolled_back(monkeypatch):
     """On the compute-bound shape the plan streams every block, its copies hidden behind compute;
     once it is applied the link slows to a fifth, so its checked pass is slower than predicted, and

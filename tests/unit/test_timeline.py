@@ -72,7 +72,7 @@ def _check_pass(streamer: LayerwiseStreamer, timeline: dict) -> None:
         previous_end = compute["end_ms"]
     assert waits[streamed[0]][0]["start_ms"] == 0.0  # the pass starts with its first unit's wait
     assert timeline["pass_ms"] == pytest.approx(previous_end)
-    assert timeline["bound_by"] in ("link", "disk", "compute", "compute_between_copies")
+    assert timeline["bound_by"] in ("link", "copies", "disk", "compute", "compute_between_copies")
 
 
 def test_off_by_default_records_nothing():
