@@ -61,7 +61,7 @@ class LayerwiseSession:
             raise ValueError(
                 f"Apply Layerwise Offload: resident_blocks={settings.resident_blocks}, but "
                 f"{self.model_class} has {len(self.blocks)} blocks; use at most "
-                f"{len(self.blocks)}, or -1 to derive it from vram_budget_gb")
+                f"{len(self.blocks)}, or -1 (auto: the run's own timings choose, within vram_budget_gb)")
         self.block_bytes, self.rest_bytes = engine_setup.weights(patcher.model, self.blocks)
         self.device = patcher.load_device
         self.settings = settings
