@@ -20,12 +20,13 @@ leaves room for. A setting the user fixed is not a choice: the planner keeps it 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from ..device.residency import spread_evenly
+from ..device.residency import bound_bytes, spread_evenly
 from ..units import size_text
-from .pipeline import Costs, Prediction, Setting, most_read_ahead, predict
+from .pipeline import DISK_PASSES, PASSES, Costs, Prediction, Setting, cache_shape, most_read_ahead, predict
 
 MAX_PREFETCH = 4  # copies ahead the planner tries; more has never paid on a link with one copy stream
 MAX_READ_AHEAD = 4  # units read ahead from disk the planner tries
@@ -71,13 +72,18 @@ class Reason:
 @dataclass(frozen=True)
 class Plan:
     """The chosen setting, its prediction, the setting the run would have had without a plan
-    (``default``), and what more VRAM would buy (``more``: the fastest setting over budget)."""
+    (``default``), and what more VRAM would buy (``more``: the fastest setting over budget);
+    ``weighed`` of ``considered`` candidates were predicted, in ``cpu_ms`` of CPU (``plan``'s
+    search)."""
 
     chosen: Candidate
     default: Candidate | None
     more: Candidate | None
     budget_bytes: int | None
     reason: Reason
+    weighed: int = 0
+    considered: int = 0
+    cpu_ms: float = 0.0
 
 
 def block_units(costs: Costs) -> list[list[int]]:
@@ -143,36 +149,153 @@ def candidates(costs: Costs, choices: Choices, counts: Sequence[int] | None = No
 
 
 def plan(costs: Costs, choices: Choices, budget_bytes: int | None, default: Setting | None,
-         rejected: Sequence[Setting] = ()) -> Plan:
+         rejected: Sequence[Setting] = (), work_us: float | None = None) -> Plan:
     """The setting to stream with: the fastest predicted within ``budget_bytes`` of device memory
     (None: no limit), ties broken towards fewer disk reads, then less VRAM; never predicted slower
     than ``default`` (the setting the run has without a plan) where that fits. ``rejected``: settings
-    that were tried and rolled back."""
-    within: list[Candidate] = []
-    over: list[Candidate] = []
-    for counts in _count_search(costs, choices, budget_bytes, within):
-        for setting in candidates(costs, choices, counts):
-            if setting in rejected:
-                continue
-            candidate = Candidate(setting, predict(costs, setting))
-            fits = budget_bytes is None or candidate.prediction.device_bytes <= budget_bytes
-            (within if fits else over).append(candidate)
+    that were tried and rolled back.
+
+    A search that bounds itself: candidates are predicted in the order of a lower bound of their
+    step (``_Bounds``: it costs no simulation), and one whose bound is slower than the fastest
+    found by more than the tie is never predicted, nor any after it; within the budget that
+    leaves out nothing the choice could be. ``work_us`` caps the CPU the predictions may take
+    (the sampling thread's share, or the planner's), counted as ``prediction_work`` says one
+    prediction costs, so that a plan is the same on any machine and however busy it is: the
+    search stops before a prediction that would pass it and chooses among what it predicted (the
+    start setting always among them). ``Plan.weighed`` says how many it predicted, of how many it
+    could have, and ``Plan.cpu_ms`` what they took."""
+    search = _Search(costs, budget_bytes, work_us)
     base = None
     if default is not None:
         base = Candidate(default, predict(costs, default))
-        if budget_bytes is not None and base.prediction.device_bytes > budget_bytes:
+        search.spent()
+        search.seen += 1
+        if budget_bytes is None or base.prediction.device_bytes <= budget_bytes:
+            search.within.append(base)
+        else:
             base = None
+    for counts in _count_search(costs, choices, budget_bytes, search.within):
+        search.weigh([s for s in candidates(costs, choices, counts) if s not in rejected and s != default])
+    within, over = search.within, search.over
     if not within:
-        if base is None:
-            raise ValueError("no setting fits the budget")
-        within = [base]
+        raise ValueError("no setting fits the budget")
     chosen = _pick(within, base)
     fastest_over = min(over, key=lambda c: c.prediction.step_ms, default=None)
     more = None
     if fastest_over is not None and fastest_over.prediction.step_ms < chosen.prediction.step_ms * (1 - TIE):
         more = _pick([c for c in over if c.prediction.step_ms <= fastest_over.prediction.step_ms * (1 + TIE)], None)
-    result = Plan(chosen, base, more, budget_bytes, Reason(""))
-    return Plan(chosen, base, more, budget_bytes, reason(costs, result))
+    result = Plan(chosen, base, more, budget_bytes, Reason(""), search.weighed, search.seen, search.cpu_ms())
+    return replace(result, reason=reason(costs, result))
+
+
+class _Search:
+    """The candidates a plan weighs, predicted in the order of their lower bound until none left
+    can be within the tie of the fastest, or the CPU it may take is spent (``plan``)."""
+
+    def __init__(self, costs: Costs, budget_bytes: int | None, work_us: float | None) -> None:
+        self._costs = costs
+        self._budget = budget_bytes
+        self._work_us = work_us
+        self._each_us = prediction_work(costs)
+        self._started = time.thread_time()
+        self.within: list[Candidate] = []
+        self.over: list[Candidate] = []
+        self.weighed = 0  # predictions made
+        self.seen = 0  # candidates considered
+        self.stopped = False
+
+    def spent(self) -> None:
+        self.weighed += 1
+
+    def cpu_ms(self) -> float:
+        return (time.thread_time() - self._started) * 1000
+
+    def _affords_one(self) -> bool:
+        return self._work_us is None or (self.weighed + 1) * self._each_us <= self._work_us
+
+    def weigh(self, settings: Sequence[Setting]) -> None:
+        self.seen += len(settings)
+        if self.stopped:
+            return
+        bounds = _Bounds(self._costs)
+        ordered = sorted(((bounds.step(s), bounds.device(s), k, s) for k, s in enumerate(settings)),
+                         key=lambda x: x[:3])
+        for lower, device, _, setting in ordered:
+            fits = self._budget is None or device <= self._budget
+            best = min((c.prediction.step_ms for c in self.within), default=None)
+            if fits and best is not None and lower > best * (1 + TIE):
+                break  # neither this one nor any after it can be within the tie
+            if not fits and (not self.over or lower > min(c.prediction.step_ms for c in self.over) * (1 + TIE)):
+                continue  # over the budget: weighed only for what more VRAM would buy
+            if not self._affords_one():
+                self.stopped = True
+                return
+            candidate = Candidate(setting, predict(self._costs, setting))
+            self.spent()
+            (self.within if fits else self.over).append(candidate)
+
+
+# What one prediction costs, in microseconds of CPU on the machine the figures were measured on (a
+# 2-core AMD EPYC, busy): per unit and simulated pass, from RAM and from disk (the disk model runs
+# the cache's rule and three processes on one clock), and per prediction. A budget in these
+# units makes a plan the same wherever it runs; ``Plan.cpu_ms`` says what it really took.
+RAM_UNIT_PASS_US = 0.3
+DISK_UNIT_PASS_US = 14.0
+PREDICTION_US = 10.0
+
+
+def prediction_work(costs: Costs) -> float:
+    """About the CPU one prediction of ``costs`` takes, in microseconds (a cycle: each member's)."""
+    passes = DISK_PASSES * DISK_UNIT_PASS_US if costs.disk is not None else PASSES * RAM_UNIT_PASS_US
+    return (1 + len(costs.cycle)) * (PREDICTION_US + costs.units * passes)
+
+
+def search_work(costs: Costs, choices: Choices) -> float:
+    """At most what a plan of ``costs`` costs with no cap: every candidate predicted."""
+    counts = 1 if choices.resident is not None else 2 * (len(set(costs.unit_blocks)) + 1)
+    prefetches = MAX_PREFETCH if choices.prefetch is None else 1
+    depths = MAX_READ_AHEAD if costs.disk is not None and choices.read_ahead is None else 1
+    return counts * prefetches * depths * prediction_work(costs)
+
+
+class _Bounds:
+    """What a setting's step cannot be below, and its device memory, without a simulation: the
+    pass's compute; on a device whose copies run beside compute, the copies of what it streams
+    on the one copy stream; from disk, the reads of what the cache cannot keep between passes at
+    the disk's rate (on the plain host, copies and reads add to compute)."""
+
+    def __init__(self, costs: Costs) -> None:
+        self._costs = costs
+        self._compute = sum(costs.compute_ms) + costs.outside_ms
+        self._per_resident: dict[tuple[int, ...], tuple[float, list[int]]] = {}
+
+    def _streamed(self, resident: tuple[int, ...]) -> tuple[float, list[int]]:
+        found = self._per_resident.get(resident)
+        if found is None:
+            res = set(resident)
+            streamed = [u for u in range(self._costs.units) if u not in res]
+            found = self._per_resident[resident] = (sum(self._costs.copy_ms[u] for u in streamed), streamed)
+        return found
+
+    def step(self, setting: Setting) -> float:
+        c = self._costs
+        if c.cycle:  # a cycle's step is the mean over its members: its least is compute's
+            return min(self._compute, *(sum(m.compute_ms) + m.outside_ms for m in c.cycle))
+        copies, streamed = self._streamed(setting.resident)
+        if not streamed:
+            return self._compute
+        reads = 0.0
+        if c.disk is not None:
+            _, entries, _ = cache_shape(c, streamed, min(setting.prefetch + 1, len(streamed)))
+            misses = max(0, len(streamed) - max(0, entries - 1))
+            reads = misses * min(c.unit_bytes[u] for u in streamed) / c.disk.bytes_per_ms
+        if not c.asynchronous:
+            return self._compute + copies
+        return max(self._compute, copies, reads)
+
+    def device(self, setting: Setting) -> int:
+        c = self._costs
+        return bound_bytes(c.unit_bytes, setting.resident, c.shared_bytes, setting.prefetch)
 
 
 def _count_search(costs: Costs, choices: Choices, budget_bytes: int | None,

@@ -71,7 +71,8 @@ from ..ordering import Event, for_device
 from .measure import PassMeter, PeriodWatch
 from .pipeline import DISK_STEADY, Costs, Setting, predict
 from .plan import StreamPlan
-from .planner import DEFAULT_PREFETCH, MAX_PREFETCH, MAX_READ_AHEAD, Choices, Plan, Reason, ms_text, plan
+from .planner import (DEFAULT_PREFETCH, Choices, Plan, Reason, ms_text, plan, prediction_work,
+                      search_work)
 
 log = logging.getLogger(__name__)
 
@@ -158,27 +159,26 @@ def default_setting(p: StreamPlan, auto: dict[str, bool], budget_bytes: int | No
                             read_ahead=None if auto["read_ahead"] or not disk_cap else read_ahead)
 
 
-# Candidate units a plan may weigh on the sampling thread (a few milliseconds of predictions);
-# a larger search (many units, from disk) runs on the tuner's planner thread.
-SYNC_PLAN_WORK = 4000
-
-
-def plan_work(costs: Costs, choices: Choices) -> int:
-    """About how many units the planner's predictions walk through for ``costs`` and ``choices``
-    (settings it weighs times units each prediction covers)."""
-    counts = 1 if choices.resident is not None else 2 * (len(set(costs.unit_blocks)) + 1)
-    prefetches = MAX_PREFETCH if choices.prefetch is None else 1
-    depths = MAX_READ_AHEAD if costs.disk is not None and choices.read_ahead is None else 1
-    return counts * prefetches * depths * costs.units
+# The CPU a plan may take (planner.py ``prediction_work``, microseconds): a search that fits this
+# is made on the sampling thread; a larger one (many units, from disk) runs on the tuner's planner
+# thread, and stops at the larger budget, or at a tenth of the step it plans for where that is
+# more (a model of many units streamed from disk, whose steps take seconds): a plan never costs
+# the run more than a tenth of one of its steps, spread over the steps it runs beside.
+SYNC_PLAN_US = 5_000
+PLAN_US = 50_000
+PLAN_SHARE = 0.1
 
 
 def _plans(costs: Costs, choices: Choices, budget: int | None, current: Setting, rejected: tuple[Setting, ...],
-           advice_budget: int | None, auto_start: Setting | None) -> tuple[Plan, Plan | None]:
+           advice_budget: int | None, auto_start: Setting | None, work_us: float) -> tuple[Plan, Plan | None]:
     """The plan, and with ``advice_budget`` what auto would choose within it: the plan a run with
     every setting left to auto makes, from the setting that run starts with (``auto_start``), so
-    the advice is never a setting auto itself would not apply."""
-    planned = plan(costs, choices, budget, current, rejected)
-    return planned, None if advice_budget is None else plan(costs, Choices(), advice_budget, auto_start)
+    the advice is never a setting auto itself would not apply. Both share ``work_us``."""
+    planned = plan(costs, choices, budget, current, rejected, work_us=work_us)
+    if advice_budget is None:
+        return planned, None
+    left = max(0.0, work_us - planned.weighed * prediction_work(costs))
+    return planned, plan(costs, Choices(), advice_budget, auto_start, work_us=left)
 
 
 def _short_of_memory(error: BaseException) -> bool:
@@ -336,6 +336,12 @@ class Tuner:
         self._meter.off()
         self._recording = False
 
+    def _thread(self) -> ThreadPoolExecutor:
+        """The planner's thread, made at the first plan too large for the sampling thread."""
+        if self._planner is None:
+            self._planner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-offload-planner")
+        return self._planner
+
     def close(self) -> None:
         """The streamer closes: a plan still being made is dropped, and the planner's thread ends."""
         self._pending = None
@@ -464,7 +470,7 @@ class Tuner:
 
     # ------------------------------------------------------------------ measure, plan, check
     def _plan_kind(self, kind: _Kind, period: float) -> None:
-        """Plan from ``kind.costs``: on the sampling thread where it is quick (``plan_work``), else
+        """Plan from ``kind.costs``: on the sampling thread where it is quick (``search_work``), else
         on the planner's thread while the passes go on, its plan taken at a later boundary."""
         current = self.current()
         kind.plans += 1
@@ -473,12 +479,15 @@ class Tuner:
             advice = next((b for b in (self.advice_budget, self.budget_bytes) if b is not None),
                           predict(kind.costs, current).device_bytes)
         job = (kind.costs, self.choices, self._budget(), current, tuple(kind.rejected), advice, self.auto_start)
-        if self._final or plan_work(kind.costs, self.choices if advice is None else Choices()) <= SYNC_PLAN_WORK:
-            self._planned(kind, period, *_plans(*job))
+        work = search_work(kind.costs, self.choices) + (search_work(kind.costs, Choices()) if advice else 0)
+        if work <= SYNC_PLAN_US:
+            self._planned(kind, period, *_plans(*job, SYNC_PLAN_US))
             return
-        if self._planner is None:
-            self._planner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-offload-planner")
-        self._pending = (kind, period, self._planner.submit(_plans, *job))
+        job = (*job, max(PLAN_US, PLAN_SHARE * period * 1000))
+        if self._final:  # the run's last pass: its plan is the next run's start, made on the thread
+            self._planned(kind, period, *self._thread().submit(_plans, *job).result())
+            return
+        self._pending = (kind, period, self._thread().submit(_plans, *job))
         self._phase = "planning"
 
     def _take_plan(self) -> None:
@@ -716,6 +725,9 @@ class Tuner:
         if costs is not None:
             now = predict(costs, current)
             out.update(bound=now.bound, device_bytes=now.device_bytes, hit_rate=now.hit_rate)
+        if kind.plan is not None:  # what the last plan's search weighed, and its CPU
+            out["plan_search"] = {"weighed": kind.plan.weighed, "considered": kind.plan.considered,
+                                  "cpu_ms": kind.plan.cpu_ms}
         if kind.advice is not None and self._fixed() and costs is not None:
             out.update(self._advice(kind, costs, current))
         return out

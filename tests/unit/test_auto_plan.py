@@ -220,10 +220,11 @@ def test_a_large_search_is_planned_off_the_sampling_thread(monkeypatch):
 
 
 def plan_work_over_limit(shape: Shape) -> bool:
-    from offload_core.layerwise.tuning import SYNC_PLAN_WORK, plan_work
+    from offload_core.layerwise.planner import search_work
+    from offload_core.layerwise.tuning import SYNC_PLAN_US
     costs = Costs(compute_ms=(1.0,) * len(shape.sizes), copy_ms=(2.0,) * len(shape.sizes), unit_bytes=shape.sizes,
                   unit_blocks=tuple(range(len(shape.sizes))), shared_bytes=0, outside_ms=0.6, asynchronous=True)
-    return plan_work(costs, Choices()) > SYNC_PLAN_WORK
+    return search_work(costs, Choices()) > SYNC_PLAN_US
 
 
 def test_no_advice_where_every_setting_that_counts_is_auto(monkeypatch):
