@@ -1,8 +1,8 @@
 # `make demo` and `make test` build what they need once and reuse it; `make gpu-kit` prepares
 # what a GPU machine without network needs copied (bench/gpu_session.sh, docs/gpu-session.md).
-# `make test` checks the registry archive (`make pack-check`), then runs two lanes: the whole
-# suite on ComfyUI 0.3.75 (.venv/, .comfyui/), then the tests that run ComfyUI (marker
-# comfy_tree) on ComfyUI 0.33.0 (.venv-033/, .comfyui-033/).
+# `make test` checks the registry archive (`make pack-check`), then runs three lanes: the whole
+# suite on ComfyUI 0.3.75 (.venv/, .comfyui/), the tests that run ComfyUI (marker comfy_tree) on
+# ComfyUI 0.33.0 (.venv-033/, .comfyui-033/), and the POSIX-removed lane (docs/platforms.md).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python

@@ -84,6 +84,8 @@ class Run:
     output: torch.Tensor
     tuning: dict | None = None
     figures: dict = field(default_factory=dict)
+    total: float = 0.0  # virtual ms of the whole run: the attach, every call, the tuning in it
+    totals: list[float] = field(default_factory=list)  # of each run, with ``runs``
 
     def steady(self, last: int = 2) -> float:
         """The mean period of the last ``last`` passes."""
@@ -93,14 +95,15 @@ class Run:
 def run(shape: Shape, clock: TimedStreamModel, stack: TimedStack, passes: int, *,
         setting: Setting | None = None, auto: bool = False, spill_dir: str | None = None,
         on_pass=None, advise: bool = False, inputs=None, host_ms_per_streamed_unit: float = 0.0,
-        budget: bool = False) -> Run:
+        budget: bool = False, runs: int = 1) -> Run:
     """``passes`` calls of ``stack`` under ``clock``: with a fixed ``setting``, or with every
     setting left to auto (the tuner hooked to the stack's calls). ``on_pass(k)`` runs before
     call ``k``; ``advise``: a fixed setting's calls are hooked too, for what auto would choose;
     ``inputs(k)``: call ``k``'s input (default 4 zeros); ``host_ms_per_streamed_unit``: a cost of
     every call that grows with the units streamed, which the pipeline model does not know of (the
     host's work per hooked block); ``budget``: a fixed setting's run has the shape's VRAM budget
-    too (what auto would choose is weighed within it)."""
+    too (what auto would choose is weighed within it); ``runs``: so many runs of ``passes`` calls
+    on the one engine (prompts on a loaded model), the figures of the last, ``totals`` of each."""
     disk = shape.disk("auto" if auto else None)
     if disk is not None and spill_dir is not None:
         disk = DiskOptions(cap_bytes=disk.cap_bytes, workers=disk.workers, read_ahead=disk.read_ahead,
@@ -115,22 +118,25 @@ def run(shape: Shape, clock: TimedStreamModel, stack: TimedStack, passes: int, *
             streamer.advise_within(shape.budget)
         streamer.use(setting)
     x = torch.zeros(4)
-    periods, ends = [], [clock.device_time()]
+    totals = []
     try:
-        streamer.attach(root=stack if auto or advise else None)
-        try:
-            with torch.no_grad():
-                for k in range(passes):
-                    if on_pass is not None:
-                        on_pass(k)
-                    clock.spend(host_ms_per_streamed_unit * len(streamer._plan.streamed_indices))
-                    out = stack(x if inputs is None else inputs(k))
-                    ends.append(clock.device_time())
-            periods = [b - a for a, b in zip(ends[1:], ends[2:])]
-            tuning = streamer.tuning()
-            figures = streamer.figures(wait=True)
-        finally:
-            streamer.detach()
+        for _ in range(runs):
+            periods, ends = [], [clock.device_time()]
+            streamer.attach(root=stack if auto or advise else None)
+            try:
+                with torch.no_grad():
+                    for k in range(passes):
+                        if on_pass is not None:
+                            on_pass(k)
+                        clock.spend(host_ms_per_streamed_unit * len(streamer._plan.streamed_indices))
+                        out = stack(x if inputs is None else inputs(k))
+                        ends.append(clock.device_time())
+                periods = [b - a for a, b in zip(ends[1:], ends[2:])]
+                tuning = streamer.tuning()
+                figures = streamer.figures(wait=True)
+            finally:
+                streamer.detach(keep_pack=runs > 1)
+            totals.append(ends[-1] - ends[0])
     finally:
         streamer.close()
-    return Run(periods, out, tuning, figures)
+    return Run(periods, out, tuning, figures, totals[-1], totals)

@@ -131,3 +131,26 @@ def test_auto_runs_bench_runs_every_row_and_keeps_the_output(tmp_path):
             assert s["same_output"] or row["row"]["lora"], (row["row"]["name"], name)
         assert row["auto_tuning"]["phase"] in ("hold", "check", "measure", "planning"), row["auto_tuning"]
     assert sum(result["verdicts"].values()) == len(result["rows"])
+
+
+def test_auto_matrix_bench_runs_its_rows_on_the_stream_model(tmp_path):
+    """bench/auto_matrix.py --smoke: each row runs auto, the old default and every fixed setting
+    on the stream model, every output is the one of every block resident, and each row has auto's
+    first and later runs against the old default and the best fixed setting, with a verdict."""
+    spec = importlib.util.spec_from_file_location("bench_auto_matrix", BENCH.with_name("auto_matrix.py"))
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    try:
+        spec.loader.exec_module(bench)
+        out = tmp_path / "auto_matrix.json"
+        result = bench.main(["--smoke", "--runs", "2", "--out", str(out)])
+    finally:
+        sys.modules.pop(spec.name, None)
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert [r["row"] for r in result["rows"]] == [row.name for row in bench.SMOKE]
+    for row in result["rows"]:
+        assert row["same_output"] and row["settings_weighed"] > 1, row
+        assert row["verdict"] in ("faster", "equal", "slower"), row
+        for key in ("first_vs_old_default", "later_vs_old_default", "first_vs_best_fixed", "later_vs_best_fixed"):
+            assert row[key] > 0, (key, row)
+    assert sum(result["verdicts"].values()) == len(result["rows"])

@@ -328,3 +328,25 @@ def test_words_of_the_build_are_found():
     assert build_words("Some sessions are lent a GPU for 15 device-minutes; call give_back.") == [
         "device-minutes", "give_back", "lent"]
     assert build_words("the session of a layerwise model; a CI-free page") == []
+
+
+NUMBER_WORDS = {"two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7, "eight": 8, "nine": 9,
+                "ten": 10}
+
+
+def test_counts_in_the_docs_are_what_they_count():
+    """A number a page gives of the pack's own things is theirs: the benchmarks docs/benchmarks.md
+    opens with are its sections, one per script in bench/; the lanes docs/tests.md names are the
+    rows of its table and the Makefile's test targets."""
+    page = read("docs/benchmarks.md")
+    sections = re.findall(r"^## `bench/([\w]+\.py)`", page, re.M)
+    assert all((ROOT / "bench" / name).is_file() for name in sections), sections
+    said = re.search(r"^(\w+) benchmarks\.", page, re.M)
+    assert said and NUMBER_WORDS[said.group(1).lower()] == len(sections), (said and said.group(0), sections)
+    tests_page = read("docs/tests.md")
+    lanes = re.findall(r"^\| `make (test-[\w.-]+)` \|", tests_page, re.M)
+    said = re.search(r"runs\s+(\w+) lanes", tests_page)
+    assert said and NUMBER_WORDS[said.group(1)] == len(lanes), (said and said.group(0), lanes)
+    makefile = read("Makefile")
+    assert all(f"$(MAKE) --no-print-directory {lane}" in makefile for lane in lanes), lanes
+    assert f"runs {said.group(1)} lanes" in makefile.replace("\n# ", " ")
