@@ -54,7 +54,7 @@ export function planHtml(lw, fmtBytes) {
     const words = calls ? tr("plan.checkCalls", { predicted, measured, first: num(calls[0]), last: num(calls[1]) })
       : tr("plan.check", { predicted, measured });
     rows.push(`<div class="to-muted" data-role="plan-check">${esc(words)}
-      <span data-role="plan-verdict">${esc(t.verdict ?? "")}</span></div>`);
+      <span data-role="plan-verdict">${esc(t.verdict_key ? tr(`plan.verdict.${t.verdict_key}`) : (t.verdict ?? ""))}</span></div>`);
   } else if (t.counted === "runs" && measured) {
     const words = fixed ? "plan.measuredFixed" : "plan.measuredRun";
     rows.push(`<div class="to-muted" data-role="plan-check">${esc(tr(words, { measured }))}</div>`);

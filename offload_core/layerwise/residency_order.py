@@ -32,7 +32,7 @@ from typing import Any
 from .measure import block_costs
 from .pipeline import Costs, Setting, predict
 from .planner import TIE, Choices, Plan, Reason, ms_text, plan, plural
-from .tuning import slower_than_before, verdict
+from .tuning import VERDICT_KEYS, slower_than_before, verdict
 
 CORE_PREFETCH = 1  # core's block prefetch fetches one block ahead
 
@@ -199,6 +199,7 @@ class OrderTuner:
             "predicted_ms": kind.predicted_ms,
             "measured_ms": kind.measured_ms,
             "verdict": kind.verdict,
+            "verdict_key": VERDICT_KEYS.get(kind.verdict),
             "reason": kind.reason.text if kind.reason else None,
             "reason_template": kind.reason.template if kind.reason else None,
             "reason_sizes": list(kind.reason.sizes) if kind.reason else None,

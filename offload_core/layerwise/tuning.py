@@ -713,6 +713,7 @@ class Tuner:
             "measured_ms": kind.measured_ms,
             "measured_passes": list(kind.measured_passes) if kind.measured_passes else None,
             "verdict": kind.verdict,
+            "verdict_key": VERDICT_KEYS.get(kind.verdict),
             "reason": in_force.text if in_force is not None else None,
             # the same words with {} for each size, and the sizes in bytes: the panel's own units
             "reason_template": in_force.template if in_force is not None else None,
@@ -753,6 +754,19 @@ def slower_than_before(costs: Costs, current: Setting, before: tuple[Setting, fl
     if now > predicted * (1 + CHECK_TOLERANCE):
         return predict(costs, before[0]).step_ms * (1 + CHECK_TOLERANCE) < now
     return period > before[1] * (1 + CHECK_TOLERANCE)
+
+
+# The verdicts a panel can put in its user's language (the rest, which name figures or errors, are
+# the engine's words): the words, and the key the report gives beside them.
+VERDICT_KEYS = {
+    "as predicted": "as_predicted",
+    "faster than predicted": "faster",
+    "slower than predicted": "slower",
+    "slower than predicted, and than the setting before: rolled back": "rolled_back",
+    "the model's passes do not run every block: the setting stays": "partial_passes",
+    "the planned setting measured no faster in this run: the setting stays": "no_faster",
+    "measuring": "measuring",
+}
 
 
 def verdict(predicted: float, measured: float) -> str:
