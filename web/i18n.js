@@ -225,6 +225,7 @@ export const ENGLISH = {
     openFailed: "Offload: the full view did not open",
     passStart: "pass start",
     ahead: "fetched ahead",
+    aheadSqueezed: "Drawn shorter than to scale: it took {ms} ms.",
     aheadNote: "Shaded, left of 0: {units} units were read and copied during the previous pass (the prefetch runs ahead), so the axis starts before this pass does.",
     startExplain: "(0 ms): compute asks for this pass's first streamed unit. Every time on the axis counts from here.",
     aheadExplain: "(shaded, left of 0): while the previous pass computed its last units, the prefetch was already reading and copying the first units of this one. They are drawn in this pass because this pass computes them; their reads and copies simply started earlier. A pass starts with prefetch + 1 units fetched: the one compute asks for first, and the prefetch after it.",

@@ -80,18 +80,30 @@ function rowsOf(tl, lw, spans) {
   return rows;
 }
 
+// The share of the width the fetch-ahead (left of 0) may take at most: the pass is what the
+// picture is about; a longer fetch-ahead is drawn compressed, its times still on hover.
+const LEAD_SHARE = 15;
+
 // The pass as drawn: the spans with known kinds and times; the axis from the earliest start (a
-// unit fetched ahead starts before 0) to the pass end; `pct(t)`, where t lies on it in %.
+// unit fetched ahead starts before 0) to the pass end; `pct(t)`, where t lies on it in %: to
+// scale, but for a fetch-ahead longer than LEAD_SHARE of it, which is squeezed into that share.
 // `lw`: the model's layerwise report (its resident units and its prefetch), where known.
 function figure(tl, lw) {
   const spans = tl.spans.filter((s) => KINDS.includes(s.kind) && Number.isFinite(s.start_ms) && Number.isFinite(s.end_ms));
   const t0 = Math.min(0, ...spans.map((s) => s.start_ms));
   const t1 = Math.max(num(tl.pass_ms), ...spans.map((s) => s.end_ms));
-  const pct = (t) => (t1 > t0 ? (100 * (t - t0)) / (t1 - t0) : 0);
+  const natural = t1 > t0 ? (100 * -t0) / (t1 - t0) : 0;
+  const lead = Math.min(natural, LEAD_SHARE);
+  const pct = (t) => {
+    if (t1 <= t0) return 0;
+    if (t < 0) return t0 < 0 ? (lead * (t - t0)) / -t0 : 0;
+    return t1 > 0 ? lead + ((100 - lead) * t) / t1 : lead;
+  };
   const ahead = new Set(spans.filter((s) => s.start_ms < 0).map((s) => s.unit));
   const phase = tl.units.some((u) => u.name && u.name !== "block");
   const prefetch = typeof lw?.settings?.prefetch === "number" ? lw.settings.prefetch : null;
-  return { spans, t0, t1, pct, ahead, phase, prefetch, zero: pct(0), rows: rowsOf(tl, lw, spans),
+  return { spans, t0, t1, pct, ahead, phase, prefetch, zero: pct(0), squeezed: natural > LEAD_SHARE,
+           rows: rowsOf(tl, lw, spans),
            disk: spans.some((s) => s.kind === "disk") };
 }
 
@@ -224,7 +236,8 @@ function chartHtml(fig, full) {
     `<span class="to-tl-start-mark${startRight ? " to-tl-start-mark-end" : ""}" data-role="tl-start-mark"
       style="${startRight ? `right:${(100 - fig.zero).toFixed(2)}%;max-width:${zero}%` : `left:${zero}%;max-width:${(100 - fig.zero).toFixed(2)}%`}">${esc(tr("timeline.passStart"))}</span>`,
   ];
-  const axis = ticks(fig.t0, fig.t1, full ? FULL.ticks : COMPACT.ticks);
+  // A squeezed fetch-ahead has no scale to mark: the ticks start at the pass.
+  const axis = ticks(fig.squeezed ? 0 : fig.t0, fig.t1, full ? FULL.ticks : COMPACT.ticks);
   const grid = axis.filter((t) => t !== 0).map((t) => `<i class="to-tl-grid" data-t="${t}" style="left:${fig.pct(t).toFixed(2)}%"></i>`);
   // A tick's number is centred on it, except near an end, where half of it would stick out.
   const edge = full ? FULL.edge : COMPACT.edge;
@@ -265,8 +278,11 @@ const legendHtml = (fig) => legend([
 // for next and `prefetch` more, so a pass starts with prefetch + 1 units fetched.
 function aheadNote(fig) {
   const units = fig.ahead.size;
-  if (fig.prefetch !== null && units === fig.prefetch + 1) return tr("timeline.aheadNotePrefetch", { units, prefetch: fig.prefetch });
-  return tr(units === 1 ? "timeline.aheadNoteOne" : "timeline.aheadNote", { units });
+  const squeezed = fig.squeezed ? ` ${tr("timeline.aheadSqueezed", { ms: ms(-fig.t0) })}` : "";
+  if (fig.prefetch !== null && units === fig.prefetch + 1) {
+    return tr("timeline.aheadNotePrefetch", { units, prefetch: fig.prefetch }) + squeezed;
+  }
+  return tr(units === 1 ? "timeline.aheadNoteOne" : "timeline.aheadNote", { units }) + squeezed;
 }
 
 // The time compute waited in the pass (for copies and for the disk, counted as the card's
