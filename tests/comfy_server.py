@@ -112,6 +112,16 @@ def _entry() -> list[str]:
                   "sys.argv[0] = 'main.py'; runpy.run_path('main.py', run_name='__main__')"]
 
 
+def _stop_with_parent() -> None:
+    """In the child before it runs ComfyUI: SIGTERM when the parent dies (Linux prctl
+    PR_SET_PDEATHSIG; elsewhere nothing: the caller's own handlers stop the server)."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 class PromptFailed(AssertionError):
     def __init__(self, entry: dict):
         self.entry = entry
@@ -122,12 +132,15 @@ class ComfyServer:
     def __init__(self, base: Path, *, extra_args: tuple[str, ...] = (), threads: int = 2,
                  port: int | None = None, extra_nodes: dict[str, Path] | None = None,
                  env: dict[str, str] | None = None, with_pack: bool = True,
-                 test_nodes: bool = True, dynamic_vram: bool = False) -> None:
+                 test_nodes: bool = True, dynamic_vram: bool = False, dies_with_caller: bool = False) -> None:
         # with_pack=False: the same ComfyUI without the pack, as the reference of the
         # differential test (the test-only nodes are still there). dynamic_vram=True: core's
         # default loading on this tree and device (see the module docstring).
         self.with_pack = with_pack
         self.dynamic_vram = dynamic_vram
+        # The server is stopped (SIGTERM) when the process that started it ends, however it ends
+        # (Linux: the parent-death signal), so that no ComfyUI outlives a demo killed outright.
+        self.dies_with_caller = dies_with_caller
         self.base = prepare_base(base, extra_nodes, with_pack=with_pack, test_nodes=test_nodes)
         self.env = env or {}
         self.port = port or free_port()
@@ -147,7 +160,8 @@ class ComfyServer:
                "--log-stdout", *self.cpu_args(), *self.classic_args(), *self.extra_args]
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, cwd=COMFY_ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=env, start_new_session=True)
+                                     env=env, start_new_session=True,
+                                     preexec_fn=_stop_with_parent if self.dies_with_caller else None)
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:

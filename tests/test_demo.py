@@ -1,13 +1,17 @@
 """`make demo` from end to end: a user's server (no test-only node), the demo workflow, and
 the way to open it in the UI. Its log must show no module that failed to import. The demo serves
 on the port it is given (a machine may already run ComfyUI on 8188), and refuses a port in use
-before anything starts."""
+before anything starts; its ComfyUI ends with it, however it ends."""
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
+
+import psutil
+import pytest
 
 from comfy_server import TEST_NODES_LINK_NAME, free_port
 
@@ -61,3 +65,41 @@ def test_make_demo_passes_demo_args_on():
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "tools/demo.py --port 8189 --exit" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("how", ["demo terminated", "demo killed", "ComfyUI died"])
+def test_the_demo_and_its_comfyui_end_together(tmp_path_factory, how):
+    """A demo stopped (SIGTERM, as a closed terminal's SIGHUP does) or killed outright (SIGKILL)
+    leaves no ComfyUI serving; a ComfyUI that dies ends the demo, which says so and where its log
+    is, instead of exiting in silence."""
+    base = tmp_path_factory.getbasetemp() / "demo-ends"  # the models are written once for all three
+    port = free_port()
+    demo = subprocess.Popen([sys.executable, "-u", str(REPO / "tools" / "demo.py"), "--port", str(port),
+                             "--base", str(base)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in demo.stdout:
+            lines.append(line)
+            if "serving until Ctrl-C" in line:
+                break
+        assert demo.poll() is None, "".join(lines)[-3000:]
+        [comfy] = psutil.Process(demo.pid).children()
+        if how == "demo terminated":
+            demo.send_signal(signal.SIGTERM)
+        elif how == "demo killed":
+            demo.kill()
+        else:
+            comfy.kill()
+        rest = demo.stdout.read()
+        code = demo.wait(timeout=60)
+        psutil.wait_procs([comfy], timeout=30)
+        assert not comfy.is_running() or comfy.status() == psutil.STATUS_ZOMBIE, how
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            assert probe.connect_ex(("127.0.0.1", port)) != 0, "ComfyUI still serves on the demo's port"
+        if how == "ComfyUI died":
+            assert code == 1 and "ComfyUI stopped on its own" in rest and "comfy-" in rest, rest
+        elif how == "demo terminated":
+            assert code == 0 and "stopping ComfyUI" in rest, rest
+    finally:
+        if demo.poll() is None:
+            demo.kill()

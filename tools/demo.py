@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import signal
 import socket
 import sys
 import time
@@ -75,6 +76,10 @@ def port_in_use(port: int) -> bool:
     return False
 
 
+def _stop_demo(signum: int, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--exit", action="store_true", default=os.environ.get("DEMO_EXIT") == "1",
@@ -96,7 +101,11 @@ def main() -> int:
     for path in example_workflows.write_models(base):
         print(f"demo model written: {path} ({path.stat().st_size / MiB:.1f} MiB)")
 
-    server = ComfyServer(base, port=args.port, test_nodes=False)
+    server = ComfyServer(base, port=args.port, test_nodes=False, dies_with_caller=True)
+    # A terminal closed (SIGHUP) or a kill (SIGTERM) ends the demo as Ctrl-C does: the server stops
+    # with it (and a kill -9 of the demo stops the server too: dies_with_caller).
+    for stop in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(stop, _stop_demo)
     print(f"starting ComfyUI on {server.url} (log: {server.log_path})")
     server.start()
     try:
@@ -129,10 +138,14 @@ def main() -> int:
         print("serving until Ctrl-C")
         while server.alive():
             time.sleep(1)
+        code = server.proc.returncode if server.proc is not None else None
+        print(f"ComfyUI stopped on its own (exit code {code}); the end of its log, "
+              f"{server.log_path}:\n{server.log_tail(20)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 0
     finally:
+        print("stopping ComfyUI")
         server.stop()
 
 
