@@ -109,7 +109,7 @@ PAGES = {"other site": "http://evil.test:{port}/attack",
 def _state(comfy, key: str) -> dict:
     tiers = comfy.get("/offload/tiers")
     model = next(m for m in tiers["models"] if m["id"] == key)
-    return {"budget": tiers["budgets"]["ram_budget_bytes"], "pinned": model["policy"]["pinned"],
+    return {"budget": tiers["budgets"]["ram_budget_bytes"], "pinned": model["policy"]["keep_in_ram"],
             "priority": model["policy"]["priority"], "tier": model["tier"],
             "loaded": sorted(card["id"] for card in tiers["loaded"] if card["tier_id"] is None)}
 

@@ -437,7 +437,7 @@ def test_layerwise_block_strip(comfy, ui):
 
 def test_park_updates_from_websocket(comfy, ui):
     model = wait_server(comfy, lambda m: m["in_use"] == 0, what="model idle")
-    if model["policy"]["pinned"]:   # left pinned by another test module: parking would be refused
+    if model["policy"]["keep_in_ram"]:   # left pinned by another test module: parking would be refused
         comfy.post(f"/api/offload/models/{model['id']}/unpin")
     top = comfy.loaded_tier()
     if model["tier"] != top:
@@ -542,8 +542,8 @@ def test_keep_in_ram_and_priority_from_the_panel(comfy, ui):
     row = ui.row(model["id"])
     gets = ui.tier_gets()
     keep = row.locator('input[data-policy="keep_in_ram"]')
-    keep.set_checked(not model["policy"]["pinned"])
-    wait_server(comfy, lambda m: m["policy"]["pinned"] != model["policy"]["pinned"], what="keep in RAM")
+    keep.set_checked(not model["policy"]["keep_in_ram"])
+    wait_server(comfy, lambda m: m["policy"]["keep_in_ram"] != model["policy"]["keep_in_ram"], what="keep in RAM")
     prio = ui.row(model["id"]).locator('input[data-policy="priority"]')
     prio.fill("7")
     prio.press("Tab")

@@ -269,7 +269,7 @@ def test_pin_and_unpin_reach_other_panels_by_websocket(shared):
 
     def pinned_is(value):
         return lambda m: m["type"] == TIERS_EVENT and any(
-            x["id"] == key and x["policy"]["pinned"] is value for x in m["data"]["models"])
+            x["id"] == key and x["policy"]["keep_in_ram"] is value for x in m["data"]["models"])
 
     with WsListener(s.url) as ws:
         assert s.request("POST", f"/offload/models/{key}/pin")[0] == 200

@@ -155,7 +155,7 @@ def test_an_unpin_while_a_prompt_runs_drops_nothing_until_the_prompt_ends(tier_s
                 status, reply = s.request("POST", f"/offload/models/{sd3}/unpin")
             else:
                 status, reply = s.request("POST", f"/offload/policy/{sd3}", {"keep_in_ram": False})
-            assert status == 200 and reply["model"]["policy"]["pinned"] is False, (how, status, reply)
+            assert status == 200 and reply["model"]["policy"]["keep_in_ram"] is False, (how, status, reply)
             assert model(s, SD3)["tier"] != "disk", "dropped through core's unload while a prompt runs"
             for path, body in ((f"/offload/models/{unknown}/park", None), (f"/offload/models/{unknown}/unpin", None),
                                (f"/offload/policy/{unknown}", {"priority": 1}),
@@ -180,10 +180,10 @@ def test_rest_actions_move_models_and_bad_requests_get_clear_4xx(tier_server):
         assert status == 200 and body["model"]["tier"] == tier, (action, status, body)
     status, body = s.request("POST", f"/offload/policy/{key}", {"priority": 0})
     assert status == 200 and body["model"]["tier"] == top, body  # every answer names the tier alike
-    assert s.request("POST", f"/offload/models/{key}/pin")[1]["model"]["policy"]["pinned"]
+    assert s.request("POST", f"/offload/models/{key}/pin")[1]["model"]["policy"]["keep_in_ram"]
     status, body = s.request("POST", f"/offload/models/{key}/evict")
     assert status == 409 and "pinned" in body["error"].lower(), body
-    assert not s.request("POST", f"/offload/models/{key}/unpin")[1]["model"]["policy"]["pinned"]
+    assert not s.request("POST", f"/offload/models/{key}/unpin")[1]["model"]["policy"]["keep_in_ram"]
 
     cases = [
         ("POST", "/offload/models/0123456789abcdef/park", None, None, 404, "no model"),
@@ -215,7 +215,7 @@ def test_tier_manager_node_sets_budgets_and_policy_from_the_api_queue(tier_serve
     assert latent_sha(s.run(wf)) == baseline
     budgets = s.get("/offload/tiers")["budgets"]
     assert budgets["ram_budget_bytes"] == 3 * GIB and budgets["ram_reserve_bytes"] == GIB
-    assert model(s, WAN)["policy"] == {"pinned": True, "priority": 7}
+    assert model(s, WAN)["policy"] == {"keep_in_ram": True, "priority": 7}
 
     untracked = sample_workflow("wan21")
     untracked["tm"] = dict(wf["tm"])

@@ -351,6 +351,7 @@ export const ENGLISH = {
     evict: {
       label: "Evict",
       title: "Drop to disk (free its RAM)",
+      titleKept: "Kept in RAM: turn Keep in RAM off to evict it to disk",
     },
     unload: {
       label: "Unload",

@@ -20,11 +20,14 @@ function badgeHtml(tier, cpu) {
   const [cls, text, title] = tierBadge(tier, cpu);
   return `<span class="to-badge to-badge-${cls}" data-role="tier" title="${esc(tr(title))}">${text}</span>`;
 }
-// `cpuTitle`: the button's title where the device is the CPU (no VRAM to load into or drop).
+// `cpuTitle`: the button's title where the device is the CPU (no VRAM to load into or drop);
+// `keptTitle`: where the model is kept in RAM.
 const TIER_ACTIONS = [
   { action: "load", icon: "pi-upload", off: (m) => m.tier === "vram" || m.tier === "cpu", cpuTitle: "actions.load.titleCpu" },
   { action: "park", icon: "pi-download", off: (m) => m.tier === "ram", cpuTitle: "actions.park.titleCpu" },
-  { action: "evict", icon: "pi-trash", off: (m) => m.tier === "disk" },
+  // A model kept in RAM is never evicted to disk: Keep in RAM off first (its title says so).
+  { action: "evict", icon: "pi-trash", off: (m) => m.tier === "disk" || !!m.policy?.keep_in_ram,
+    keptTitle: "actions.evict.titleKept" },
 ];
 const BLOCK_STATES = ["resident", "streamed", "in_flight", "cached", "disk"];
 const CORE_STATES = ["resident", "partial", "streamed"];
@@ -448,7 +451,8 @@ function managedHtml(m, parts, ctx) {
     users > 0 ? `<span class="to-pill to-pill-busy" title="${esc(tr("card.inUseTitle", { n: users }))}">${esc(tr("card.inUse"))}${users > 1 ? ` ×${users}` : ""}</span>` : "",
   ].join("");
   const buttons = TIER_ACTIONS.map((a) => button(a.action, a.icon,
-    { disabled: !!busy || a.off(m), busy: busy === a.action, title: cpu && a.cpuTitle }));
+    { disabled: !!busy || a.off(m), busy: busy === a.action,
+      title: (m.policy?.keep_in_ram && a.keptTitle) || (cpu && a.cpuTitle) }));
   const loads = { n: num(m.load_count), disk: num(m.loads_from_disk), ram: num(m.loads_from_ram) };
   return `<div class="to-model" data-model-id="${esc(m.id)}" data-tier="${tier}" data-card="managed">
     <div class="to-model-head">
@@ -465,7 +469,7 @@ function managedHtml(m, parts, ctx) {
     </div>
     <div class="to-policy" data-role="policy">
       <label title="${esc(tr("card.keepInRamTitle"))}">
-        <input type="checkbox" data-policy="keep_in_ram" data-key="keep-${esc(m.id)}"${pol.pinned ? " checked" : ""}${busy ? " disabled" : ""}> ${esc(tr("card.keepInRam"))}</label>
+        <input type="checkbox" data-policy="keep_in_ram" data-key="keep-${esc(m.id)}"${pol.keep_in_ram ? " checked" : ""}${busy ? " disabled" : ""}> ${esc(tr("card.keepInRam"))}</label>
       <label title="${esc(tr("card.priorityTitle"))}">${esc(tr("card.priority"))}
         <input type="number" min="-100" max="100" step="1" value="${num(pol.priority)}" data-policy="priority" data-key="prio-${esc(m.id)}"${busy ? " disabled" : ""}></label>
     </div>

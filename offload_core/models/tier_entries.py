@@ -95,7 +95,7 @@ class Entry:
             "last_used": self.last_used, "load_count": self.load_count,
             "loads_from_disk": self.loads_from_disk, "loads_from_ram": self.loads_from_ram,
             "in_use": self.in_use, "moving": None if self.moving is None else dict(self.moving),
-            "policy": {"pinned": self.policy.pinned, "priority": self.policy.priority},
+            "policy": {"keep_in_ram": self.policy.pinned, "priority": self.policy.priority},
         }
 
 

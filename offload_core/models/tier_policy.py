@@ -36,15 +36,15 @@ class TierPolicies:
         if not entry.policy.pinned:
             entry.policy.pinned = True
             self._registry.events.announce("policy", entry, reason="pin")
-            logger.info("tier manager: '%s' (%s) is pinned: it stays where it is, never parked or evicted",
-                        entry.name, entry.id)
+            logger.info("tier manager: '%s' (%s) is kept in RAM: it is never evicted to disk (it may still "
+                        "be parked from VRAM into RAM)", entry.name, entry.id)
 
     def unpin(self, entry: Entry, *, drop: bool) -> None:
         """Unpin; with ``drop``, idle models over the RAM budget go at once."""
         if entry.policy.pinned:
             entry.policy.pinned = False
             self._registry.events.announce("policy", entry, reason="unpin")
-            logger.info("tier manager: '%s' (%s) is unpinned: it may be parked or evicted again",
+            logger.info("tier manager: '%s' (%s) is no longer kept in RAM: it may be evicted to disk again",
                         entry.name, entry.id)
         if drop:
             self._room.drop_over_budget(0, None, strict=False)

@@ -193,7 +193,7 @@ class TierManager:
             _refuse_in_use(entry, "evict")
             if entry.policy.pinned:
                 raise ModelPinnedError(
-                    f"'{entry.name}' ({key}) is pinned; unpin it before evicting")
+                    f"'{entry.name}' is kept in RAM; turn Keep in RAM off to evict it to disk")
             self._moves.drop_fully(entry, "evict")
             return entry
 

@@ -583,7 +583,7 @@ def test_snapshot_is_json_and_has_the_documented_shape(rig):
                        "policy"}
     assert (m0["tier"], m0["bytes"], m0["total_bytes"]) == ("vram", {"vram": a.size, "ram": a.size},
                                                            a.size)
-    assert (m1["tier"], m1["in_use"], m1["policy"]) == ("ram", 1, {"pinned": False, "priority": 0})
+    assert (m1["tier"], m1["in_use"], m1["policy"]) == ("ram", 1, {"keep_in_ram": False, "priority": 0})
     manager.release("m1")
 
 
