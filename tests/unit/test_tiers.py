@@ -246,7 +246,7 @@ def test_priority_and_pinned_policy_under_ram_pressure(rig):
     manager.pin("m0")  # still least recently used, but pinned: m2 goes instead
     manager.park("m3")
     assert [manager.get(k).tier for k in ("m0", "m2", "m3")] == [Tier.RAM, Tier.DISK, Tier.RAM]
-    with pytest.raises(ModelPinnedError, match="unpin"):
+    with pytest.raises(ModelPinnedError, match="turn Keep in RAM off"):
         manager.evict("m0")
 
     with manager.using("m3"):
