@@ -182,7 +182,7 @@ def test_rest_actions_move_models_and_bad_requests_get_clear_4xx(tier_server):
     assert status == 200 and body["model"]["tier"] == top, body  # every answer names the tier alike
     assert s.request("POST", f"/offload/models/{key}/pin")[1]["model"]["policy"]["keep_in_ram"]
     status, body = s.request("POST", f"/offload/models/{key}/evict")
-    assert status == 409 and "pinned" in body["error"].lower(), body
+    assert status == 409 and "kept in ram" in body["error"].lower(), body
     assert not s.request("POST", f"/offload/models/{key}/unpin")[1]["model"]["policy"]["keep_in_ram"]
 
     cases = [
