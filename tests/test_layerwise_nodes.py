@@ -251,10 +251,11 @@ def _numeric_case(node: str, field: str, value, linked: bool) -> dict:
     ("ApplyLayerwiseOffload", "prefetch", 1_000_000, True, ("prefetch must be a whole number from 0 to 16",)),
     ("ApplyLayerwiseOffload", "resident_blocks", -5, True, ("resident_blocks must be a whole number from -1",)),
     ("ApplyLayerwiseOffload", "disk_workers", -1, True, ("disk_workers must be a whole number from 0 to 16",)),
-    ("VRAMTierManager", "ram_budget_gb", 1e-300, False, ("less than one byte", "0 or null (no cap)")),
+    ("VRAMTierManager", "ram_budget_gb", 1e-300, False, ("less than 1.0 MiB", "0 or null (no cap)")),
+    ("VRAMTierManager", "ram_budget_gb", 0.0000001, False, ("less than 1.0 MiB", "(1.0 MiB)")),
     ("VRAMTierManager", "ram_budget_gb", NAN, False, ("not NaN",)),
     ("VRAMTierManager", "ram_reserve_gb", NAN, True, ("not NaN", "0 (no reserve)")),
-    ("VRAMTierManager", "vram_reserve_gb", 5e-324, False, ("less than one byte",)),
+    ("VRAMTierManager", "vram_reserve_gb", 5e-324, False, ("less than 1.0 MiB",)),
     ("VRAMTierManager", "priority", 1000, True, ("priority must be a whole number from -100 to 100",)),
 ])
 def test_numeric_inputs_refuse_nan_infinities_and_sub_byte_values(comfy, node, field, value, linked, fragments):

@@ -109,8 +109,8 @@ def budget_cases() -> list[tuple[bytes, str, int, tuple[str, ...]]]:
             cases.append((f'{{"{field}": {literal}}}'.encode(), json_type, 400, ("NaN",)))
         for literal in ("1e300", "1e400", "-1e400", huge, "-" + huge, "-1", "4097", "-0.5"):
             cases.append((f'{{"{field}": {literal}}}'.encode(), json_type, 400, (field,)))
-        for literal in ("5e-324", "1e-300", "9e-11"):  # more than 0 but less than one byte
-            cases.append((f'{{"{field}": {literal}}}'.encode(), json_type, 400, (field, "one byte")))
+        for literal in ("5e-324", "1e-300", "9e-11", "0.0000001"):  # more than 0 but less than a MiB
+            cases.append((f'{{"{field}": {literal}}}'.encode(), json_type, 400, (field, "1.0 MiB")))
         for literal in ('"2"', "[1]", '{"gb": 1}', "true"):
             cases.append((f'{{"{field}": {literal}}}'.encode(), json_type, 400, (field,)))
         cases.append((f'{{"{field}": {too_many_digits}}}'.encode(), json_type, 400, ("JSON",)))

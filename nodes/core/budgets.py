@@ -1,8 +1,8 @@
 """What a number a user gives the pack means, for every node input and REST field alike.
 
 GiB fields (1 GiB = 1024³ bytes): a finite number from 0 to the field's maximum, where 0 has the
-field's own meaning (no cap, auto, no disk) and any other value is at least one byte, so a tiny
-number never becomes a silent 0-byte cap. Counts: whole numbers in the field's range. NaN, the
+field's own meaning (no cap, auto, no disk) and any other value is at least one byte (the tier
+manager's budgets and reserves: a MiB), so a tiny number never becomes a silent 0-byte cap. Counts: whole numbers in the field's range. NaN, the
 infinities, booleans and strings are refused, with a message that names the field and its range.
 The tier manager's budgets (`ram_budget_gb` 0 or null: no cap) mean the same through the VRAM Tier
 Manager node and `POST /offload/budgets`, and a reserve is at most what the machine has (RAM, or
@@ -20,6 +20,9 @@ from ...offload_core.units import size_text
 
 GIB = 1024 ** 3
 ONE_BYTE_GIB = 1 / GIB
+# The tier manager's budgets and reserves are RAM and VRAM for whole models: a number under a MiB
+# is a slip of the keyboard (0.0000001 GiB is 107 bytes), refused rather than saved.
+TIER_SMALLEST = 1024 ** 2
 MAX_GIB = MAX_BUDGET_BYTES // GIB
 FIELDS = {"ram_budget_gb": "ram_budget_bytes", "ram_reserve_gb": "ram_reserve_bytes",
           "vram_reserve_gb": "vram_reserve_bytes"}
@@ -34,14 +37,16 @@ def shorten(text: str, limit: int = 48) -> str:
     return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
 
 
-def gib_range(zero_means: str, maximum: float) -> str:
-    return f"{zero_means}, or from {ONE_BYTE_GIB:.2g} GiB (one byte) to {maximum:g} GiB"
+def gib_range(zero_means: str, maximum: float, smallest: int = 1) -> str:
+    if smallest == 1:
+        return f"{zero_means}, or from {ONE_BYTE_GIB:.2g} GiB (one byte) to {maximum:g} GiB"
+    return f"{zero_means}, or from {smallest / GIB:.2g} GiB ({size_text(smallest)}) to {maximum:g} GiB"
 
 
-def gib_bytes(field: str, value: Any, *, maximum: float, zero_means: str) -> int:
+def gib_bytes(field: str, value: Any, *, maximum: float, zero_means: str, smallest: int = 1) -> int:
     """Bytes for a GiB field (0 for 0); ValueError naming the field and its range for anything
-    that is not a finite number in it, and for a positive value under one byte."""
-    allowed = gib_range(zero_means, maximum)
+    that is not a finite number in it, and for a positive value under ``smallest`` bytes."""
+    allowed = gib_range(zero_means, maximum, smallest)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{field} must be a number of GiB: {allowed}")
     if isinstance(value, float) and not math.isfinite(value):
@@ -49,8 +54,8 @@ def gib_bytes(field: str, value: Any, *, maximum: float, zero_means: str) -> int
     if not 0 <= value <= maximum:
         raise ValueError(f"{field} is out of range: {allowed}")
     nbytes = int(value * GIB)
-    if value > 0 and nbytes < 1:
-        raise ValueError(f"{field} is less than one byte: {allowed}")
+    if value > 0 and nbytes < smallest:
+        raise ValueError(f"{field} is less than {'one byte' if smallest == 1 else size_text(smallest)}: {allowed}")
     return nbytes
 
 
@@ -68,8 +73,8 @@ def gib_to_bytes(field: str, value: Any) -> int | None:
     if no_cap and value is None:
         return None
     if value is None:
-        raise ValueError(f"{field} must be a number of GiB: {gib_range(ZERO_MEANS[field], MAX_GIB)}")
-    nbytes = gib_bytes(field, value, maximum=MAX_GIB, zero_means=ZERO_MEANS[field])
+        raise ValueError(f"{field} must be a number of GiB: {gib_range(ZERO_MEANS[field], MAX_GIB, TIER_SMALLEST)}")
+    nbytes = gib_bytes(field, value, maximum=MAX_GIB, zero_means=ZERO_MEANS[field], smallest=TIER_SMALLEST)
     if no_cap and nbytes == 0:
         return None
     machine = {"ram_reserve_gb": ("this machine's RAM", ram_total_bytes),
