@@ -453,7 +453,8 @@ function managedHtml(m, parts, ctx) {
   const buttons = TIER_ACTIONS.map((a) => button(a.action, a.icon,
     { disabled: !!busy || a.off(m), busy: busy === a.action,
       title: (m.policy?.keep_in_ram && a.keptTitle) || (cpu && a.cpuTitle) }));
-  const loads = { n: num(m.load_count), disk: num(m.loads_from_disk), ram: num(m.loads_from_ram) };
+  const loads = { n: num(m.load_count), disk: num(m.loads_from_disk), ram: num(m.loads_from_ram),
+    loaded: num(m.loads_already_loaded) };
   return `<div class="to-model" data-model-id="${esc(m.id)}" data-tier="${tier}" data-card="managed">
     <div class="to-model-head">
       ${badgeHtml(tier, cpu)}

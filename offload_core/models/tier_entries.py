@@ -94,6 +94,8 @@ class Entry:
             "bytes": dict(self.bytes_by_tier), "total_bytes": self.total_bytes,
             "last_used": self.last_used, "load_count": self.load_count,
             "loads_from_disk": self.loads_from_disk, "loads_from_ram": self.loads_from_ram,
+            # the rest of the requests found it loaded already: the three parts make the count
+            "loads_already_loaded": max(0, self.load_count - self.loads_from_disk - self.loads_from_ram),
             "in_use": self.in_use, "moving": None if self.moving is None else dict(self.moving),
             "policy": {"keep_in_ram": self.policy.pinned, "priority": self.policy.priority},
         }

@@ -172,6 +172,11 @@ def test_switching_back_comes_from_ram_bit_identical(rig):
     assert (entry.loads_from_disk, entry.loads_from_ram, entry.load_count) == (1, 1, 2)
     assert a.disk_reads == 1
     assert torch.equal(first, again)
+    with manager.using("m0", to=Tier.VRAM):  # found loaded: the third part of the count
+        pass
+    counts = next(m for m in manager.snapshot()["models"] if m["id"] == "m0")
+    assert (counts["load_count"], counts["loads_from_disk"], counts["loads_from_ram"],
+            counts["loads_already_loaded"]) == (3, 1, 1, 1)
     assert manager.get("m1").tier is Tier.RAM
     _consistent(manager, [a, b])
 
@@ -579,8 +584,8 @@ def test_snapshot_is_json_and_has_the_documented_shape(rig):
     assert snap["ram"]["budget"] <= manager.budgets()["ram_budget_bytes"]
     m0, m1 = snap["models"]
     assert set(m0) == {"id", "name", "kind", "tier", "bytes", "total_bytes", "last_used",
-                       "load_count", "loads_from_disk", "loads_from_ram", "in_use", "moving",
-                       "policy"}
+                       "load_count", "loads_from_disk", "loads_from_ram", "loads_already_loaded", "in_use",
+                       "moving", "policy"}
     assert (m0["tier"], m0["bytes"], m0["total_bytes"]) == ("vram", {"vram": a.size, "ram": a.size},
                                                            a.size)
     assert (m1["tier"], m1["in_use"], m1["policy"]) == ("ram", 1, {"keep_in_ram": False, "priority": 0})
