@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .raw_io import align_up
 from .released import released, stand_in_note
 from .subclass import (
     PLAIN_TYPES,
@@ -118,10 +119,6 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
         strides.append(acc)
         acc *= max(size, 1)
     return tuple(reversed(strides))
-
-
-def _align_up(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
 
 
 def empty_at_phase(nbytes: int, phase: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -224,7 +221,7 @@ class BlockLayout:
             dense = _is_dense(t)
             phase = t.data_ptr() % PHASE if note is None else note.phase
             phase -= phase % t.element_size()  # a typed view must start on its element size
-            offset = _align_up(offset, ALIGN) + (phase if keep_address_phase else 0)
+            offset = align_up(offset, ALIGN) + (phase if keep_address_phase else 0)
             nbytes = t.numel() * t.element_size()
             self.entries.append(
                 PackedTensor(
@@ -243,7 +240,7 @@ class BlockLayout:
                 )
             )
             offset += nbytes
-        self.nbytes = _align_up(offset, ALIGN)
+        self.nbytes = align_up(offset, ALIGN)
         for u in self.units:
             u.entries = tuple(new_pos[i] for i in u.entries)
             u.held = all(self.entries[i].dense for i in u.entries)

@@ -40,6 +40,7 @@ import torch
 
 from ..ordering import HostRegistrar, Ordering, for_device, host_registrar
 from ..units import size_text
+from .raw_io import align_up
 
 log = logging.getLogger(__name__)
 
@@ -135,10 +136,6 @@ def _tell() -> None:
         except Exception:
             log.exception("the pinned-memory report hook failed")
             return
-
-
-def _align_up(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
 
 
 def _cgroup_available() -> int | None:
@@ -331,7 +328,7 @@ class HostStorage:
         self._where: list[tuple[int, int]] = []  # item -> (chunk index, offset)
         for i, size in enumerate(sizes):
             cur = self._chunks[-1] if self._chunks else None
-            start = _align_up(cur.nbytes, ALIGN) if cur else 0
+            start = align_up(cur.nbytes, ALIGN) if cur else 0
             if cur is None or (cur.items and start + size > chunk_bytes):
                 cur = _Chunk(items=[], nbytes=0)
                 self._chunks.append(cur)
@@ -358,7 +355,7 @@ class HostStorage:
     @property
     def chunk_spans(self) -> list[int]:
         """Each chunk's bytes rounded up to a page: what it maps."""
-        return [_align_up(c.nbytes, PAGE) for c in self._chunks]
+        return [align_up(c.nbytes, PAGE) for c in self._chunks]
 
     @property
     def total_bytes(self) -> int:
@@ -402,7 +399,7 @@ class HostStorage:
 
     def _allocate(self, ci: int, chunk: _Chunk) -> None:
         n = chunk.nbytes
-        span = _align_up(n, PAGE)
+        span = align_up(n, PAGE)
         backing = self._backing
         headroom = available_ram_bytes() - self._reserve
         if span > headroom and backing is None:

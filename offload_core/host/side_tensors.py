@@ -24,14 +24,11 @@ import torch
 from ..ordering import for_device
 from .pinned import HostStorage
 from .plain_writes import plain_writes
+from .raw_io import align_up
 
 log = logging.getLogger(__name__)
 
 ALIGN = 256
-
-
-def _align_up(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
 
 
 class SideTensors:
@@ -47,7 +44,7 @@ class SideTensors:
             for t in tensors:
                 nbytes = t.numel() * t.element_size()
                 layout.append((offset, nbytes, t.dtype, t.shape))
-                offset = _align_up(offset + nbytes, ALIGN)
+                offset = align_up(offset + nbytes, ALIGN)
             self._layout.append(layout)
             sizes.append(offset)
         self._sizes = sizes
