@@ -39,9 +39,8 @@ from typing import Any
 import torch
 
 from ..ordering import Event, Stream, for_device, host_clock
+from .bounds import bound_by
 
-# Waits below this share of the pass's compute time leave a run bound by compute.
-_WAIT_SHARE_BOUND = 0.1
 
 Mark = Event  # timing enabled
 
@@ -267,10 +266,7 @@ def verdict(spans: Sequence[dict]) -> dict[str, Any]:
     # Copies that ran on the sampling thread (a CPU, which has no link to wait on) were not
     # hidden: compute waited for each.
     blocking = any(s["kind"] == "copy" and s.get("blocking") for s in spans)
-    if link_wait + disk_wait < _WAIT_SHARE_BOUND * compute:
-        bound = "compute_between_copies" if blocking else "compute"
-    else:
-        bound = "disk" if disk_wait > link_wait else "copies" if blocking else "link"
+    bound = bound_by(compute, link_wait, disk_wait, blocking=blocking)
     return {"totals": {"compute_ms": compute, "copy_busy_ms": copy_busy, "disk_busy_ms": disk_busy,
                        "link_wait_ms": link_wait, "disk_wait_ms": disk_wait},
             "bound_by": bound}

@@ -35,6 +35,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
+from ..device.bounds import bound_by
 from ..device.residency import bound_bytes, slot_count
 from ..disk.host_cache import pick_victim, protected_units, read_ahead
 from ..disk.store import PAGE, align_up
@@ -45,9 +46,6 @@ STEADY = 2  # a steady state may alternate between two passes: their mean is the
 # From disk the cache's state may repeat only every few passes: more passes, and the mean of more.
 DISK_PASSES = 10
 DISK_STEADY = 4
-# Compute stalls below this share of the pass's compute leave a pass bound by compute (the
-# timeline's verdict uses the same share).
-STALL_SHARE_BOUND = 0.1
 
 
 @dataclass(frozen=True)
@@ -113,13 +111,13 @@ class Prediction:
     read_bytes: float = 0
     hits: float = 0  # cache hits per pass
     requests: int = 0
+    blocking: bool = False  # the copies run on the sampling thread (the plain host)
 
     @property
     def bound(self) -> str:
-        """What bounds the pass: 'compute' when it hardly waits, else 'disk' or 'link'."""
-        if self.stall_ms < STALL_SHARE_BOUND * self.compute_ms:
-            return "compute"
-        return "disk" if self.disk_stall_ms * 2 > self.stall_ms else "link"
+        """What bounds the pass, by the picture's own rule (device/bounds.py)."""
+        return bound_by(self.compute_ms, self.stall_ms - self.disk_stall_ms, self.disk_stall_ms,
+                        blocking=self.blocking)
 
     @property
     def hit_rate(self) -> float | None:
@@ -150,7 +148,7 @@ def predict(costs: Costs, setting: Setting) -> Prediction:
         return Prediction(*(sum(getattr(p, f) for p in each) / n for f in _MEAN_FIELDS[:5]),
                           max(p.device_bytes for p in each),
                           *(sum(getattr(p, f) for p in each) / n for f in _MEAN_FIELDS[5:]),
-                          requests=max(p.requests for p in each))
+                          requests=max(p.requests for p in each), blocking=each[0].blocking)
     return _predict_one(costs, setting)
 
 
@@ -169,7 +167,7 @@ def _predict_one(costs: Costs, setting: Setting) -> Prediction:
         return _DiskPass(costs, streamed, nslots, setting.read_ahead, device).run()
     copy_busy = sum(costs.copy_ms[u] for u in streamed)
     if not costs.asynchronous:  # every copy on the sampling thread, between units
-        return Prediction(compute + copy_busy, compute, copy_busy, 0.0, copy_busy, device)
+        return Prediction(compute + copy_busy, compute, copy_busy, 0.0, copy_busy, device, blocking=True)
     step, stall = _ram_async(costs, streamed, resident, nslots)
     return Prediction(step, compute, stall, 0.0, copy_busy, device)
 
@@ -282,7 +280,7 @@ class _DiskPass:
         read_bytes = round(sum(k[3] for k in last) / DISK_STEADY)
         copy_busy = sum(c.copy_ms[u] for u in self.order)
         return Prediction(step, compute, stall, disk_stall, copy_busy, self.device_bytes, misses,
-                          read_bytes, hits, len(self.order))
+                          read_bytes, hits, len(self.order), blocking=not c.asynchronous)
 
     def _schedule(self, process: Iterator, at: float) -> None:
         self._seq += 1
