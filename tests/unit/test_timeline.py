@@ -198,9 +198,12 @@ def test_verdict_names_what_compute_waited_for():
     result = verdict(compute + hidden + waits + reads)
     assert result["bound_by"] == "disk" and result["totals"]["disk_wait_ms"] == pytest.approx(15)
     assert result["totals"]["disk_busy_ms"] == pytest.approx(21)
-    # A CPU copy on the sampling thread is waited for in full.
+    # A CPU copy on the sampling thread is waited for in full: bound by those copies (a CPU has
+    # no link), and by compute where they were brief.
     blocking = [_span("copy", u, 10 * u - 4, 10 * u, bytes=1, blocking=True) for u in range(3)]
-    assert verdict(compute + blocking + no_wait)["bound_by"] == "link"
+    assert verdict(compute + blocking + no_wait)["bound_by"] == "copies"
+    brief = [_span("copy", u, 10 * u - 0.1, 10 * u, bytes=1, blocking=True) for u in range(3)]
+    assert verdict(compute + brief + no_wait)["bound_by"] == "compute_between_copies"
 
 
 def test_a_recorded_run_reuses_its_marks_from_pass_to_pass(stream_model):
