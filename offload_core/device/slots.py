@@ -30,8 +30,9 @@ from collections.abc import Callable, Hashable
 
 import torch
 
+from ..host.copy_worker import Ticket
 from ..host.pinned import HostStorage
-from ..host.staging import Stager, Ticket
+from ..host.staging import Stager
 from ..ordering import for_device
 from .telemetry import Telemetry
 from .timeline import Timeline

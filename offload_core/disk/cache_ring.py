@@ -10,17 +10,15 @@ for the disk, and is counted. Copies are issued in request order, like the ring'
 """
 from __future__ import annotations
 
-import queue
-import threading
 from collections.abc import Callable
 
 import torch
 
 from ..device.slots import SlotRing
 from ..device.telemetry import Telemetry
+from ..host.copy_worker import CopyWorker
 from ..host.plain_writes import plain_writes
-from ..host.staging import Ticket
-from ..ordering import host_caught_up, host_clock
+from ..ordering import host_clock
 from .host_cache import DiskTelemetry, HostCache
 
 
@@ -32,9 +30,7 @@ class CacheRing(SlotRing):
         super().__init__(device, count, nbytes, telemetry)
         self._cache = cache
         self._disk_tel = disk_telemetry
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="offload-disk-copy", daemon=True)
-        self._thread.start()
+        self._worker = CopyWorker("offload-disk-copy", self._copy_job)
 
     def copy_unit(self, slot: int, unit: int, nbytes: int,
                   prepare: Callable[[torch.Tensor], None] | None = None) -> None:
@@ -43,9 +39,7 @@ class CacheRing(SlotRing):
             raise RuntimeError(f"slot {slot} would be overwritten while a block reads it")
         self.holds[slot], self._state[slot] = None, "empty"
         lease = self._cache.acquire(unit)
-        ticket = Ticket()
-        self._tickets[slot] = ticket
-        self._jobs.put((ticket, host_clock(), slot, lease, nbytes, prepare))
+        self._tickets[slot] = self._worker.submit(slot, lease, nbytes, prepare)
         self.holds[slot], self._state[slot] = unit, "loaded"
         self._tel.record_copy(nbytes)
 
@@ -60,21 +54,11 @@ class CacheRing(SlotRing):
             return
         super().wait_ready(slot)
 
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            ticket, queued, slot, lease, nbytes, prepare = job
-            host_caught_up(queued)
-            try:
-                self._copy(slot, lease, nbytes, prepare)
-            except BaseException as e:  # reported to the thread that waits for this slot
-                ticket._finish(e)
-            else:
-                ticket._finish()
-            finally:
-                lease.release()  # no-op when _copy released it with its fence
+    def _copy_job(self, slot: int, lease, nbytes: int, prepare) -> None:
+        try:
+            self._copy(slot, lease, nbytes, prepare)
+        finally:
+            lease.release()  # no-op where the copy released it with its fence
 
     def _copy(self, slot: int, lease, nbytes: int, prepare) -> None:
         src = lease.wait()
@@ -102,7 +86,5 @@ class CacheRing(SlotRing):
     def close(self) -> None:
         """Wait for queued copies, stop the worker, give the device memory back."""
         self.synchronize()
-        if self._thread.is_alive():
-            self._jobs.put(None)
-            self._thread.join()
+        self._worker.close()
         super().close()

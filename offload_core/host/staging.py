@@ -19,43 +19,17 @@ keeps the piece logic and the error path testable there.
 
 from __future__ import annotations
 
-import queue
-import threading
 from collections.abc import Callable, Hashable
 from typing import Protocol
 
 import torch
 
-from ..ordering import Event, Stream, for_device, host_caught_up, host_clock
+from ..ordering import Event, Stream, for_device
+from .copy_worker import CopyWorker, Ticket
 from .pinned import HostStorage
 from .plain_writes import plain_writes
 
 PIECE_BYTES = 16 << 20  # one half of the bounce buffer
-
-
-class Ticket:
-    """The host-side state of one staged copy: done once all of its device work is issued."""
-
-    def __init__(self) -> None:
-        self._done = threading.Event()
-        self.error: BaseException | None = None
-        self._at = 0.0  # when the job was done, on the host clock
-
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self) -> None:
-        """Block until the job's work is issued; re-raise what the job raised."""
-        self._done.wait()
-        host_caught_up(self._at)
-        if self.error is not None:
-            raise RuntimeError(f"a staged copy failed: {self.error}") from self.error
-
-    def _finish(self, error: BaseException | None = None) -> None:
-        self.error = error
-        self._at = host_clock()
-        self._done.set()
 
 
 class CopyRecorder(Protocol):
@@ -90,9 +64,7 @@ class Stager:
             bounce.note_reader(device)
             self._halves = [buf[:piece_bytes], buf[piece_bytes : 2 * piece_bytes]]
             self._drained = [self._ordering.event() for _ in range(2)]
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="offload-stager", daemon=True)
-        self._thread.start()
+        self._worker = CopyWorker("offload-stager", self._copy)
 
     def submit(
         self,
@@ -115,9 +87,7 @@ class Stager:
         """
         if dst.numel() != src.numel():
             raise ValueError(f"staged copy of {src.numel()} bytes into {dst.numel()}")
-        ticket = Ticket()
-        self._jobs.put((ticket, host_clock(), dst, src, bounce, after_free, prepare, ready, tag))
-        return ticket
+        return self._worker.submit(dst, src, bounce, after_free, prepare, ready, tag)
 
     def record(self, recorder: CopyRecorder | None) -> None:
         """Mark the copies issued from now on with ``recorder`` (None: no more marks)."""
@@ -125,23 +95,7 @@ class Stager:
 
     def close(self) -> None:
         """Let queued jobs finish, then stop the worker."""
-        if self._thread.is_alive():
-            self._jobs.put(None)
-            self._thread.join()
-
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            ticket = job[0]
-            host_caught_up(job[1])
-            try:
-                self._copy(*job[2:])
-            except BaseException as e:  # reported to the thread that waits for this copy
-                ticket._finish(e)
-            else:
-                ticket._finish()
+        self._worker.close()
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, bounce: bool, after_free: Event | None,
               prepare: Callable[[torch.Tensor], None] | None, ready: Event | None, tag: Hashable) -> None:
