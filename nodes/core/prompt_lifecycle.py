@@ -155,7 +155,7 @@ def _wrap_queue(queue: Any) -> bool:
     get, task_done = getattr(queue, "get", None), getattr(queue, "task_done", None)
     if not callable(get) or not callable(task_done):
         return False
-    if getattr(get, "_tiered_offload_wrapped", False):
+    if getattr(get, "tiered_offload_wrapped", False):
         return True
     ids: dict[Any, str | None] = {}
 
@@ -175,7 +175,7 @@ def _wrap_queue(queue: Any) -> bool:
             done = task_done(item_id, *args, **kwargs)
         return done
 
-    wrapped_get._tiered_offload_wrapped = True
+    wrapped_get.tiered_offload_wrapped = True
     queue.get = wrapped_get
     queue.task_done = wrapped_task_done
     return True
@@ -184,7 +184,7 @@ def _wrap_queue(queue: Any) -> bool:
 def _watch_messages(server: Any) -> None:
     """Fallback: prompt start and end from the messages sent to a prompt's client."""
     original = server.send_sync
-    if getattr(original, "_tiered_offload_wrapped", False):
+    if getattr(original, "tiered_offload_wrapped", False):
         return
 
     def running_graph(prompt_id: str | None) -> Any:
@@ -201,7 +201,7 @@ def _watch_messages(server: Any) -> None:
         if event == "executing" and isinstance(data, dict) and data.get("node") is None:
             _ended(data.get("prompt_id"))
 
-    send_sync._tiered_offload_wrapped = True
+    send_sync.tiered_offload_wrapped = True
     server.send_sync = send_sync
 
 

@@ -189,7 +189,9 @@ class _Entry:
 
 
 class Lease:
-    """One request's hold on a cached unit: wait() for its bytes, release() once copied out."""
+    """One request's hold on a cached unit: wait() for its bytes, release() once copied out.
+
+    HostCache's friend, in its file: it reads the one entry it holds and hands it back."""
 
     def __init__(self, cache: HostCache, entry: int, unit: int) -> None:
         self._cache, self.entry, self.unit = cache, entry, unit

@@ -310,6 +310,28 @@ class SharedHostStore:
         finally:
             self._abandon()
 
+    @property
+    def released(self) -> bool:
+        """Whether this process let go of the store (or, in a forked child, never held it)."""
+        return self._released
+
+    def inherited_fd(self) -> int | None:
+        """In a child forked without exec: the store file's descriptor it inherited, where the
+        parent had not let go of the store (None otherwise)."""
+        return None if self._released else self._fd
+
+    def forget_in_child(self) -> None:
+        """In a child forked without exec, once the inherited descriptors are closed or mapped
+        again: the store is the parent's, so nothing is removed or unpinned and the child never
+        lets go of it; the folder's descriptor is closed (the lock's, by store_folder's own fork
+        handler)."""
+        self._released = True
+        self._part = None
+        self._fd = self._lock = None
+        if self._dfd is not None:
+            dfd, self._dfd = self._dfd, None
+            os.close(dfd)
+
     def let_go_at_exit(self) -> None:
         """The process ends: let go of the files only (the memory goes with the process, and the
         device may be gone already, so nothing is unpinned)."""
@@ -392,8 +414,8 @@ def _let_go_in_child() -> None:
     file, which parent and child share). The child's mappings stay readable (``drop_inherited_holds``)."""
     global _open_lock
     _open_lock = threading.Lock()  # another thread of the parent may have held it: it is gone here
-    stores = [s for s in list(_open_stores) if not s._released]
-    fds = [s._fd for s in stores if s._fd is not None]
+    stores = [s for s in list(_open_stores) if not s.released]
+    fds = [fd for fd in (s.inherited_fd() for s in stores) if fd is not None]
     try:
         if fds:
             drop_inherited_holds(fds)
@@ -405,13 +427,8 @@ def _let_go_in_child() -> None:
                 os.close(fd)
             except OSError:
                 pass
-    for store in stores:  # the parent's: nothing is removed or unpinned, and the child never lets go
-        store._released = True
-        store._part = None
-        store._fd = store._lock = None  # closed above and by store_folder's own fork handler
-        if store._dfd is not None:
-            dfd, store._dfd = store._dfd, None
-            os.close(dfd)
+    for store in stores:
+        store.forget_in_child()
 
 
 atexit.register(let_go_of_all)

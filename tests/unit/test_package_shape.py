@@ -244,6 +244,32 @@ def private_reaches(known: dict[str, Path], edges: list[Import]) -> list[str]:
     return problems
 
 
+# Private members the pack's code may read on objects not its own: torch's (a module's parameter
+# and buffer tables, a tensor's version counter, its C bindings, the inductor's config), and a
+# same-file friend class named in its docstring (module -> the friend's reaches).
+TORCH_INTERNALS = {"_parameters", "_buffers", "_version", "_C", "_nn", "_parse_to", "_inductor"}
+FRIENDS = {"offload_core.disk.host_cache": {"_entries", "_release"}}  # Lease, HostCache's friend
+
+
+def object_reaches(known: dict[str, Path]) -> list[str]:
+    """Reads or writes of another object's private members (``obj._x``, ``obj`` not ``self``,
+    ``cls`` or ``super()``), but torch's and a named friend's."""
+    problems = []
+    for name, path in known.items():
+        allowed = TORCH_INTERNALS | FRIENDS.get(name, set())
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                    and not node.attr.startswith("__")) or node.attr in allowed:
+                continue
+            base = node.value
+            if isinstance(base, ast.Name) and base.id in ("self", "cls"):
+                continue
+            if isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id == "super":
+                continue
+            problems.append(f"{_shown(name)} (line {node.lineno}) reaches into {ast.unparse(node)}")
+    return problems
+
+
 def registries_outside_state(known: dict[str, Path]) -> list[str]:
     """Module-level registries of the ComfyUI side (PerModule, the tier manager...) made anywhere
     but nodes/core/state.py."""
@@ -283,6 +309,11 @@ def test_node_rooms_import_one_way():
 def test_no_module_reaches_into_another_s_private_names():
     known, edges = graph()
     problems = private_reaches(known, edges)
+    assert not problems, "\n".join(problems)
+
+
+def test_no_object_reaches_into_another_s_private_members():
+    problems = object_reaches(pack_modules())
     assert not problems, "\n".join(problems)
 
 
@@ -370,7 +401,8 @@ def test_the_checks_see_what_they_look_for(tmp_path):
     (tmp_path / "offload_core" / "device").mkdir()
     (tmp_path / "offload_core" / "device" / "__init__.py").write_text("")
     (tmp_path / "offload_core" / "device" / "slots.py").write_text(
-        "import importlib\nimportlib.import_module('folder_paths')\n")
+        "import importlib\nimportlib.import_module('folder_paths')\n"
+        "class Ring:\n    def go(self, other):\n        self._mine = other._theirs\n        m._parameters\n")
     known, edges = graph(tmp_path)
     assert circles(known, edges) == [["nodes.a", "nodes.b"]]
     engine = "\n".join(engine_problems(known, edges))
@@ -378,5 +410,8 @@ def test_the_checks_see_what_they_look_for(tmp_path):
     assert "host may import only ordering, units" in engine
     private = "\n".join(private_reaches(known, edges))
     assert "imports _hidden from nodes.c" in private and "uses packing._peek" in private
+    reaches = object_reaches(known)
+    assert sorted(reaches) == ["nodes.c (line 2) reaches into packing._peek",
+                               "offload_core.device.slots (line 5) reaches into other._theirs"]
     assert registries_outside_state(known) == [
         "nodes.b (line 4) creates a PerModule: process-wide state lives in nodes.core.state"]
