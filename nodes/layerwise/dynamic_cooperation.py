@@ -44,7 +44,6 @@ from typing import Any
 import torch
 
 import comfy.model_management
-import comfy.patcher_extension
 
 from ...offload_core.device.link import copy_rate
 from ...offload_core.device.residency import fit_budget, plan_residency, slot_count, spread_evenly
@@ -54,7 +53,7 @@ from ...offload_core.layerwise.tuning import AUTO
 from ..core import state
 from ..core.models import is_dynamic, loaded_entries
 from ..core.state import DYNAMIC_ORDER_KEY
-from . import block_budget, vbar_layout
+from . import block_budget, sampling_wrappers, vbar_layout
 from .dynamic_vram import UNITS_ATTR, BlockPlan, binary_bytes, plan_blocks
 
 log = logging.getLogger(__name__)
@@ -470,10 +469,7 @@ def cooperate(model, streamer_kwargs: dict[str, Any], budget_bytes: int | None):
                 except Exception:
                     log.exception("Apply Layerwise Offload (auto): the run's report failed")
 
-    for wrapper_type, fn in ((comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING, prepare_sampling),
-                             (comfy.patcher_extension.WrappersMP.OUTER_SAMPLE, outer_sample)):
-        patcher.remove_wrappers_with_key(wrapper_type, DYNAMIC_ORDER_KEY)
-        patcher.add_wrapper_with_key(wrapper_type, DYNAMIC_ORDER_KEY, fn)
+    sampling_wrappers.install(patcher, DYNAMIC_ORDER_KEY, around_load=prepare_sampling, around_run=outer_sample)
     what = (f"{settings.resident} resident block{'s' if settings.resident != 1 else ''}"
             if settings.resident is not None else
             f"the resident blocks a {binary_bytes(settings.budget_bytes)} budget allows"

@@ -21,7 +21,7 @@ from comfy_api.v0_0_2 import io
 from ..core.models import is_dynamic, unified_memory
 from ..core.state import LAYERWISE, LAYERWISE_KEY, SWAP_KEY, SWAP_MEMBERS
 from . import (compile_policy, compile_prompt, compiled_models, dynamic_cooperation, dynamic_vram,
-               spill_folder)
+               sampling_wrappers, spill_folder)
 from .session import LayerwiseSession
 from .settings import (GRANULARITY_CHOICES, MAX_DISK_WORKERS, MAX_HOST_CACHE_GB, MAX_PREFETCH,
                        MAX_RESIDENT_BLOCKS, MAX_VRAM_BUDGET_GB, LayerwiseSettings)
@@ -59,10 +59,6 @@ def _classic_patcher(model, settings: LayerwiseSettings):
     return dynamic_vram.classic_delegate(model, settings.streamer_kwargs())
 
 
-_SAMPLING_WRAPPERS = (comfy.patcher_extension.WrappersMP.OUTER_SAMPLE,
-                      comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING)
-
-
 def _hide_sampling_wrappers(model_options: dict | None) -> None:
     """Take this node's two wrappers out of a sampling run's model options once core has read
     them (it copies the options and the patcher's wrappers for each run, and reads those two
@@ -73,7 +69,7 @@ def _hide_sampling_wrappers(model_options: dict | None) -> None:
     wrappers = ((model_options or {}).get("transformer_options") or {}).get("wrappers")
     if not isinstance(wrappers, dict):
         return
-    for wrapper_type in _SAMPLING_WRAPPERS:
+    for wrapper_type in sampling_wrappers.WRAPPER_TYPES:
         by_key = wrappers.get(wrapper_type)
         if isinstance(by_key, dict):
             by_key.pop(LAYERWISE_KEY, None)
@@ -250,10 +246,5 @@ class ApplyLayerwiseOffload(io.ComfyNode):
             live.account(model_patcher)
             return result
 
-        for wrapper_type in _SAMPLING_WRAPPERS:
-            patcher.remove_wrappers_with_key(wrapper_type, LAYERWISE_KEY)
-        patcher.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.OUTER_SAMPLE,
-                                     LAYERWISE_KEY, outer_sample)
-        patcher.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING,
-                                     LAYERWISE_KEY, prepare_sampling)
+        sampling_wrappers.install(patcher, LAYERWISE_KEY, around_load=prepare_sampling, around_run=outer_sample)
         return io.NodeOutput(patcher)
