@@ -47,6 +47,7 @@ from typing import Any
 import folder_paths
 
 from ...offload_core.host import shared_store
+from ...offload_core.host.file_identity import file_system
 from ...offload_core.host.shared_packing import HostShare
 from ...offload_core.host.store_folder import (
     DEFAULT_MAX_SHARE,
@@ -96,25 +97,6 @@ def _disk_folders(settings: dict[str, Any], spill_dir: str | None) -> list[str]:
     return out
 
 
-def _filesystem_of(folder: str) -> str | None:
-    """The type of the filesystem ``folder`` is on (the longest mount point above it in
-    /proc/mounts), None where the system does not say."""
-    real = os.path.realpath(folder)
-    try:
-        with open("/proc/mounts") as f:
-            mounts = [line.split() for line in f]
-    except OSError:
-        return None
-    best, kind = "", None
-    for fields in mounts:
-        if len(fields) < 3:
-            continue
-        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[1])  # /proc/mounts writes a space as \040
-        if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
-            best, kind = point, fields[2]
-    return kind
-
-
 def runtime_folder() -> str | None:
     """The user's runtime folder ($XDG_RUNTIME_DIR, else /run/user/<uid>) where it is a real
     folder of this user closed to everyone else, in shared memory (tmpfs; kept where the system
@@ -127,7 +109,7 @@ def runtime_folder() -> str | None:
         except OSError:
             continue
         if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o700 \
-                and _filesystem_of(folder) in ("tmpfs", None):
+                and file_system(st.st_dev) in ("tmpfs", None):
             return folder
     return None
 

@@ -195,8 +195,9 @@ CACHED_ATTRIBUTES = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "drvfs", "afs
                      "fuse.", "ceph", "glusterfs", "lustre", "gpfs")
 
 
-def _file_system(st_dev: int) -> str | None:
-    """The type of the file system a device number belongs to (Linux: /proc/self/mountinfo)."""
+def file_system(st_dev: int) -> str | None:
+    """The type of the file system a device number belongs to (Linux: /proc/self/mountinfo), None
+    where the system does not say."""
     want = f"{os.major(st_dev)}:{os.minor(st_dev)}"
     try:
         with open("/proc/self/mountinfo") as f:
@@ -218,7 +219,7 @@ def version_unreliable(path: str) -> str | None:
     if os.name == "nt":
         return "on Windows a file's change time is its creation time"
     try:
-        kind = _file_system(os.stat(path).st_dev)
+        kind = file_system(os.stat(path).st_dev)
     except OSError:
         return None
     if kind is not None and any(kind == k or (k.endswith(".") and kind.startswith(k)) for k in CACHED_ATTRIBUTES):

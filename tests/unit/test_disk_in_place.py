@@ -511,7 +511,7 @@ def test_a_model_file_on_a_network_file_system_is_copied_not_read_in_place(model
     x = _x()
     with torch.no_grad():
         reference = model(x)
-    monkeypatch.setattr(file_identity, "_file_system", lambda dev: "nfs4")
+    monkeypatch.setattr(file_identity, "file_system", lambda dev: "nfs4")
     st = _streamer(model, tmp_path, path)
     with caplog.at_level("INFO", logger="offload_core.disk.sources"):
         st.attach()

@@ -151,11 +151,11 @@ def test_where_a_version_proves_nothing_is_named(tmp_path, monkeypatch):
 
     path = tmp_path / "m.safetensors"
     path.write_bytes(b"x")
-    assert file_identity._file_system(os.stat("/").st_dev)  # this machine's root has a type
+    assert file_identity.file_system(os.stat("/").st_dev)  # this machine's root has a type
     assert file_identity.version_unreliable(str(path)) is None
     for kind, named in (("nfs4", True), ("cifs", True), ("fuse.sshfs", True), ("9p", True),
                         ("ext4", False), ("xfs", False), ("tmpfs", False), ("overlay", False)):
-        monkeypatch.setattr(file_identity, "_file_system", lambda dev, kind=kind: kind)
+        monkeypatch.setattr(file_identity, "file_system", lambda dev, kind=kind: kind)
         why = file_identity.version_unreliable(str(path))
         assert (why is not None) == named, (kind, why)
         if named:
