@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import signal
 import stat
 import threading
