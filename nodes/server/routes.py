@@ -51,15 +51,6 @@ LAYERWISE_EVENT = "tiered_offload.layerwise"
 ACTIONS = {"load": MANAGER.load, "park": MANAGER.park, "evict": MANAGER.evict,
            "pin": MANAGER.pin, "unpin": MANAGER.unpin}
 MAX_BODY_BYTES = 64 * 1024  # a budgets body is a few dozen bytes
-# The manager's refusals of an action, by HTTP status (first match); anything else is a bug:
-# logged and answered 500, the server stays up.
-REFUSALS: tuple[tuple[type[BaseException], int], ...] = (
-    (SourceGoneError, 404), (ModelInUseError, 409), (ModelPinnedError, 409),
-    (TierCapacityError, 409), (SourceChangedError, 409), (MemoryError, 409),
-    (torch.OutOfMemoryError, 409), (prompt_lifecycle.PromptRunningError, 409),
-    (SourceUnreadableError, 422))
-
-
 class BadRequest(Exception):
     """A request refused before it reaches the manager: status and message."""
 
@@ -68,8 +59,33 @@ class BadRequest(Exception):
         self.status = status
 
 
+# What a request may raise and the status it answers with, the first kind that matches deciding:
+# a model's file gone (404), a refusal of the manager or of the prompt running (409), a file that
+# cannot be read (422), a bad value (400). An id the route does not know is its own 404
+# (``_answer``). Anything else is a bug: logged and answered 500, the server stays up.
+ANSWERS: tuple[tuple[type[BaseException], int], ...] = (
+    (SourceGoneError, 404), (ModelInUseError, 409), (ModelPinnedError, 409), (TierCapacityError, 409), (SourceChangedError, 409),
+    (MemoryError, 409), (torch.OutOfMemoryError, 409), (prompt_lifecycle.PromptRunningError, 409),
+    (SourceUnreadableError, 422), (TierError, 409), (ValueError, 400))
+
+
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
+
+
+def _answer(error: BaseException, failed: str, unknown: str = "",
+            missing: type[BaseException] = UnknownModelError) -> web.Response:
+    """The answer to what a request raised (ANSWERS): ``missing``, the route's error for an id it
+    does not know, is a 404 saying ``unknown``; ``failed`` is what a 500 says failed."""
+    if isinstance(error, BadRequest):
+        return _error(error.status, str(error))
+    if isinstance(error, missing):
+        return _error(404, unknown)
+    status = next((code for kind, code in ANSWERS if isinstance(error, kind)), None)
+    if status is None:
+        log.exception("tiered offload: %s failed", failed, exc_info=error)
+        return _error(500, f"{failed} failed: {budgets.shorten(error, 300)}")
+    return _error(status, str(error))
 
 
 def _cors_origin() -> str | None:
@@ -256,7 +272,7 @@ async def post_timeline(request: web.Request) -> web.Response:
     try:
         body = await read_json_object(request)
     except BadRequest as e:
-        return _error(e.status, str(e))
+        return _answer(e, "reading the body")
     if set(body) != {"enabled"} or not isinstance(body["enabled"], bool):
         return _error(400, 'the body must be {"enabled": true} or {"enabled": false}')
     if body["enabled"]:
@@ -320,14 +336,8 @@ async def post_action(request: web.Request) -> web.Response:
                            f"{', '.join(ACTIONS)}")
     try:
         return web.json_response({"model": await _off_loop(_act, action, model)})
-    except UnknownModelError:
-        return _error(404, f"no model with id '{budgets.shorten(model)}'")
     except Exception as e:
-        status = next((code for kind, code in REFUSALS if isinstance(e, kind)), None)
-        if status is None:
-            log.exception("tiered offload: %s of model %s failed", action, budgets.shorten(model))
-            return _error(500, f"{action} failed: {budgets.shorten(e, 300)}")
-        return _error(status, str(e))
+        return _answer(e, action, f"no model with id '{budgets.shorten(model)}'")
 
 
 @state_changing
@@ -339,16 +349,10 @@ async def post_budgets(request: web.Request) -> web.Response:
             raise BadRequest(400, "the body must be a non-empty JSON object with any of: "
                                   + ", ".join(budgets.ALLOWED))
         kwargs = budgets.budget_kwargs(body)
-    except BadRequest as e:
-        return _error(e.status, str(e))
-    except ValueError as e:
-        return _error(400, str(e))
-    try:
+        # A value beyond this machine (a reserve above its RAM) is a ValueError too.
         return web.json_response({"budgets": await _off_loop(_set_budgets, kwargs)})
-    except ValueError as e:  # a limit of this machine, e.g. a reserve above its RAM
-        return _error(400, str(e))
-    except prompt_lifecycle.PromptRunningError as e:
-        return _error(409, str(e))
+    except Exception as e:
+        return _answer(e, "a budget change")
 
 
 @state_changing
@@ -360,10 +364,8 @@ async def post_unload(request: web.Request) -> web.Response:
         # Core's unload raises no event of its own: tell the open panels.
         push_tiers()
         return web.json_response({"unloaded": done})
-    except LookupError:
-        return _error(404, f"no loaded model with id '{budgets.shorten(card)}'")
-    except TierError as e:
-        return _error(409, str(e))
+    except Exception as e:
+        return _answer(e, "an unload", f"no loaded model with id '{budgets.shorten(card)}'", LookupError)
 
 
 def policy_fields(body: dict[str, Any]) -> tuple[bool | None, int | None]:
@@ -395,12 +397,8 @@ async def post_policy(request: web.Request) -> web.Response:
     try:
         keep, priority = policy_fields(await read_json_object(request))
         return web.json_response({"model": await _off_loop(_policy, key, keep, priority)})
-    except BadRequest as e:
-        return _error(e.status, str(e))
-    except ValueError as e:
-        return _error(400, str(e))
-    except UnknownModelError:
-        return _error(404, f"no model with id '{budgets.shorten(key)}'")
+    except Exception as e:
+        return _answer(e, "a policy change", f"no model with id '{budgets.shorten(key)}'")
 
 
 def _send(server, event: str, payload: dict[str, Any]) -> None:
