@@ -45,7 +45,7 @@ from disk_stream import drop_file_cache, file_map, load_stack, write_model  # no
 from layerwise import BenchLora, Spec, Stack, write_result  # noqa: E402
 
 from offload_core import LayerwiseStreamer  # noqa: E402
-from offload_core.disk.store import PAGE, align_up  # noqa: E402
+from offload_core.alignment import PAGE, align_up  # noqa: E402
 from offload_core.disk.tier import DiskOptions  # noqa: E402
 
 GOAL_BEST = 1.03  # auto's whole run against the best fixed setting, on rows of 8 calls or more

@@ -5,7 +5,8 @@ each importing only the ones listed after it: host/ (packs in host RAM: units), 
 model's blocks and phases are: host), device/ (device slots, residency, hooks: host, units),
 disk/ (the spill file and its RAM cache: host, device, units), layerwise/ (the streamer: every room
 above), models/ (whole models: host, units); any room may import ordering.py (the device-ordering
-seam: streams, events, asynchronous copies). ARCHITECTURE.md at the pack's root draws the house.
+seam: streams, events, asynchronous copies), and host/, disk/ and layerwise/ alignment.py (byte
+alignment, without torch). ARCHITECTURE.md at the pack's root draws the house.
 
 This module is the public API: the names below, resolved lazily so importing the package costs
 nothing until something is used.

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ...offload_core.disk.store import PAGE, align_up
+from ...offload_core.alignment import PAGE, align_up
 from ...offload_core.layerwise.streamer import LayerwiseStreamer
 from ...offload_core.units import size_text
 from .settings import LayerwiseSettings

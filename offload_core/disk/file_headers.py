@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 import os
 
-from ..host.raw_io import align_up, read_at
+from ..alignment import align_up
+from ..host.raw_io import read_at
 
 MAX_HEADER = 100 << 20  # a larger safetensors header is a damaged file, not a model
 

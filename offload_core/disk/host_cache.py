@@ -35,18 +35,16 @@ from typing import Any, Protocol
 
 import torch
 
+from ..alignment import PAGE
 from ..device.timeline import Timeline
 from ..host.pinned import HostStorage
 from ..ordering import host_caught_up, host_clock
 from ..units import size_text
+from .cache_rule import NEVER, pick_victim, protected_units, read_ahead
 from .in_place import Piece
-from ..host.raw_io import PAGE
 from .sources import DiskSources
 
 log = logging.getLogger(__name__)
-
-_NEVER = float("inf")
-
 
 class Fence(Protocol):
     def synchronize(self) -> None: ...
@@ -133,46 +131,6 @@ def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
         else:
             out.append((start, end))
     return out
-
-
-# ---------------------------------------------------------------- the rule
-# Module functions, so the pipeline model (layerwise/pipeline.py) plays the cache's own rule.
-def protected_units(order: Sequence[int], cursor: int, in_flight: int, depth: int) -> set[int]:
-    """The units no read evicts: the last ``in_flight`` requested (up to the one at ``cursor``)
-    and the ``depth`` read ahead of it."""
-    n = len(order)
-    return ({order[(cursor - j) % n] for j in range(min(in_flight, n))}
-            | {order[(cursor + k) % n] for k in range(1, min(depth, n - 1) + 1)})
-
-
-def pick_victim(entries: Sequence[Any], need: float, distance: Callable[[int], float],
-                protected: Container[int]) -> int | None:
-    """The entry to reuse for a unit needed ``need`` units ahead: a free one first, else the one
-    whose unit is needed last, if that is later than ``need``; never a ``protected`` unit's, nor
-    one leased or being read. ``entries`` have ``unit``, ``leases``, ``reading`` (and ``error``)."""
-    best, best_d = None, need
-    for k, e in enumerate(entries):
-        if e.leases or e.reading or e.unit in protected:
-            continue
-        d = _NEVER if e.unit is None or getattr(e, "error", None) is not None else distance(e.unit)
-        if d > best_d:
-            best, best_d = k, d
-    return best
-
-
-def read_ahead(order: Sequence[int], cursor: int, depth: int, cached: Container[int],
-               victim: Callable[[int], int | None], start: Callable[[int, int, int], None]) -> None:
-    """Start reading the ``depth`` units after ``cursor`` that are not ``cached``, each into
-    ``victim(k)`` for the unit ``k`` ahead, with priority ``k``; stop at the first without one."""
-    n = len(order)
-    for k in range(1, min(depth, n - 1) + 1):
-        unit = order[(cursor + k) % n]
-        if unit in cached:
-            continue
-        entry = victim(k)
-        if entry is None:
-            return
-        start(entry, unit, k)
 
 
 @dataclass(eq=False)
@@ -299,7 +257,7 @@ class HostCache:
         """How far ahead of the cursor ``unit`` is needed next; never (inf) for units not streamed."""
         pos = self._pos.get(unit) if unit is not None else None
         if pos is None:
-            return _NEVER
+            return NEVER
         return (pos - self._cursor) % len(self._order)
 
     # ---------------------------------------------------------------- requests

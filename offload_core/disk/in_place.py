@@ -41,7 +41,8 @@ import torch
 
 from ..host.file_identity import content_may_differ, file_version, note_read, same_bytes
 from ..units import size_text
-from ..host.raw_io import PAGE, Descriptors, DiskReadError, align_down, align_up, memview, open_direct
+from ..alignment import PAGE, align_down, align_up
+from ..host.raw_io import Descriptors, DiskReadError, memview, open_direct
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,8 @@ from ..host.released import Released, note, note_of, released
 from ..host.tensor_refs import tensor_refs
 from ..units import size_text
 from .in_place import FileSlice, ModelFile, ModelFileChanged, ModelFileMap, Piece, Run, UnitRead, plan_read
-from ..host.raw_io import PAGE, align_up, raw_bytes
+from ..alignment import PAGE, align_up
+from ..host.raw_io import raw_bytes
 from .store import SPILL_ALIGN, DiskStore
 
 log = logging.getLogger(__name__)

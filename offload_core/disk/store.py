@@ -31,7 +31,8 @@ import torch
 from ..host.layout import PackedTensor
 from ..host.packing import PackedBlock
 from ..units import size_text
-from ..host.raw_io import PAGE, Descriptors, DiskReadError, align_up, memview, open_direct, raw_bytes, write_all
+from ..alignment import PAGE, align_up
+from ..host.raw_io import Descriptors, DiskReadError, memview, open_direct, raw_bytes, write_all
 
 log = logging.getLogger(__name__)
 

@@ -16,11 +16,12 @@ from typing import Any
 
 import torch
 
+from ..alignment import PAGE, align_up
 from ..host.packing import PackedBlock
 from ..ordering import for_device
+from .cache_rule import entries_needed
 from .host_cache import CacheTooSmallError, DiskTelemetry, HostCache
 from .in_place import ModelFileMap
-from ..host.raw_io import PAGE, align_up
 from .sources import DiskSources
 
 # Entry size when no unit is streamed: the cache then only stages resident uploads.
@@ -31,19 +32,6 @@ STAGING_BYTES = 64 << 20
 AUTO_READERS = 1
 
 
-
-def entries_needed(nslots: int, streamed: int) -> int:
-    """Cache entries disk streaming needs at once: every slot's copy in flight plus one unit read
-    ahead, unless every streamed unit fits."""
-    return min(nslots + 1, streamed)
-
-
-def cache_holds(cap_bytes: int, unit_bytes: Sequence[int], nslots: int) -> bool:
-    """Whether a host cache of ``cap_bytes`` holds what streaming ``unit_bytes`` (the streamed
-    units' packed sizes) through ``nslots`` slots needs at once."""
-    if not unit_bytes:
-        return True
-    return cap_bytes // align_up(max(unit_bytes), PAGE) >= entries_needed(nslots, len(unit_bytes))
 
 @dataclass(frozen=True)
 class DiskOptions:

@@ -1,2 +1,2 @@
 """The host tier: weights packed into contiguous host buffers, pinned where the budget allows.
-May import: ordering, units (and nothing else of the engine)."""
+May import: alignment, ordering, units (and nothing else of the engine)."""

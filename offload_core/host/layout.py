@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .raw_io import align_up
+from ..alignment import align_up
 from .released import released, stand_in_note
 from .subclass import (
     PLAIN_TYPES,

@@ -38,9 +38,9 @@ from typing import Protocol
 import psutil
 import torch
 
+from ..alignment import align_up
 from ..ordering import HostRegistrar, Ordering, for_device, host_registrar
 from ..units import size_text
-from .raw_io import align_up
 
 log = logging.getLogger(__name__)
 

@@ -19,18 +19,11 @@ import threading
 
 import torch
 
+from ..alignment import PAGE
+
 log = logging.getLogger(__name__)
 
-PAGE = 4096  # direct reads need offsets, lengths and addresses in multiples of the logical block
 _IOV_MAX = 512
-
-
-def align_up(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
-
-
-def align_down(n: int, a: int) -> int:
-    return n // a * a
 
 
 class DiskReadError(OSError):

@@ -21,10 +21,10 @@ from collections.abc import Sequence
 
 import torch
 
+from ..alignment import align_up
 from ..ordering import for_device
 from .pinned import HostStorage
 from .plain_writes import plain_writes
-from .raw_io import align_up
 
 log = logging.getLogger(__name__)
 

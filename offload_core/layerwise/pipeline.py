@@ -35,11 +35,10 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
+from ..alignment import PAGE, align_up
 from ..device.bounds import bound_by
 from ..device.residency import bound_bytes, slot_count
-from ..disk.host_cache import pick_victim, protected_units, read_ahead
-from ..disk.store import PAGE, align_up
-from ..disk.tier import entries_needed
+from ..disk.cache_rule import entries_needed, pick_victim, protected_units, read_ahead
 
 PASSES = 6  # passes simulated from a cold start; the last two are the steady state
 STEADY = 2  # a steady state may alternate between two passes: their mean is the step

@@ -65,7 +65,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ..device.residency import bound_bytes
-from ..disk.tier import cache_holds
+from ..disk.cache_rule import cache_holds
 from ..device.timeline import Timeline
 from ..ordering import Event, for_device
 from .measure import PassMeter, PeriodWatch

@@ -26,13 +26,14 @@ ENGINE_THIRD_PARTY = {"torch", "safetensors", "psutil"}
 # public API and may import any room.
 ENGINE_ROOMS = {
     "units": set(),
+    "alignment": set(),
     "per_module": set(),
     "ordering": set(),
-    "host": {"ordering", "units"},
+    "host": {"alignment", "ordering", "units"},
     "blocks": {"host", "ordering"},
     "device": {"host", "ordering", "units"},
-    "disk": {"host", "device", "ordering", "units"},
-    "layerwise": {"blocks", "device", "disk", "host", "ordering", "units"},
+    "disk": {"alignment", "host", "device", "ordering", "units"},
+    "layerwise": {"alignment", "blocks", "device", "disk", "host", "ordering", "units"},
     "models": {"host", "ordering", "units"},
 }
 NODES = "nodes"
@@ -407,7 +408,7 @@ def test_the_checks_see_what_they_look_for(tmp_path):
     assert circles(known, edges) == [["nodes.a", "nodes.b"]]
     engine = "\n".join(engine_problems(known, edges))
     assert "imports comfy.model_management" in engine and "imports folder_paths" in engine
-    assert "host may import only ordering, units" in engine
+    assert "host may import only alignment, ordering, units" in engine
     private = "\n".join(private_reaches(known, edges))
     assert "imports _hidden from nodes.c" in private and "uses packing._peek" in private
     reaches = object_reaches(known)
