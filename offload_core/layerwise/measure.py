@@ -23,7 +23,7 @@ from torch import nn
 from ..device.hooks import BlockHooks
 from ..device.timeline import Timeline
 from ..ordering import Event, Ordering, for_device
-from .pipeline import Costs, DiskCosts
+from .pipeline import Costs, CopyChain, DiskCosts
 from .plan import StreamPlan
 
 
@@ -286,7 +286,7 @@ def block_costs(spans: Sequence[tuple[float, float]], block_bytes: Sequence[int]
     moved = set(streamed)
     copy = [b / copy_bytes_per_ms if copy_bytes_per_ms > 0 else 0.0 for b in block_bytes]
     compute: list[float] = []
-    copy_free = 0.0
+    chain = CopyChain()
     for i, (start, end) in enumerate(spans):
         took = end - start
         if i not in moved:
@@ -294,11 +294,9 @@ def block_costs(spans: Sequence[tuple[float, float]], block_bytes: Sequence[int]
         elif not asynchronous:
             compute.append(max(0.0, took - copy[i]))
         else:
-            issued = spans[i - 1][0] if i else 0.0
-            ready = max(issued, copy_free) + copy[i]
+            ready = chain.copy(spans[i - 1][0] if i else 0.0, copy[i])
             if ready >= end:  # it cannot have ended before its weights came: they came earlier
-                ready = start
-            copy_free = ready
+                ready = chain.free_at = start
             compute.append(end - max(start, ready))
     outside = max(0.0, period_ms - sum(end - start for start, end in spans))
     return Costs(tuple(compute), tuple(copy), tuple(int(b) for b in block_bytes), tuple(range(n)), 0,

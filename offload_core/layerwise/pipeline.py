@@ -171,15 +171,27 @@ def _predict_one(costs: Costs, setting: Setting) -> Prediction:
     return Prediction(step, compute, stall, 0.0, copy_busy, device)
 
 
+class CopyChain:
+    """The one copy stream: a copy starts once it is issued and the copy before it has ended
+    (the model's passes, and the costs read off a pass another streamer ran, measure.py)."""
+
+    def __init__(self) -> None:
+        self.free_at = 0.0
+
+    def copy(self, issued: float, ms: float) -> float:
+        """A copy of ``ms`` issued at ``issued``: when it ends."""
+        self.free_at = max(issued, self.free_at) + ms
+        return self.free_at
+
+
 def _ram_async(costs: Costs, streamed: list[int], resident: set[int], nslots: int) -> tuple[float, float]:
     """Passes from RAM on an asynchronous device: (steady period, compute's stall in it)."""
     m = len(streamed)
     copy_ms, compute_ms = costs.copy_ms, costs.compute_ms
     ready: list[float] = []  # per streamed unit in global order (pass * m + position): copy end
-    copy_free = 0.0
+    chain = CopyChain()
     for g in range(nslots):  # the attach fills the window
-        copy_free += copy_ms[streamed[g % m]]
-        ready.append(copy_free)
+        ready.append(chain.copy(0.0, copy_ms[streamed[g % m]]))
     t = 0.0
     g = 0
     ends: list[float] = []
@@ -195,9 +207,7 @@ def _ram_async(costs: Costs, streamed: list[int], resident: set[int], nslots: in
                 t = ready[g]
             t += compute_ms[u]
             # Its slot is free behind its compute: the unit nslots further on is copied into it.
-            start = t if t > copy_free else copy_free
-            copy_free = start + copy_ms[streamed[(g + nslots) % m]]
-            ready.append(copy_free)
+            ready.append(chain.copy(t, copy_ms[streamed[(g + nslots) % m]]))
             g += 1
         t += costs.outside_ms
         ends.append(t)
@@ -250,7 +260,7 @@ class _DiskPass:
         self.ticket: dict[int, float] = {}  # global index -> when its copy was issued
         self.ready: dict[int, float] = {}  # global index -> when its slot holds it
         self.free: dict[int, float] = {}  # global index -> when its slot's reader is done
-        self.copy_free = 0.0
+        self.copies = CopyChain()
         self.pass_ends: list[float] = []
         self.stalls: list[tuple[float, float]] = []  # per pass: (stall, of it waiting for the disk)
         self.counts: list[list[int]] = []  # per pass: requests, hits, reads, read bytes
@@ -412,10 +422,7 @@ class _DiskPass:
                 yield ("until", lambda p=previous: p in self.free)
             slot_free = self.free.get(previous, 0.0)
             if c.asynchronous:
-                start = max(self.copy_free, self.now, slot_free)
-                self.copy_free = start + c.copy_ms[unit]
-                self.ready[g] = self.copy_free
-                e.fence = self.copy_free
+                self.ready[g] = e.fence = self.copies.copy(max(self.now, slot_free), c.copy_ms[unit])
                 issued = self.now
             else:  # the worker copies on the host itself
                 start = max(self.now, slot_free)
