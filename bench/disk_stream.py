@@ -65,7 +65,7 @@ from layerwise import Spec, Stack, build_blocks, timed, write_result  # noqa: E4
 from offload_core.disk.file_headers import safetensors_tensors  # noqa: E402
 from offload_core.disk.in_place import ModelFileMap  # noqa: E402
 from offload_core.alignment import PAGE, align_up  # noqa: E402
-from offload_core.host.raw_io import read_into  # noqa: E402
+from offload_core.files.raw_io import read_into  # noqa: E402
 from offload_core.disk.tier import AUTO_READERS, DiskOptions  # noqa: E402
 from offload_core.layerwise.streamer import LayerwiseStreamer  # noqa: E402
 

@@ -1,10 +1,11 @@
 """Weight offload engine: layerwise streaming, whole-module swap and the tiers of whole models.
 
 Depends only on torch, safetensors, psutil and the standard library (never on ComfyUI). Its rooms,
-each importing only the ones listed after it: host/ (packs in host RAM: units), blocks/ (what a
-model's blocks and phases are: host), device/ (device slots, residency, hooks: host, units),
-disk/ (the spill file and its RAM cache: host, device, units), layerwise/ (the streamer: every room
-above), models/ (whole models: host, units); any room may import ordering.py (the device-ordering
+each importing only the ones listed after it: files/ (a file's bytes and identity), host/ (packs in
+host RAM: units), sharing/ (the machine's one host copy: host, units), blocks/ (what a model's
+blocks and phases are: host), device/ (device slots, residency, hooks: host, units), disk/ (the
+spill file and its RAM cache: files, host, device, units), layerwise/ (the streamer: every room
+above), models/ (whole models: files, host, sharing, units); any room may import ordering.py (the device-ordering
 seam: streams, events, asynchronous copies), and host/, disk/ and layerwise/ alignment.py (byte
 alignment, without torch). ARCHITECTURE.md at the pack's root draws the house.
 
@@ -27,8 +28,8 @@ _EXPORTS = {
     "check_packable": "host.layout",
     "wrappers_to_inference": "host.subclass",
     "HostStorage": "host.pinned",
-    "HostShare": "host.shared_packing",
-    "StoreFolder": "host.store_folder",
+    "HostShare": "sharing.shared_packing",
+    "StoreFolder": "sharing.store_folder",
     "pinned_bytes": "host.pinned",
     "pin_cap": "host.pinned",
     "set_pin_accounting": "host.pinned",
@@ -54,8 +55,8 @@ if TYPE_CHECKING:
         pinned_bytes,
         set_pin_accounting,
     )
-    from .host.shared_packing import HostShare
-    from .host.store_folder import StoreFolder
+    from .sharing.shared_packing import HostShare
+    from .sharing.store_folder import StoreFolder
     from .host.subclass import wrappers_to_inference
     from .host.tensor_refs import TensorRef, tensor_refs
     from .layerwise.streamer import LayerwiseStreamer

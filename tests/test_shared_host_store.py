@@ -204,7 +204,7 @@ def test_a_model_file_changed_while_two_servers_use_it_is_refused_by_both(cluste
 
 def test_a_chmod_of_the_model_file_while_two_servers_use_it_refuses_neither(cluster):
     """A chmod moves the file's change time and no byte: each server reads the file back against
-    the digest it took of it (host/file_identity.py) and runs on, from the same store."""
+    the digest it took of it (files/file_identity.py) and runs on, from the same store."""
     servers = cluster["servers"][:2]
     path = cluster["models"] / "diffusion_models" / CHMODDED
     soak.tiny_models.write_tiny_wan21(path, layers=soak.LAYERS, dim=soak.DIM, ffn_dim=soak.FFN, seed=63)

@@ -1,6 +1,6 @@
 """Whether and where a model's host copy is shared with the machine's other ComfyUI processes.
 
-A node asks for a `HostShare` (offload_core/host/shared_packing.py) for one model; it gets one
+A node asks for a `HostShare` (offload_core/sharing/shared_packing.py) for one model; it gets one
 when all of these allow it, else None and the reason, which the log and the panel show:
 - the node's own input (`share_host_memory`), and the server owner's switch: "share_host_memory"
   in the pack's settings file (core/settings_file.py), true unless set to false;
@@ -9,7 +9,7 @@ when all of these allow it, else None and the reason, which the log and the pane
   the store, so two processes share only the bytes of one file's one version, loaded alike.
 
 Where: below "shared_memory_dir" of the settings file, in a folder of the user's own
-(offload_core/host/store_folder.py). By default that is first the user's runtime folder
+(offload_core/sharing/store_folder.py). By default that is first the user's runtime folder
 ($XDG_RUNTIME_DIR, /run/user/<uid>) where it is a folder of shared memory only the user may write
 to, then /dev/shm (also RAM) for what the runtime folder cannot hold (it is often a tenth of the
 RAM): in /dev/shm, another local user can make the store folder's name first, which only makes
@@ -45,10 +45,10 @@ from typing import Any
 
 import folder_paths
 
-from ...offload_core.host import shared_store
-from ...offload_core.host.file_identity import file_system
-from ...offload_core.host.shared_packing import HostShare
-from ...offload_core.host.store_folder import (
+from ...offload_core.files.file_identity import file_system
+from ...offload_core.sharing import shared_store
+from ...offload_core.sharing.shared_packing import HostShare
+from ...offload_core.sharing.store_folder import (
     DEFAULT_MAX_SHARE,
     DISK,
     SHARED_MEMORY,

@@ -1,5 +1,5 @@
 """Which file each model core loaded was read from, recorded as it is loaded: what names the model's
-shared host store (offload_core/host/store_key.py), so processes that load the same file with the
+shared host store (offload_core/sharing/store_key.py), so processes that load the same file with the
 same options share one copy of its weights.
 
 Why record it at the load: core keeps no such record in 0.3.75 (0.33's `cached_patcher_init`
@@ -27,7 +27,7 @@ from typing import Any
 import comfy.sd
 import torch
 
-from ...offload_core.host.file_identity import file_version, same_bytes, witness_whole
+from ...offload_core.files.file_identity import file_version, same_bytes, witness_whole
 from . import state
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ import comfy.model_management
 from ...offload_core.disk.in_place import ModelFileMap
 from ...offload_core.disk.tier import AUTO_READERS, DiskOptions
 from ...offload_core.host.released import released
-from ...offload_core.host.shared_packing import HostShare
+from ...offload_core.sharing.shared_packing import HostShare
 from ...offload_core.layerwise.streamer import LayerwiseStreamer
 from ...offload_core.layerwise.tuning import AUTO
 from ...offload_core.units import size_text

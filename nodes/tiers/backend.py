@@ -22,7 +22,7 @@ import torch
 import comfy.model_management
 
 from ...offload_core.host.subclass import wrappers_to_inference
-from ...offload_core.host.file_identity import file_version
+from ...offload_core.files.file_identity import file_version
 from ...offload_core.models.tier_entries import Tier
 from ...offload_core.models.tier_errors import (
     SourceChangedError, SourceGoneError, SourceUnreadableError, TierError)

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import folder_paths
 
-from ...offload_core.host.file_identity import file_version, model_id, source_key
+from ...offload_core.files.file_identity import file_version, model_id, source_key
 from ..core import state
 from .backend import ComfyModelBackend, Source, patchers_of
 

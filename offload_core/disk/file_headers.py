@@ -10,7 +10,7 @@ import json
 import os
 
 from ..alignment import align_up
-from ..host.raw_io import read_at
+from ..files.raw_io import read_at
 
 MAX_HEADER = 100 << 20  # a larger safetensors header is a damaged file, not a model
 

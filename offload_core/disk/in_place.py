@@ -16,7 +16,7 @@ byte written during a read reaches compute; a file truncated or overwritten in p
 run with ``ModelFileChanged``, naming it, before its result is used. The change time moves with
 every write and with every attempt to put the modification time back, so no one can change the
 bytes and keep the identity. It moves with a chmod, a chown or a hard link too, which change no
-byte: whether only that happened is the one rule of host/file_identity.py (``same_bytes``), which
+byte: whether only that happened is the one rule of files/file_identity.py (``same_bytes``), which
 reads back the ranges read here before (each digested at its first read, ``note_read``) and fails
 the run only where they differ. What happens to the name does not matter: a file deleted or
 renamed over is still the open inode, with the loaded bytes (ModelFile's docstring).
@@ -39,10 +39,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..host.file_identity import content_may_differ, file_version, note_read, same_bytes
+from ..files.file_identity import content_may_differ, file_version, note_read, same_bytes
 from ..units import size_text
 from ..alignment import PAGE, align_down, align_up
-from ..host.raw_io import Descriptors, DiskReadError, memview, open_direct
+from ..files.raw_io import Descriptors, DiskReadError, memview, open_direct
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ def plan_read(extents: Sequence[tuple[int, int, int]], gap: int = RUN_GAP) -> Un
 
 class ModelFile:
     """One model file opened for reading: a buffered descriptor, a direct one where the file
-    system allows it (host/raw_io.py: Descriptors), and the version both were opened at (``version``).
+    system allows it (files/raw_io.py: Descriptors), and the version both were opened at (``version``).
 
     What is read is the open file, whatever later happens to its name: a re-download renamed over
     it or a delete leaves the inode, with exactly the bytes the model was loaded from, to the

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..host.file_identity import version_unreliable
+from ..files.file_identity import version_unreliable
 from ..host.layout import empty_at_phase
 from ..host.packing import PackedBlock
 from ..host.pinned import HostStorage, return_freed_ram
@@ -39,7 +39,7 @@ from ..host.tensor_refs import tensor_refs
 from ..units import size_text
 from .in_place import FileSlice, ModelFile, ModelFileChanged, ModelFileMap, Piece, Run, UnitRead, plan_read
 from ..alignment import PAGE, align_up
-from ..host.raw_io import raw_bytes
+from ..files.raw_io import raw_bytes
 from .store import SPILL_ALIGN, DiskStore
 
 log = logging.getLogger(__name__)

@@ -32,7 +32,7 @@ from ..host.layout import PackedTensor
 from ..host.packing import PackedBlock
 from ..units import size_text
 from ..alignment import PAGE, align_up
-from ..host.raw_io import Descriptors, DiskReadError, memview, open_direct, raw_bytes, write_all
+from ..files.raw_io import Descriptors, DiskReadError, memview, open_direct, raw_bytes, write_all
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 A pack is made once and kept (``detach(keep_pack=True)``): in one host storage, pinned up to the
 cap (the machine's one shared store of the same bytes where the caller asks to share:
-``host/shared_packing.py``), or, when the disk tier's RAM cap is smaller than the model, in the
+``sharing/shared_packing.py``), or, when the disk tier's RAM cap is smaller than the model, in the
 engine's spill file behind a host cache. On a GPU a small pinned staging buffer comes with a host pack that is not all
 pinned. Why stage at all: a copy from pageable memory returns only once the driver has staged all
 of it, so it would hold the sampling thread at every block exit. Why not refuse ``pin=False`` on
@@ -22,7 +22,7 @@ from ..disk.sources import read_back_pack
 from ..disk.tier import DiskOptions, DiskTier
 from ..host.packing import PackedBlock
 from ..host.pinned import HostStorage, return_freed_ram
-from ..host.shared_packing import HostPack, HostShare, pack_host
+from ..sharing.shared_packing import HostPack, HostShare, pack_host
 from ..host.staging import PIECE_BYTES
 from ..host.subclass import flatten, is_wrapper
 from ..ordering import for_device
@@ -168,7 +168,7 @@ class PackStore:
 
     def free_if_written(self, plan: StreamPlan) -> int:
         """Free a kept pack in a shared store whose units someone changed in place since (the
-        model's tensors show a copy-on-write mapping of it, ``host/store_view.py``): the store,
+        model's tensors show a copy-on-write mapping of it, ``sharing/store_view.py``): the store,
         which device copies come from, no longer holds the model's values; the next pack starts
         from them. Returns how many units were written."""
         if self._packed is None or self._packed.store is None:

@@ -37,7 +37,7 @@ from ..device.timeline import Timeline
 from ..disk.tier import DiskOptions, DiskTier
 from ..host.packing import PackedBlock
 from ..host.pinned import DEFAULT_CHUNK_BYTES
-from ..host.shared_packing import HostShare
+from ..sharing.shared_packing import HostShare
 from ..host.tensor_refs import tables_under
 from ..host.transform import Transform
 from ..ordering import for_device
@@ -107,7 +107,7 @@ class LayerwiseStreamer(StreamerFigures):
         share: HostShare | None = None,
     ) -> None:
         """``share``: keep the host pack in the machine's one shared store of these bytes, which
-        every process streaming the same model maps (``host/shared_packing.py``)."""
+        every process streaming the same model maps (``sharing/shared_packing.py``)."""
         blocks = check_blocks(blocks)
         self.device = resolve_device(device)
         units = stream_units(blocks, granularity)

@@ -11,7 +11,7 @@ computed weights (merged LoRA and the like) in it.  ``park`` never touches a slo
 something other than the master's values, so an owner's merged weights are safe from it.
 
 Two more ways to hold the bytes once: ``share`` keeps the master in the machine's one shared store
-of them (``host/shared_packing.py``), which every process loading the same file maps; ``skip``
+of them (``sharing/shared_packing.py``), which every process loading the same file maps; ``skip``
 leaves alone tensors that already live in another host master of this process (a layerwise
 streamer's kept pack), so the blocks are not copied a second time.
 """
@@ -28,7 +28,7 @@ from torch import nn
 from ..host.layout import alias_key, check_packable
 from ..host.packing import PackedBlock
 from ..host.pinned import DEFAULT_CHUNK_BYTES, HostStorage
-from ..host.shared_packing import HostShare, pack_host
+from ..sharing.shared_packing import HostShare, pack_host
 from ..host.subclass import tensor_nbytes
 from ..host.tensor_refs import tensor_refs
 

@@ -15,7 +15,7 @@ Its jobs live in their own modules, each below the one that uses it:
 - tier_policy.py: a model's policy (pinned, priority), changed on request;
 - preloads.py: warming models up in the background, and waiting for it;
 - eviction.py, tier_budgets.py, tier_events.py, tier_entries.py, tier_errors.py: the choices,
-  figures, events, records and refusals those use (a file's identity: host/file_identity.py).
+  figures, events, records and refusals those use (a file's identity: files/file_identity.py).
 
 Locking: every tier change runs under the registry's one re-entrant lock, with the backend called
 while holding it, so loads and evictions never interleave and a request that arrives during a load
@@ -23,7 +23,7 @@ simply waits. A backend must therefore never call back into the manager. Listene
 after the lock is released, and ``snapshot`` reads a copy published when a move starts and when
 each change ends, so a status request never waits for a load and can see which model is moving.
 
-Identity: a model file that changed on disk is a different model (host/file_identity.py). Entries
+Identity: a model file that changed on disk is a different model (files/file_identity.py). Entries
 registered with the same ``source`` supersede each other: the older one is forgotten as soon as no
 job uses it, so RAM never holds two versions of one file and new bytes never appear under an old
 id.

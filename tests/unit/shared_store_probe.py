@@ -35,9 +35,9 @@ sys.path.insert(0, str(HERE.parents[1]))
 
 import torch  # noqa: E402
 
-from offload_core.host import store_folder  # noqa: E402
-from offload_core.host.shared_packing import HostShare  # noqa: E402
-from offload_core.host.store_folder import DISK, SHARED_MEMORY, StoreFolder  # noqa: E402
+from offload_core.sharing import store_folder  # noqa: E402
+from offload_core.sharing.shared_packing import HostShare  # noqa: E402
+from offload_core.sharing.store_folder import DISK, SHARED_MEMORY, StoreFolder  # noqa: E402
 from offload_core.layerwise.streamer import LayerwiseStreamer  # noqa: E402
 from toy_models import ToyDiT, bits, inputs  # noqa: E402
 

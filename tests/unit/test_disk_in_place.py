@@ -466,7 +466,7 @@ def test_bytes_written_while_a_unit_is_read_never_reach_compute(model_file, tmp_
     other model's): the descriptor's identity, checked right after every read, fails that read,
     so the very pass that read it raises, naming the file, and no output computed from those
     bytes is returned."""
-    import offload_core.host.raw_io as raw_io_module
+    import offload_core.files.raw_io as raw_io_module
 
     model, path = model_file
     x = _x()
@@ -505,7 +505,7 @@ def test_a_model_file_on_a_network_file_system_is_copied_not_read_in_place(model
     """Where the file's version cannot prove its bytes unchanged (an NFS mount, here as the mount
     table would say), every unit goes to the spill file, with the reason in the figures and one
     log line naming the file and why; the output is core's, bit for bit."""
-    from offload_core.host import file_identity
+    from offload_core.files import file_identity
 
     model, path = model_file
     x = _x()

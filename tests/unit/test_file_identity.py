@@ -1,4 +1,4 @@
-"""A model file's identity (offload_core/host/file_identity.py): a change of its metadata alone
+"""A model file's identity (offload_core/files/file_identity.py): a change of its metadata alone
 (chmod, chown, a new hard link) leaves it the same file where its bytes read back as witnessed;
 a write whose modification time was put back, and another file renamed over the name, do not.
 Both ways the bytes are witnessed are covered: the whole file (a shared host copy) and the
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from offload_core.disk.in_place import ModelFile, ModelFileChanged, plan_read
-from offload_core.host import file_identity
-from offload_core.host.file_identity import content_may_differ, file_version, same_bytes, witness_whole
+from offload_core.files import file_identity
+from offload_core.files.file_identity import content_may_differ, file_version, same_bytes, witness_whole
 
 SIZE = 3 * 4096 + 123
 
@@ -147,7 +147,7 @@ def test_disk_streaming_fails_on_a_write_with_the_modification_time_put_back(mod
 def test_where_a_version_proves_nothing_is_named(tmp_path, monkeypatch):
     """Network and FUSE file systems (attributes cached) and Windows (the change time is the
     creation time) are named; a local file system is not; the real mount table is read."""
-    from offload_core.host import file_identity
+    from offload_core.files import file_identity
 
     path = tmp_path / "m.safetensors"
     path.write_bytes(b"x")

@@ -29,12 +29,14 @@ ENGINE_ROOMS = {
     "alignment": set(),
     "per_module": set(),
     "ordering": set(),
+    "files": {"alignment"},
     "host": {"alignment", "ordering", "units"},
+    "sharing": {"host", "units"},
     "blocks": {"host", "ordering"},
     "device": {"host", "ordering", "units"},
-    "disk": {"alignment", "host", "device", "ordering", "units"},
-    "layerwise": {"alignment", "blocks", "device", "disk", "host", "ordering", "units"},
-    "models": {"host", "ordering", "units"},
+    "disk": {"alignment", "files", "host", "device", "ordering", "units"},
+    "layerwise": {"alignment", "blocks", "device", "disk", "host", "ordering", "sharing", "units"},
+    "models": {"files", "host", "ordering", "sharing", "units"},
 }
 NODES = "nodes"
 # The ComfyUI side's rooms and the rooms of nodes/ each may import (nodes/*/__init__.py says the

@@ -1,4 +1,4 @@
-"""The shared host store (offload_core/host/shared_store.py and its helpers): one copy of a model's
+"""The shared host store (offload_core/sharing/shared_store.py and its helpers): one copy of a model's
 packed bytes per machine, across real processes, safe when they die or disagree.
 
 In-process tests run two streamers (or masters) over two copies of one toy model; the others run
@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from offload_core.host.pinned import HostStorage
-from offload_core.host.shared_packing import HostShare, pack_host
-from offload_core.host.shared_store import HEADER, SharedHostStore
-from offload_core.host.store_folder import (
+from offload_core.sharing.shared_packing import HostShare, pack_host
+from offload_core.sharing.shared_store import HEADER, SharedHostStore
+from offload_core.sharing.store_folder import (
     DISK,
     SHARED_MEMORY,
     SUPPORTED,
@@ -36,7 +36,7 @@ from offload_core.host.store_folder import (
     user_folder_name,
 )
 from offload_core.blocks.phases import stream_units
-from offload_core.host.store_key import StoreKey
+from offload_core.sharing.store_key import StoreKey
 from offload_core.layerwise.plan import StreamPlan
 from offload_core.layerwise.streamer import LayerwiseStreamer
 from offload_core.models.swap import ModuleSwap

@@ -21,9 +21,9 @@ import threading
 import pytest
 import torch
 
-from offload_core.host import store_folder
-from offload_core.host.shared_packing import HostShare
-from offload_core.host.store_folder import (
+from offload_core.sharing import store_folder
+from offload_core.sharing.shared_packing import HostShare
+from offload_core.sharing.store_folder import (
     DEFAULT_MAX_SHARE,
     SHARED_MEMORY,
     SUPPORTED,

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
-from offload_core.host.file_identity import file_version, model_id, source_key
+from offload_core.files.file_identity import file_version, model_id, source_key
 from offload_core.models.tier_budgets import MAX_BUDGET_BYTES, ram_total_bytes
 from offload_core.models.tier_entries import Policy, Tier
 from offload_core.models.tier_errors import (

@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..units import size_text
-from .pinned import DEFAULT_RESERVE_BYTES, HostStorage, available_ram_bytes
+from ..host.pinned import DEFAULT_RESERVE_BYTES, HostStorage, available_ram_bytes
 from . import store_folder
 from .store_folder import (
     LOCK_SUFFIX,

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from .packing import PackedBlock
-from .pinned import HostStorage, return_freed_ram
+from ..host.packing import PackedBlock
+from ..host.pinned import HostStorage, return_freed_ram
 from .shared_store import SharedHostStore
 from .store_folder import StoreFolder, StoreUnavailable
 from .store_key import StoreKey, first_difference, layout_signature

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from .packing import PackedBlock
-from .subclass import PLAIN_TYPES
+from ..host.packing import PackedBlock
+from ..host.subclass import PLAIN_TYPES
 
 FORMAT_VERSION = 2
 TRANSFORM = "base weights; merges run on device copies"

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from .pinned import HostStorage
+from ..host.pinned import HostStorage
 
 
 class CopyOnWriteView:
