@@ -331,7 +331,7 @@ export function fitPicture(root) {
   for (const chart of root.querySelectorAll('[data-role="tl-chart"]')) {
     fitLabelColumn(chart);
     for (const mark of chart.querySelectorAll('[data-role="tl-marks"] > *')) {
-      if (mark.scrollWidth > mark.clientWidth + 1) mark.remove();
+      if (mark.scrollWidth > mark.clientWidth) mark.remove();  // cut by as little as a pixel: its ellipsis shows
     }
     fitTicks(chart);
   }
