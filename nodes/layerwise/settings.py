@@ -17,7 +17,7 @@ from ..core import budgets
 GIB = 1024 ** 3
 MAX_RESIDENT_BLOCKS = 4096
 MAX_VRAM_BUDGET_GB = 1024.0
-MAX_PREFETCH = 16
+MAX_PREFETCH = 16  # the input's range; what auto tries is the planner's own (PLANNED_PREFETCH)
 MAX_HOST_CACHE_GB = 4096.0
 MAX_DISK_WORKERS = 16
 GRANULARITY_CHOICES = (AUTO, *GRANULARITIES)

@@ -13,7 +13,7 @@ least VRAM.
 The candidates: resident blocks chosen two ways for every count (spread evenly through the
 stack, which gives each copy the most compute to hide behind; or the largest blocks first, which
 also shrinks the slots, since a slot holds the largest streamed unit), every phase of a chosen
-block resident; ``prefetch`` 1 to ``MAX_PREFETCH``; from disk, read-ahead 1 to what the cache
+block resident; ``prefetch`` 1 to ``PLANNED_PREFETCH``; from disk, read-ahead 1 to what the cache
 leaves room for. A setting the user fixed is not a choice: the planner keeps it and says what
 ``auto`` would have done, and what that would have saved.
 """
@@ -28,8 +28,8 @@ from ..device.residency import bound_bytes, spread_evenly
 from ..units import size_text
 from .pipeline import DISK_PASSES, PASSES, Costs, Prediction, Setting, cache_shape, most_read_ahead, predict
 
-MAX_PREFETCH = 4  # copies ahead the planner tries; more has never paid on a link with one copy stream
-MAX_READ_AHEAD = 4  # units read ahead from disk the planner tries
+PLANNED_PREFETCH = 4  # the most copies ahead the planner tries (a node input may fix more); more has never paid on a link with one copy stream
+PLANNED_READ_AHEAD = 4  # the most units read ahead from disk the planner tries
 TIE = 0.01  # predictions this close to the fastest count as as fast
 COARSE_COUNTS = 8  # from disk, resident counts are first weighed on a grid of this many steps
 DEFAULT_PREFETCH = 2  # the node's manual default, and the planner's start before any measurement
@@ -131,7 +131,7 @@ def candidates(costs: Costs, choices: Choices, counts: Sequence[int] | None = No
         sets = [tuple(sorted(choices.resident))]
     else:
         sets = [s for count in counts for s in resident_sets(costs, count)]
-    prefetches = range(1, MAX_PREFETCH + 1) if choices.prefetch is None else [choices.prefetch]
+    prefetches = range(1, PLANNED_PREFETCH + 1) if choices.prefetch is None else [choices.prefetch]
     for resident in sets:
         res = set(resident)
         streamed = [u for u in range(costs.units) if u not in res]
@@ -142,7 +142,7 @@ def candidates(costs: Costs, choices: Choices, counts: Sequence[int] | None = No
             most = most_read_ahead(costs, streamed, min(prefetch + 1, len(streamed)))
             if not most:
                 continue  # the cache cannot hold what this setting streams at once
-            depths = (range(1, min(most, MAX_READ_AHEAD) + 1) if choices.read_ahead is None
+            depths = (range(1, min(most, PLANNED_READ_AHEAD) + 1) if choices.read_ahead is None
                       else [min(choices.read_ahead, most)])
             for depth in depths:
                 yield Setting(resident, prefetch, depth)
@@ -253,8 +253,8 @@ def prediction_work(costs: Costs) -> float:
 def search_work(costs: Costs, choices: Choices) -> float:
     """At most what a plan of ``costs`` costs with no cap: every candidate predicted."""
     counts = 1 if choices.resident is not None else 2 * (len(set(costs.unit_blocks)) + 1)
-    prefetches = MAX_PREFETCH if choices.prefetch is None else 1
-    depths = MAX_READ_AHEAD if costs.disk is not None and choices.read_ahead is None else 1
+    prefetches = PLANNED_PREFETCH if choices.prefetch is None else 1
+    depths = PLANNED_READ_AHEAD if costs.disk is not None and choices.read_ahead is None else 1
     return counts * prefetches * depths * prediction_work(costs)
 
 
