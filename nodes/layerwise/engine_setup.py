@@ -69,10 +69,9 @@ def make_streamer(blocks, device: torch.device, settings: LayerwiseSettings, gra
                            workers=AUTO_READERS if auto else settings.disk_workers,
                            spill_dir=spill_folder.spill_folder(settings.spill_dir),
                            model_file=model_file_map, read_ahead=AUTO if auto else None)
-    return LayerwiseStreamer(list(blocks), device,
-                             resident=settings.resident_blocks if settings.resident_blocks >= 0 else AUTO,
-                             prefetch=AUTO if settings.auto_prefetch else settings.prefetch,
-                             pin=settings.pin, granularity=granularity, disk=disk, share=share)
+    rules = settings.streamer_kwargs()  # the one place the node's 0 and -1 become the engine's auto
+    return LayerwiseStreamer(list(blocks), device, resident=rules["resident"], prefetch=rules["prefetch"],
+                             pin=rules["pin"], granularity=granularity, disk=disk, share=share)
 
 
 def refuse_budget_below_streaming(settings: LayerwiseSettings, least: int, model_class: str) -> None:
