@@ -146,7 +146,7 @@ def test_an_unpin_while_a_prompt_runs_drops_nothing_until_the_prompt_ends(tier_s
         if model(s, SD3)["tier"] == "disk":
             assert s.request("POST", f"/offload/models/{sd3}/park")[0] == 200
         s.post(f"/offload/models/{sd3}/pin")
-        s.post("/offload/budgets", {"ram_budget_gb": 1 / 1024 ** 2})  # 1 KiB: only its pin keeps it
+        s.post("/offload/budgets", {"ram_budget_gb": 1 / 1024})  # 1 MiB: only its pin keeps it
         assert model(s, SD3)["tier"] != "disk"
         slow = s.queue(sample_workflow("wan21", steps=400))  # core's loader: nothing of the manager's
         try:
