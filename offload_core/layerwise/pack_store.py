@@ -121,7 +121,7 @@ class PackStore:
             count = disk.place(packs, progress)
             return_freed_ram()
             self._telemetry.blocks_packed += count
-        disk.open_cache(order, sizes, plan.nslots, largest, plan.settings["read_ahead"])
+        disk.open_cache(order, sizes, plan.nslots, largest, plan.rules.read_ahead)
         return count
 
     def fit_cache(self, plan: StreamPlan) -> None:
@@ -132,7 +132,7 @@ class PackStore:
         packs = plan.all_packs()
         sizes = {i: p.nbytes for i, p in enumerate(packs)}
         self.disk.open_cache(list(plan.streamed_indices), sizes, plan.nslots, max(sizes.values(), default=0),
-                             plan.settings["read_ahead"])
+                             plan.rules.read_ahead)
 
     def _settle_bounce(self, plan: StreamPlan) -> None:
         """Keep the staging buffer only if a streamed block's pack is pageable and the buffer is pinned."""

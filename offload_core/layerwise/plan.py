@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 from torch import nn
 
@@ -48,6 +49,19 @@ def check_blocks(blocks: Sequence[nn.Module]) -> list[nn.Module]:
     return blocks
 
 
+@dataclass(frozen=True)
+class Rules:
+    """What chooses a plan's residency, typed once: the user's rules (a resident count, or a VRAM
+    budget the most resident units fit in), or the tuner's choice, which stands for both; the
+    units copied ahead; and the units the disk cache reads ahead."""
+
+    resident: int | None = None  # resident blocks (None: as many as ``vram_budget_bytes`` holds)
+    vram_budget_bytes: int | None = None
+    prefetch: int = 1
+    resident_units: tuple[int, ...] | None = None  # the tuner's choice of resident units
+    read_ahead: int | None = None  # None: as many units as the cache has readers
+
+
 class StreamPlan:
     """The units of ``blocks``, their packs (``packs``, one per unit, and ``shared``), and which
     units are resident (``resident_indices``) or streamed (``streamed_indices``, in run order,
@@ -58,10 +72,7 @@ class StreamPlan:
         self.blocks = blocks
         self.units = units
         self.granularity = granularity
-        # resident_units: the planner's choice of resident units, which stands for the two above;
-        # read_ahead: units the disk cache reads ahead (None: as many as it has readers).
-        self.settings = {"resident": resident, "vram_budget_bytes": vram_budget_bytes, "prefetch": prefetch,
-                         "resident_units": None, "read_ahead": None}
+        self.rules = Rules(resident, vram_budget_bytes, prefetch)
         self.lay_out()
 
     # ------------------------------------------------------------------ layout
@@ -114,16 +125,16 @@ class StreamPlan:
 
     # --------------------------------------------------------------- residency
     def place(self) -> None:
-        """Resident and streamed units, and the slots streaming needs, from the settings."""
+        """Resident and streamed units, and the slots streaming needs, from the rules."""
         sizes = [p.nbytes for p in self.packs]
-        settings = self.settings
-        rules = {k: settings[k] for k in ("resident", "vram_budget_bytes", "prefetch")}
-        if settings["resident_units"] is not None:
-            chosen = sorted(set(settings["resident_units"]))
+        r = self.rules
+        rules = {"resident": r.resident, "vram_budget_bytes": r.vram_budget_bytes, "prefetch": r.prefetch}
+        if r.resident_units is not None:
+            chosen = sorted(set(r.resident_units))
             if any(not 0 <= u < len(self.units) for u in chosen):
                 raise ValueError(f"resident units {chosen} are not units of this plan ({len(self.units)})")
             self.resident_indices = chosen
-        elif self.granularity != "block" and settings["resident"] is not None:
+        elif self.granularity != "block" and r.resident is not None:
             # A resident count is in blocks: every phase of the picked blocks stays.
             block_sizes = [sum(sizes[u] for u, unit in enumerate(self.units) if unit.block == b)
                            for b in range(len(self.blocks))]
@@ -135,30 +146,28 @@ class StreamPlan:
         self.streamed_indices: list[int] = [i for i in range(len(self.units)) if i not in res]
         self.pos = {b: j for j, b in enumerate(self.streamed_indices)}
         self.slot_bytes = max((sizes[i] for i in self.streamed_indices), default=0)
-        self.nslots = slot_count(settings["prefetch"], len(self.streamed_indices))
+        self.nslots = slot_count(r.prefetch, len(self.streamed_indices))
 
     def replan(self, *, resident: int | None, vram_budget_bytes: int | None) -> None:
-        """Choose the resident units again; the old choice stands if the new settings are refused."""
-        self._settle(dict(self.settings, resident=resident, vram_budget_bytes=vram_budget_bytes,
-                          resident_units=None))
+        """Choose the resident units again; the old choice stands if the new rules are refused."""
+        self.restore(replace(self.rules, resident=resident, vram_budget_bytes=vram_budget_bytes,
+                             resident_units=None))
 
     def apply(self, resident_units: Sequence[int], prefetch: int, read_ahead: int | None) -> None:
         """The planner's setting: these units resident, ``prefetch`` units copied ahead, ``read_ahead``
-        read ahead from disk; the old settings stand if these are refused."""
-        self._settle(dict(self.settings, resident_units=tuple(resident_units), prefetch=prefetch,
-                          read_ahead=read_ahead))
+        read ahead from disk; the old rules stand if these are refused."""
+        self.restore(replace(self.rules, resident_units=tuple(resident_units), prefetch=prefetch,
+                             read_ahead=read_ahead))
 
-    def restore(self, settings: dict) -> None:
-        """Settings saved from ``settings`` earlier, as they were."""
-        self._settle(dict(settings))
-
-    def _settle(self, settings: dict) -> None:
-        old = self.settings
-        self.settings = settings
+    def restore(self, rules: Rules) -> None:
+        """Residency from ``rules`` (ones saved from ``rules`` earlier, or new ones); the old rules
+        stand if these are refused."""
+        old = self.rules
+        self.rules = rules
         try:
             self.place()
         except BaseException:
-            self.settings = old
+            self.rules = old
             self.place()
             raise
 
@@ -170,11 +179,11 @@ class StreamPlan:
         """The bound with every block streamed (the least device memory streaming can work in)
         and with every block resident (the most the engine can use)."""
         sizes = [p.nbytes for p in self.packs]
-        prefetch = self.settings["prefetch"]
+        prefetch = self.rules.prefetch
         return (bound_bytes(sizes, [], self.shared.nbytes, prefetch),
                 bound_bytes(sizes, range(len(sizes)), self.shared.nbytes, prefetch))
 
     def bound_bytes(self) -> int:
         """Most weight bytes the settings ever place on the compute device: resident + slots."""
         sizes = [p.nbytes for p in self.packs]
-        return bound_bytes(sizes, self.resident_indices, self.shared.nbytes, self.settings["prefetch"])
+        return bound_bytes(sizes, self.resident_indices, self.shared.nbytes, self.rules.prefetch)

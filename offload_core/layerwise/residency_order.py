@@ -12,7 +12,7 @@ Each kind of run (the shape of the latent: another resolution or batch changes w
 costs) goes through: measure (a run with the starting order) -> plan (before the next load; the
 order changes only where the model predicts a faster step by more than ``planner.TIE``, since
 laying VRAM out again drops every page the model holds there) -> check (the next run is measured
-and held against the prediction by the engine's own rule, ``tuning.slower_than_before``: slower
+and held against the prediction by the engine's own rule (check.py): slower
 than the order before, judged in the conditions just measured, and the order before comes back,
 the rejected one not tried again; a host or link that slowed every order down is no reason)
 -> hold.
@@ -32,7 +32,7 @@ from typing import Any
 from .measure import block_costs
 from .pipeline import Costs, Setting, predict
 from .planner import TIE, Choices, Plan, Reason, ms_text, plan, plural
-from .tuning import VERDICT_KEYS, slower_than_before, verdict
+from .check import ROLLED_BACK, VERDICT_KEYS, Outcome, Trial, check, verdict
 
 CORE_PREFETCH = 1  # core's block prefetch fetches one block ahead
 
@@ -46,7 +46,7 @@ class _Kind:
     predicted_ms: float | None = None
     measured_ms: float | None = None
     verdict: str | None = None
-    before: tuple[tuple[int, ...], float] | None = None  # the order replaced, and its step
+    trial: Trial | None = None  # the order a plan replaced, and its step
     rejected: list[Setting] = field(default_factory=list)
     reason: Reason | None = None
     # A count the user fixed: auto's budget and rule's order for this kind, and auto's choice.
@@ -105,7 +105,7 @@ class OrderTuner:
         kind.plan = result
         if change is not None:
             chosen = result.chosen.setting
-            kind.before = (kind.order, kind.measured_ms or predict(kind.costs, current).step_ms)
+            kind.trial = Trial(current, kind.measured_ms or predict(kind.costs, current).step_ms)
             self.changes.append({"pass": self.runs + 1, "from": self._json(kind.order),
                                  "to": self._json(chosen.resident), "why": "planned"})
             kind.order = chosen.resident
@@ -153,17 +153,18 @@ class OrderTuner:
             kind.phase = "hold"
         elif kind.phase == "check" and kind.predicted_ms:
             kind.verdict = verdict(kind.predicted_ms, period_ms)
-            before = (self._setting(kind.before[0]), kind.before[1]) if kind.before is not None else None
-            if before is not None and slower_than_before(kind.costs, self._setting(kind.order), before,
-                                                         kind.predicted_ms, period_ms):
+            if check(kind.costs, self._setting(kind.order), kind.predicted_ms, period_ms,
+                     kind.trial) is Outcome.ROLL_BACK:
+                back = kind.trial.before.resident
                 kind.rejected.append(self._setting(kind.order))
                 self.changes.append({"pass": self.runs + 1, "from": self._json(kind.order),
-                                     "to": self._json(kind.before[0]), "why": "slower than predicted"})
-                kind.order = kind.before[0]
+                                     "to": self._json(back), "why": "slower than predicted"})
+                kind.order = back
+                kind.verdict = ROLLED_BACK
                 kind.reason = Reason(f"rolled back: {ms_text(period_ms)} a step measured, "
                                      f"{ms_text(kind.predicted_ms)} predicted, "
-                                     f"{ms_text(kind.before[1])} before")
-            kind.phase = "hold"
+                                     f"{ms_text(kind.trial.before_ms)} before")
+            kind.phase = "hold"  # laying VRAM out again is not free: a slower order is not re-planned
         else:  # planned before the next load, with the newest figures
             kind.phase = "plan"
             if kind.predicted_ms:

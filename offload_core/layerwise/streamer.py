@@ -46,7 +46,7 @@ from .pack_store import PackStore
 from .pipeline import Setting
 from .plan import StreamPlan, check_blocks
 from .schedule import DeviceSchedule
-from .tuning import AUTO, ScheduleLost, Tuner
+from .tuning import AUTO, AutoSettings, ScheduleLost, Tuner
 
 log = logging.getLogger(__name__)
 
@@ -130,11 +130,11 @@ class LayerwiseStreamer(StreamerFigures):
         self._timeline_wanted = False
         self._attached = False
         self._closed = False
-        auto = {"resident": resident == AUTO, "prefetch": prefetch == AUTO,
-                "read_ahead": disk is not None and disk.read_ahead == AUTO}
-        self._plan = StreamPlan(blocks, units, granularity, resident=None if auto["resident"] else resident,
+        auto = AutoSettings(resident=resident == AUTO, prefetch=prefetch == AUTO,
+                            read_ahead=disk is not None and disk.read_ahead == AUTO)
+        self._plan = StreamPlan(blocks, units, granularity, resident=None if auto.resident else resident,
                                 vram_budget_bytes=vram_budget_bytes,
-                                prefetch=1 if auto["prefetch"] else prefetch)  # auto: the least it may take
+                                prefetch=1 if auto.prefetch else prefetch)  # auto: the least it may take
         # With every setting fixed the tuner only says what auto would choose. It calls back through
         # weak references: a streamer dropped is freed at once, with its pack (no cycle to collect).
         self._tuner = Tuner(self._plan, self.device, auto, _weak(self._rebuild), _weak(self.describe_units),
@@ -194,7 +194,7 @@ class LayerwiseStreamer(StreamerFigures):
         plan, store, tuner = self._plan, self._store, self._tuner
         if tuner is not None:
             disk = _streaming_disk(store.disk, plan)
-            start = tuner.attach_setting(plan.settings["vram_budget_bytes"], transform is not None,
+            start = tuner.attach_setting(plan.rules.vram_budget_bytes, transform is not None,
                                          disk.options.cap_bytes if disk else None, _start_read_ahead(disk))
             if not compiled:  # under a compile the plan the caller checked it against stands
                 plan.apply(start.resident, start.prefetch, start.read_ahead or None)
@@ -349,7 +349,7 @@ class LayerwiseStreamer(StreamerFigures):
             self._schedule.record(self.telemetry.timeline)
             return
         plan = self._plan
-        old = dict(plan.settings)
+        old = plan.rules
         self._take_down()
         try:
             plan.apply(setting.resident, setting.prefetch, setting.read_ahead or None)

@@ -19,7 +19,7 @@ apart):
 4. check: the next steady passes are held against the prediction; a pass slower than predicted
    (by more than ``CHECK_TOLERANCE``) whose setting is slower than the one before is rolled back to
    it, and that setting is not tried again in these conditions; slower than before is judged in
-   the conditions of the pass just measured (``slower_than_before``: a slower link slows every
+   the conditions of the pass just measured (check.py, the rule the order tuner follows too: a slower link slows every
    setting, which no comparison with an earlier step can tell, while time that grew outside the
    units may be the new setting's own); a pass slower than predicted but not slower than before
    is kept and planned again, though never back to a setting this run measured no faster;
@@ -68,6 +68,7 @@ from ..device.residency import bound_bytes
 from ..disk.cache_rule import cache_holds
 from ..device.timeline import Timeline
 from ..ordering import Event, for_device
+from .check import CHECK_TOLERANCE, ROLLED_BACK, VERDICT_KEYS, Outcome, Trial, check, verdict
 from .measure import PassMeter, PeriodWatch
 from .pipeline import DISK_STEADY, Costs, Setting, predict
 from .plan import StreamPlan
@@ -77,7 +78,6 @@ from .planner import (DEFAULT_PREFETCH, Choices, Plan, Reason, ms_text, plan, pr
 log = logging.getLogger(__name__)
 
 AUTO = "auto"  # a setting left to the tuner
-CHECK_TOLERANCE = 0.05  # a pass up to this much slower than predicted is as predicted
 WARMUP_PASSES = 1  # passes left out after an attach or a new setting before one is measured
 MAX_PLANS = 3  # plans per kind of pass and run: a model that keeps missing stops re-planning
 MAX_SWITCHES = 2  # changes of the kind of pass a run follows; more, and its setting stays
@@ -86,6 +86,29 @@ MAX_MISSES = 4  # passes of a phase that could not be measured before the settin
 # cost with one input shape (a cond call, then an uncond call) is measured and checked over the
 # same mix of calls (from disk, DISK_STEADY, also even).
 MEASURE_PASSES = 2
+
+
+@dataclass(frozen=True)
+class AutoSettings:
+    """Which of a streamer's settings the user left to the tuner; the rest are the user's rules."""
+
+    resident: bool = False
+    prefetch: bool = False
+    read_ahead: bool = False
+
+    NAMES = ("resident", "prefetch", "read_ahead")
+
+    def left(self) -> list[str]:
+        """The names of the settings left to the tuner."""
+        return [name for name in self.NAMES if getattr(self, name)]
+
+    def fixed(self, from_disk: bool) -> list[str]:
+        """The names of the settings the user fixed that count for a run (read-ahead only from disk)."""
+        return [name for name in self.NAMES
+                if not getattr(self, name) and (name != "read_ahead" or from_disk)]
+
+
+EVERY_SETTING_AUTO = AutoSettings(resident=True, prefetch=True, read_ahead=True)
 
 
 class ScheduleLost(RuntimeError):
@@ -109,7 +132,7 @@ class _Kind:
     held: Setting | None = None  # the setting checked and kept
     predicted_ms: float | None = None  # the prediction for the setting in force
     measured_ms: float | None = None  # the last steady pass measured
-    before: tuple[Setting, float] | None = None  # the setting a plan replaced, with its step
+    trial: Trial | None = None  # the setting a plan replaced, with its step
     rejected: list[Setting] = field(default_factory=list)
     # The steps measured of each setting tried in this run's conditions: a plan never goes back
     # to a setting already measured no faster than the one in force (no A -> B -> A re-uploads).
@@ -131,20 +154,20 @@ class _Kind:
     runs: int = 0  # runs that measured this kind: after the first, a run's first pass is warm
 
 
-def default_setting(p: StreamPlan, auto: dict[str, bool], budget_bytes: int | None, disk_cap: int | None,
+def default_setting(p: StreamPlan, auto: AutoSettings, budget_bytes: int | None, disk_cap: int | None,
                     disk_read_ahead: int) -> tuple[Setting, Choices]:
     """The setting a run has without a plan (the user's rules; for resident blocks left to auto,
     the most the budget holds; for prefetch left to auto, the engine's default or less, as the
     budget and the disk cache allow), applied to ``p``, and what the planner may change."""
-    fixed = None if auto["prefetch"] else p.settings["prefetch"]
-    rules = dict(p.settings)
-    if auto["resident"]:
-        rules.update(resident=None, vram_budget_bytes=budget_bytes, resident_units=None)
-    if auto["read_ahead"]:
-        rules.update(read_ahead=None)
+    fixed = None if auto.prefetch else p.rules.prefetch
+    rules = p.rules
+    if auto.resident:
+        rules = replace(rules, resident=None, vram_budget_bytes=budget_bytes, resident_units=None)
+    if auto.read_ahead:
+        rules = replace(rules, read_ahead=None)
     for prefetch in ([fixed] if fixed else range(DEFAULT_PREFETCH, 0, -1)):
         try:
-            p.restore(dict(rules, prefetch=prefetch))
+            p.restore(replace(rules, prefetch=prefetch))
         except ValueError:
             if prefetch == 1 or fixed:
                 raise
@@ -152,11 +175,11 @@ def default_setting(p: StreamPlan, auto: dict[str, bool], budget_bytes: int | No
         if fixed or prefetch == 1 or disk_cap is None or cache_holds(
                 disk_cap, [p.packs[i].nbytes for i in p.streamed_indices], p.nslots):
             break
-    read_ahead = (p.settings["read_ahead"] or disk_read_ahead) if disk_cap else 0
+    read_ahead = (p.rules.read_ahead or disk_read_ahead) if disk_cap else 0
     default = Setting(tuple(p.resident_indices), prefetch, read_ahead)
-    return default, Choices(resident=None if auto["resident"] else default.resident,
-                            prefetch=None if auto["prefetch"] else prefetch,
-                            read_ahead=None if auto["read_ahead"] or not disk_cap else read_ahead)
+    return default, Choices(resident=None if auto.resident else default.resident,
+                            prefetch=None if auto.prefetch else prefetch,
+                            read_ahead=None if auto.read_ahead or not disk_cap else read_ahead)
 
 
 # The CPU a plan may take (planner.py ``prediction_work``, microseconds): a search that fits this
@@ -229,11 +252,11 @@ class Tuner:
     """The settings of one streamer (``plan``) that ``auto`` leaves to it, applied through
     ``rebuild``."""
 
-    def __init__(self, plan_: StreamPlan, device: torch.device, auto: dict[str, bool], rebuild: Rebuild,
+    def __init__(self, plan_: StreamPlan, device: torch.device, auto: AutoSettings, rebuild: Rebuild,
                  describe: Callable[[], list[dict]], disk_rate: Callable[[], float | None]) -> None:
         self._plan = plan_
         self._ordering = for_device(device)
-        self._auto = auto  # which of resident, prefetch, read_ahead are left to the tuner
+        self._auto = auto
         self.choices = Choices()
         self._rebuild = rebuild
         self._describe = describe
@@ -270,7 +293,7 @@ class Tuner:
     def current(self) -> Setting:
         """The setting the plan holds now."""
         p = self._plan
-        return Setting(tuple(p.resident_indices), p.settings["prefetch"], p.settings["read_ahead"] or 0)
+        return Setting(tuple(p.resident_indices), p.rules.prefetch, p.rules.read_ahead or 0)
 
     def attach_setting(self, budget_bytes: int | None, transform: bool, disk_cap: int | None,
                        disk_read_ahead: int) -> Setting:
@@ -289,10 +312,9 @@ class Tuner:
             kind.plans, kind.rejected, kind.tried = 0, [], {}
         self.auto_start = None
         if self._fixed():  # the advice is auto's own plan, which starts where a run left to auto does
-            rules = dict(self._plan.settings)
+            rules = self._plan.rules
             try:
-                every = dict.fromkeys(self._auto, True)
-                self.auto_start, _ = default_setting(self._plan, every, self.advice_budget, disk_cap,
+                self.auto_start, _ = default_setting(self._plan, EVERY_SETTING_AUTO, self.advice_budget, disk_cap,
                                                      disk_read_ahead)
             except ValueError:  # auto would not fit where the fixed setting does: no start to weigh from
                 pass
@@ -532,7 +554,7 @@ class Tuner:
 
     def _fixed(self) -> list[str]:
         """The settings the user fixed that count for this run (read-ahead only from disk)."""
-        return [k for k, on in self._auto.items() if not on and (k != "read_ahead" or self.disk_cap)]
+        return self._auto.fixed(from_disk=bool(self.disk_cap))
 
     def _fits(self, setting: Setting) -> bool:
         budget = self._budget()
@@ -581,7 +603,7 @@ class Tuner:
         """A held setting's steps moved beyond their spread (a link that slows, a host that gets
         busy): what was tried and rolled back in the old conditions says nothing of the new ones,
         so the kind is measured and planned again."""
-        kind.rejected, kind.tried, kind.plans, kind.before = [], {}, 0, None
+        kind.rejected, kind.tried, kind.plans, kind.trial = [], {}, 0, None
         kind.verdict = f"the step moved from {ms_text(base_ms)} to {ms_text(now_ms)}: measuring again"
         log.info("layerwise auto settings: pass %d: %s", self.passes, kind.verdict)
         self._enter("measure")
@@ -605,7 +627,7 @@ class Tuner:
                             else verdict(kind.predicted_ms, period))
             self._enter("hold", watch=True)
             return
-        kind.before = (current, period)
+        kind.trial = Trial(current, period)
         if not self._apply(kind, chosen.setting, kind.plan.reason.text):
             kind.held = current
             kind.predicted_ms = predict(kind.costs, current).step_ms
@@ -620,23 +642,23 @@ class Tuner:
         before it, or planned again (the module docstring's step 4)."""
         predicted = kind.predicted_ms or period
         current = self.current()
-        if period <= predicted * (1 + CHECK_TOLERANCE):
+        planned_outside = kind.costs.outside_ms if kind.costs is not None else None
+        outcome = check(costs, current, predicted, period, kind.trial, planned_outside)
+        if outcome is Outcome.AS_PREDICTED:
             kind.held, kind.costs = current, costs
             kind.verdict = verdict(predicted, period)
             self._enter("hold", watch=True)
             return
-        before = kind.before
-        planned_outside = kind.costs.outside_ms if kind.costs is not None else None
-        if before is not None and before[0] != current and slower_than_before(costs, current, before, predicted, period,
-                                                                               planned_outside):
+        if outcome is Outcome.ROLL_BACK:
+            before = kind.trial.before
             kind.rejected.append(current)
-            kind.held = before[0]
-            kind.verdict = "slower than predicted, and than the setting before: rolled back"
-            self._apply(kind, before[0], "rolled back: slower than predicted")
+            kind.held = before
+            kind.verdict = ROLLED_BACK
+            self._apply(kind, before, "rolled back: slower than predicted")
             # The setting is back for this reason, whatever plan (if any) first chose it.
-            kind.reasons[before[0]] = Reason(f"rolled back: {ms_text(period)} a step measured, "
-                                             f"{ms_text(predicted)} predicted, {ms_text(before[1])} before")
-            kind.predicted_ms, kind.before = predict(costs, before[0]).step_ms, None
+            kind.reasons[before] = Reason(f"rolled back: {ms_text(period)} a step measured, "
+                                          f"{ms_text(predicted)} predicted, {ms_text(kind.trial.before_ms)} before")
+            kind.predicted_ms, kind.trial = predict(costs, before).step_ms, None
             self._enter("hold", watch=True)
             return
         kind.costs = costs  # slower than predicted, but no slower than before: measured again
@@ -706,7 +728,7 @@ class Tuner:
         # it back (none for the start setting; a later plan whose choice was not applied leaves it).
         in_force = kind.reasons.get(current)
         out: dict[str, Any] = {
-            "auto": [k for k, on in self._auto.items() if on],
+            "auto": self._auto.left(),
             "phase": self._phase,
             "setting": _setting_json(current, self._plan),
             "predicted_ms": kind.predicted_ms,
@@ -737,47 +759,6 @@ class Tuner:
     def report(self) -> dict[str, Any] | None:
         """What the tuner chose and why, for the panel (None before anything was measured)."""
         return self._report(self._kinds.get(self._kind) if self._kind is not None else None)
-
-def slower_than_before(costs: Costs, current: Setting, before: tuple[Setting, float], predicted: float,
-                       period: float, outside_ms: float | None = None) -> bool:
-    """Whether the setting in force is slower than the one before it, its pass having been
-    slower than predicted. Where the units themselves now cost more than when the plan was
-    made (the model predicts the slower pass from what was just measured: a slower link, a
-    busier device), both settings are judged by the model in these new conditions, since a step
-    measured before them says nothing of them. Where they do not (the model was wrong about
-    this setting), by the steps measured. ``outside_ms``: the time outside the units when the
-    plan was made; time that grew outside the units is not the units' and may be the setting's
-    own (the host's work per streamed unit), so it is judged by the steps measured."""
-    if outside_ms is not None:
-        costs = replace(costs, outside_ms=outside_ms)
-    now = predict(costs, current).step_ms
-    if now > predicted * (1 + CHECK_TOLERANCE):
-        return predict(costs, before[0]).step_ms * (1 + CHECK_TOLERANCE) < now
-    return period > before[1] * (1 + CHECK_TOLERANCE)
-
-
-# The verdicts a panel can put in its user's language (the rest, which name figures or errors, are
-# the engine's words): the words, and the key the report gives beside them.
-VERDICT_KEYS = {
-    "as predicted": "as_predicted",
-    "faster than predicted": "faster",
-    "slower than predicted": "slower",
-    "slower than predicted, and than the setting before: rolled back": "rolled_back",
-    "the model's passes do not run every block: the setting stays": "partial_passes",
-    "the planned setting measured no faster in this run: the setting stays": "no_faster",
-    "measuring": "measuring",
-}
-
-
-def verdict(predicted: float, measured: float) -> str:
-    """The measured step against the predicted one, in the panel's words (the panel shows both)."""
-    ratio = measured / predicted if predicted > 0 else 1.0
-    if ratio > 1 + CHECK_TOLERANCE:
-        return "slower than predicted"
-    if ratio < 1 - CHECK_TOLERANCE:
-        return "faster than predicted"
-    return "as predicted"
-
 
 def _setting_json(setting: Setting, p: StreamPlan) -> dict:
     blocks = sorted({p.units[u].block for u in setting.resident})

@@ -154,7 +154,7 @@ def test_short_runs_stream_with_the_plan_from_an_early_run(monkeypatch, tmp_path
                 streamer.attach(root=stack)
                 plan = streamer._plan
                 starts.append((sorted({plan.units[u].block for u in plan.resident_indices}),
-                               plan.settings["prefetch"], plan.settings["read_ahead"] or 0))
+                               plan.rules.prefetch, plan.rules.read_ahead or 0))
                 for _ in range(calls):
                     stack(torch.zeros(4))
                 streamer.detach(keep_pack=True)

@@ -397,7 +397,7 @@ def test_auto_prefetch_starts_from_what_a_small_cache_holds(tmp_path):
         fixed.attach()
     st = _disk_streamer(model, tmp_path / "auto", "block", 0, "auto", 3)
     st.attach()
-    assert st._plan.settings["prefetch"] == 1
+    assert st._plan.rules.prefetch == 1
     with torch.no_grad():
         for _ in range(3):
             assert torch.equal(model(x, t), ref)
