@@ -89,7 +89,7 @@ def test_a_run_that_streams_nothing_says_so_in_the_full_view(comfy, browser):  #
                            "Workspace.ToggleBottomPanelTab.tiered-offload-timeline")
         hint = page.page.locator('#tiered-offload-timeline [data-role="tl-none"]')
         sync_api.expect(hint).to_have_text(
-            "Nothing streamed in the last run: every block stayed in VRAM, so there were no copies to picture.")
+            "Nothing streamed in the last run: every block stayed resident, so there were no copies to picture.")
     finally:
         page.page.close()
         comfy.post("/offload/timeline", {"enabled": False})

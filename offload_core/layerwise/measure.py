@@ -10,7 +10,8 @@ call to the next, timed at the calls.
 What was not measured is estimated from what was: the copy of a resident unit from the copy
 rate of the streamed ones (or of the resident upload, when nothing streamed), the compute of a
 unit not seen from the compute per byte of those seen. Where the same thing was measured before
-(an earlier pass with other residents), that measurement stands instead.
+(an earlier pass with other residents), that measurement stands instead, a copy's scaled by how
+much the copies of this pass's streamed units moved since (a link that slowed slows every copy).
 """
 
 from __future__ import annotations
@@ -84,10 +85,11 @@ def pass_costs(picture: Mapping, resident_ms: Mapping[int, float], period_ms: fl
         if compute[u] is None:
             compute[u] = previous.compute_ms[u] if previous is not None else per_byte * sizes[u]
     copy_rate = copied_bytes / copied_ms if copied_ms > 0 else upload_bytes_per_ms
+    drift = _copy_drift(copy, previous)
     for u in range(n):
         if copy[u] is None:
             if previous is not None and previous.copy_ms[u] > 0:
-                copy[u] = previous.copy_ms[u]
+                copy[u] = previous.copy_ms[u] * drift
             else:
                 copy[u] = sizes[u] / copy_rate if copy_rate else 0.0
     outside = max(0.0, period_ms - sum(compute) - stall)
@@ -101,6 +103,19 @@ def pass_costs(picture: Mapping, resident_ms: Mapping[int, float], period_ms: fl
         disk = DiskCosts(rate, disk_cap_bytes)
     return Costs(tuple(compute), tuple(copy), tuple(sizes), tuple(blocks), shared_bytes, outside,
                  asynchronous, disk)
+
+
+def _copy_drift(copy: Sequence[float | None], previous: Costs | None) -> float:
+    """How much dearer the copies measured in this pass are than the same units' copies measured
+    before: a copy measured before stands for its unit, a unit's own cost (a merge of its own) kept,
+    times this, since a link that slowed slows every copy alike, the ones this pass did not make."""
+    if previous is None:
+        return 1.0
+    now = then = 0.0
+    for u, ms in enumerate(copy):
+        if ms is not None and previous.copy_ms[u] > 0:
+            now, then = now + ms, then + previous.copy_ms[u]
+    return now / then if now > 0 and then > 0 else 1.0
 
 
 class PassMeter:

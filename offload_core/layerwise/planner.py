@@ -7,7 +7,8 @@ VRAM that buys nothing when copies already hide behind compute, and a deeper rea
 disk needs takes the cache entries that would have been hits. Here every candidate within the
 budgets is run through one model of the pipeline (pipeline.py) on what a pass was measured to
 cost, and the fastest is chosen; among those within ``TIE`` of it, and never slower than the
-setting the run would have had without a plan, the one that reads least from disk and then takes
+setting the run would have had without a plan, the one whose resident units cost least to put up
+at each run's attach (as fast a step, so the faster run), then reads least from disk, then takes
 least VRAM.
 
 The candidates: resident blocks chosen two ways for every count (spread evenly through the
@@ -149,11 +150,14 @@ def candidates(costs: Costs, choices: Choices, counts: Sequence[int] | None = No
 
 
 def plan(costs: Costs, choices: Choices, budget_bytes: int | None, default: Setting | None,
-         rejected: Sequence[Setting] = (), work_us: float | None = None) -> Plan:
+         rejected: Sequence[Setting] = (), work_us: float | None = None, keep_default: bool = False) -> Plan:
     """The setting to stream with: the fastest predicted within ``budget_bytes`` of device memory
-    (None: no limit), ties broken towards fewer disk reads, then less VRAM; never predicted slower
+    (None: no limit), ties broken towards the cheapest attach (the resident units put up once a
+    run), then fewer disk reads, then less VRAM; never predicted slower
     than ``default`` (the setting the run has without a plan) where that fits. ``rejected``: settings
-    that were tried and rolled back.
+    that were tried and rolled back; ``keep_default``: ``default`` was checked and held, so among
+    the settings as fast it stays (within the tie, the measurements cannot tell them apart, and a
+    new setting costs a new device schedule).
 
     A search that bounds itself: candidates are predicted in the order of a lower bound of their
     step (``_Bounds``: it costs no simulation), and one whose bound is slower than the fastest
@@ -179,11 +183,12 @@ def plan(costs: Costs, choices: Choices, budget_bytes: int | None, default: Sett
     within, over = search.within, search.over
     if not within:
         raise ValueError("no setting fits the budget")
-    chosen = _pick(within, base)
+    chosen = _pick(costs, within, base, keep_default)
     fastest_over = min(over, key=lambda c: c.prediction.step_ms, default=None)
     more = None
     if fastest_over is not None and fastest_over.prediction.step_ms < chosen.prediction.step_ms * (1 - TIE):
-        more = _pick([c for c in over if c.prediction.step_ms <= fastest_over.prediction.step_ms * (1 + TIE)], None)
+        more = _pick(costs, [c for c in over if c.prediction.step_ms <= fastest_over.prediction.step_ms * (1 + TIE)],
+                     None)
     result = Plan(chosen, base, more, budget_bytes, Reason(""), search.weighed, search.seen, search.cpu_ms())
     return replace(result, reason=reason(costs, result))
 
@@ -319,18 +324,29 @@ def _count_search(costs: Costs, choices: Choices, budget_bytes: int | None,
     yield [c for c in range(low, high + 1) if c not in grid]
 
 
-def _pick(pool: list[Candidate], base: Candidate | None) -> Candidate:
-    """The fastest of ``pool``; among those as fast, the one that reads least from disk, then
-    takes least VRAM, then is ``base`` itself (a new setting costs a new device schedule), then
-    copies and reads least ahead."""
+def _pick(costs: Costs, pool: list[Candidate], base: Candidate | None, keep_base: bool = False) -> Candidate:
+    """The fastest of ``pool``; among those as fast, ``base`` where it is to be kept, else the one
+    whose resident units cost least to put up at each run's attach (steps as fast, that is the
+    faster run), then reads least from disk, then takes least VRAM, then is ``base`` itself (a new
+    setting costs a new device schedule), then copies and reads least ahead."""
     best = min(c.prediction.step_ms for c in pool)
     limit = best * (1 + TIE)
     if base is not None:
         limit = min(limit, base.prediction.step_ms)
     tied = [c for c in pool if c.prediction.step_ms <= limit] or [min(pool, key=lambda c: c.prediction.step_ms)]
     same = base.setting if base is not None else None
-    return min(tied, key=lambda c: (c.prediction.read_bytes, c.prediction.device_bytes, c.setting != same,
-                                    c.setting.prefetch, c.setting.read_ahead, c.prediction.step_ms))
+    if keep_base and base is not None and base in tied:
+        return base
+    return min(tied, key=lambda c: (round(attach_ms(costs, c.setting), 6), c.prediction.read_bytes,
+                                    c.prediction.device_bytes, c.setting != same, c.setting.prefetch,
+                                    c.setting.read_ahead, c.prediction.step_ms))
+
+
+def attach_ms(costs: Costs, setting: Setting) -> float:
+    """What putting up ``setting``'s resident units costs once a run, before its first call: each
+    one's copy, and from disk its read (the resident ones are read from disk at every attach)."""
+    read = (lambda u: costs.unit_bytes[u] / costs.disk.bytes_per_ms) if costs.disk is not None else (lambda u: 0.0)
+    return sum(costs.copy_ms[u] + read(u) for u in setting.resident)
 
 
 def reason(costs: Costs, result: Plan) -> Reason:

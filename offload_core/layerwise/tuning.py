@@ -193,11 +193,13 @@ PLAN_SHARE = 0.1
 
 
 def _plans(costs: Costs, choices: Choices, budget: int | None, current: Setting, rejected: tuple[Setting, ...],
-           advice_budget: int | None, auto_start: Setting | None, work_us: float) -> tuple[Plan, Plan | None]:
+           held: bool, advice_budget: int | None, auto_start: Setting | None,
+           work_us: float) -> tuple[Plan, Plan | None]:
     """The plan, and with ``advice_budget`` what auto would choose within it: the plan a run with
     every setting left to auto makes, from the setting that run starts with (``auto_start``), so
-    the advice is never a setting auto itself would not apply. Both share ``work_us``."""
-    planned = plan(costs, choices, budget, current, rejected, work_us=work_us)
+    the advice is never a setting auto itself would not apply. Both share ``work_us``. ``held``:
+    the setting in force was checked and held (as fast as another, it stays)."""
+    planned = plan(costs, choices, budget, current, rejected, work_us=work_us, keep_default=held)
     if advice_budget is None:
         return planned, None
     left = max(0.0, work_us - planned.weighed * prediction_work(costs))
@@ -500,7 +502,8 @@ class Tuner:
         if self._fixed():  # what auto would choose, in the device memory auto would have
             advice = next((b for b in (self.advice_budget, self.budget_bytes) if b is not None),
                           predict(kind.costs, current).device_bytes)
-        job = (kind.costs, self.choices, self._budget(), current, tuple(kind.rejected), advice, self.auto_start)
+        job = (kind.costs, self.choices, self._budget(), current, tuple(kind.rejected), kind.held == current,
+               advice, self.auto_start)
         work = search_work(kind.costs, self.choices) + (search_work(kind.costs, Choices()) if advice else 0)
         if work <= SYNC_PLAN_US:
             self._planned(kind, period, *_plans(*job, SYNC_PLAN_US))
@@ -645,7 +648,9 @@ class Tuner:
         planned_outside = kind.costs.outside_ms if kind.costs is not None else None
         outcome = check(costs, current, predicted, period, kind.trial, planned_outside)
         if outcome is Outcome.AS_PREDICTED:
-            kind.held, kind.costs = current, costs
+            # Checked and kept: a later check of it (the next run's) plans again if it is slower
+            # than predicted, but does not go back to what it replaced on one step's word.
+            kind.held, kind.costs, kind.trial = current, costs, None
             kind.verdict = verdict(predicted, period)
             self._enter("hold", watch=True)
             return

@@ -94,11 +94,11 @@ class Run:
 
 def run(shape: Shape, clock: TimedStreamModel, stack: TimedStack, passes: int, *,
         setting: Setting | None = None, auto: bool = False, spill_dir: str | None = None,
-        on_pass=None, advise: bool = False, inputs=None, host_ms_per_streamed_unit: float = 0.0,
+        on_pass=None, on_run=None, advise: bool = False, inputs=None, host_ms_per_streamed_unit: float = 0.0,
         budget: bool = False, runs: int = 1) -> Run:
     """``passes`` calls of ``stack`` under ``clock``: with a fixed ``setting``, or with every
     setting left to auto (the tuner hooked to the stack's calls). ``on_pass(k)`` runs before
-    call ``k``; ``advise``: a fixed setting's calls are hooked too, for what auto would choose;
+    call ``k``, ``on_run()`` before each run's attach; ``advise``: a fixed setting's calls are hooked too, for what auto would choose;
     ``inputs(k)``: call ``k``'s input (default 4 zeros); ``host_ms_per_streamed_unit``: a cost of
     every call that grows with the units streamed, which the pipeline model does not know of (the
     host's work per hooked block); ``budget``: a fixed setting's run has the shape's VRAM budget
@@ -121,6 +121,8 @@ def run(shape: Shape, clock: TimedStreamModel, stack: TimedStack, passes: int, *
     totals = []
     try:
         for _ in range(runs):
+            if on_run is not None:
+                on_run()
             periods, ends = [], [clock.device_time()]
             streamer.attach(root=stack if auto or advise else None)
             try:

@@ -41,7 +41,7 @@ def exhaustive(c: Costs, budget: int | None, default: Setting) -> Setting:
     pool = [planner.Candidate(s, predict(c, s)) for s in itertools.chain([default], candidates(c, Choices()))]
     within = [x for x in pool if budget is None or x.prediction.device_bytes <= budget]
     base = next((x for x in within if x.setting == default), None)
-    return planner._pick(within, base).setting
+    return planner._pick(c, within, base).setting
 
 
 @pytest.mark.parametrize("kind", ["link", "compute", "uneven", "disk", "host"])
@@ -70,3 +70,22 @@ def test_a_capped_search_stops_at_its_cap_and_keeps_the_start(units, monkeypatch
     assert made[0] == default and result.default.setting == default
     assert result.chosen.prediction.step_ms <= result.default.prediction.step_ms
     assert result.weighed < result.considered and result.cpu_ms > 0  # it stopped: there was more
+
+
+@pytest.mark.parametrize("kind", ["compute", "disk"])
+def test_among_settings_as_fast_a_held_one_stays_and_else_the_cheapest_to_attach(kind):
+    """Where copies hide behind compute, keeping blocks resident buys no step: a setting with 4
+    resident is as fast as one with none. A run starting from it moves to the one that puts up
+    fewest resident units at each attach (their copy, from disk their read too); a run whose
+    tuner checked and held it keeps it (``keep_default``): the measurements cannot tell the two
+    apart, and a new setting costs a new device schedule."""
+    c = costs(kind)
+    if kind == "disk":  # a disk fast enough to hide behind compute as well
+        c = Costs(c.compute_ms, c.copy_ms, c.unit_bytes, c.unit_blocks, 0, 0.6, True,
+                  DiskCosts(64 * KiB / 0.5, 13 * (64 * KiB + 4096)))
+    held = Setting((0, 3, 6, 9), 2, 2 if c.disk else 0)
+    moved = plan(c, Choices(), None, held).chosen
+    kept = plan(c, Choices(), None, held, keep_default=True).chosen
+    assert kept.setting == held, kept
+    assert moved.prediction.step_ms <= kept.prediction.step_ms * (1 + TIE), (moved, kept)
+    assert planner.attach_ms(c, moved.setting) < planner.attach_ms(c, held), moved
