@@ -51,9 +51,12 @@ class CopyWorker:
     (``name``), and finishes each one's ticket with what it raised, if anything."""
 
     def __init__(self, name: str, job: Callable[..., None]) -> None:
-        self._job = job
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        # The job (a bound method of the worker's owner) is held by the thread alone, which lets
+        # go of it when it ends: held here too, owner and worker would form a cycle, and the
+        # owner's buffers (maps of a spill file, pinned memory) would wait for the garbage
+        # collector after close instead of going at once.
+        self._thread = threading.Thread(target=self._run, args=(job,), name=name, daemon=True)
         self._thread.start()
 
     def submit(self, *args: Any) -> Ticket:
@@ -67,7 +70,7 @@ class CopyWorker:
             self._jobs.put(None)
             self._thread.join()
 
-    def _run(self) -> None:
+    def _run(self, job: Callable[..., None]) -> None:
         while True:
             item = self._jobs.get()
             if item is None:
@@ -75,7 +78,7 @@ class CopyWorker:
             ticket, queued, args = item
             host_caught_up(queued)
             try:
-                self._job(*args)
+                job(*args)
             except BaseException as e:  # reported to the thread that waits for this copy
                 ticket.finish(e)
             else:
