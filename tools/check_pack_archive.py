@@ -7,7 +7,8 @@ reads the same manual as GitHub) and the package metadata; every tracked file of
 pack runs from or documents itself in; every module a shipped module imports (relative imports, followed from the files
 themselves, so a module added without being tracked or one .comfyignore drops is caught); every
 file the frontend extension imports; the locales and help pages the frontend reads; and every
-relative link and image of its Markdown pages, which must lead to a file of the archive.
+relative link and image of its Markdown pages, which must lead to a file of the archive; and the
+registry's icon, an image of the archive.
 
 usage: python tools/check_pack_archive.py node.zip   (run in the repository; exit 1 on problems)
 """
@@ -19,6 +20,7 @@ import posixpath
 import re
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -47,7 +49,28 @@ def problems(files: dict[str, bytes], tracked: list[str]) -> list[str]:
         found += js_imports(name, files, web)
     found += locales_and_help(files, web)
     found += dead_links(files)
+    found += registry_icon(files)
     return found
+
+
+def registry_icon(files: dict[str, bytes]) -> list[str]:
+    """The registry shows the pack under ``[tool.comfy] Icon``: an address of an image of this
+    archive on the repository's main branch (so the address lives as long as the file does)."""
+    try:
+        meta = tomllib.loads(files.get("pyproject.toml", b"").decode("utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        return [f"pyproject.toml cannot be read: {e}"]
+    icon = meta.get("tool", {}).get("comfy", {}).get("Icon", "")
+    repo = meta.get("project", {}).get("urls", {}).get("Repository", "")
+    prefix = repo.replace("https://github.com/", "https://raw.githubusercontent.com/", 1).rstrip("/") + "/main/"
+    if not icon:
+        return ["pyproject.toml: [tool.comfy] Icon is empty (the registry shows no icon)"]
+    if not repo.startswith("https://github.com/") or not icon.startswith(prefix):
+        return [f"pyproject.toml: Icon {icon} is not a file of {repo}'s main branch"]
+    path = icon[len(prefix):]
+    if path not in files or not path.endswith((".svg", ".png", ".jpg", ".webp")):
+        return [f"pyproject.toml: Icon names {path}, not an image of the archive"]
+    return []
 
 
 MD_LINK = re.compile(r"!?\[(?:[^\]\\]|\\.)*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")

@@ -119,3 +119,17 @@ def test_a_link_or_image_the_archive_lacks_is_found(archive, tracked):
     assert found == ["docs/benchmarks-extra.md links to ../bench/layerwise.py: not in the archive",
                      "docs/benchmarks-extra.md links to ../web/missing.png: not in the archive",
                      "docs/benchmarks-extra.md links to ../tests/x.png: not in the archive"], found
+
+
+def test_an_icon_the_archive_lacks_is_found(archive, tracked):
+    """The registry's icon is an image of the archive, addressed on the repository's main branch."""
+    assert check.registry_icon(archive) == []
+    meta = archive["pyproject.toml"].decode()
+    for icon, fragment in (('""', "Icon is empty"),
+                           ('"https://example.com/icon.svg"', "not a file of"),
+                           ('"https://raw.githubusercontent.com/comfyui-tiered-offload/comfyui-tiered-offload/main/web/gone.svg"',
+                            "not an image of the archive")):
+        changed = dict(archive, **{"pyproject.toml": re.sub(r'^Icon = .*$', f"Icon = {icon}", meta,
+                                                            flags=re.MULTILINE).encode()})
+        found = check.problems(changed, tracked)
+        assert any(fragment in p for p in found), found
