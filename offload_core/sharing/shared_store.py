@@ -323,8 +323,8 @@ class SharedHostStore:
     def forget_in_child(self) -> None:
         """In a child forked without exec, once the inherited descriptors are closed or mapped
         again: the store is the parent's, so nothing is removed or unpinned and the child never
-        lets go of it; the folder's descriptor is closed (the lock's, by store_folder's own fork
-        handler)."""
+        lets go of it; the folder's descriptor is closed (the lock's was, by the fork handler's first
+        step)."""
         self._released = True
         self._part = None
         self._fd = self._lock = None
@@ -431,6 +431,16 @@ def _let_go_in_child() -> None:
         store.forget_in_child()
 
 
+def _in_forked_child() -> None:
+    """After a fork without exec, in the child, in this order: the lock files the parent held are
+    closed first, so that none stays locked by the child whatever happens next; then every store
+    the parent maps is let go of (its mappings kept readable)."""
+    store_folder.close_lock_files_in_child()
+    _let_go_in_child()
+
+
+# The sharing room's only process hooks, one for a fork and one for the end, registered once,
+# when the room is first imported (its __init__ imports this module).
 atexit.register(let_go_of_all)
 if SUPPORTED:
-    os.register_at_fork(after_in_child=_let_go_in_child)
+    os.register_at_fork(after_in_child=_in_forked_child)

@@ -217,10 +217,11 @@ def unlock(fd: int) -> None:
     os.close(fd)
 
 
-def _close_lock_files_in_child() -> None:
+def close_lock_files_in_child() -> None:
     """In a child forked without exec: close the lock files the parent held (a flock belongs to
     the open file, which parent and child now share), so they do not stay locked once the parent
-    has let go or ended. The parent's own descriptors and locks are untouched."""
+    has let go or ended. The parent's own descriptors and locks are untouched. Called by the
+    sharing room's one fork handler (``shared_store``), before its stores are let go of."""
     for fd in list(_lock_fds):
         _lock_fds.discard(fd)
         try:
@@ -228,9 +229,6 @@ def _close_lock_files_in_child() -> None:
         except OSError:
             pass
 
-
-if SUPPORTED:
-    os.register_at_fork(after_in_child=_close_lock_files_in_child)
 
 _MAP_FIXED = 0x10  # Linux, every architecture
 
