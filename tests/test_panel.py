@@ -923,3 +923,38 @@ def test_no_console_errors(ui):
     assert not unexpected, unexpected
     ours = [c for c in ui.console if "tiered-offload" in c["url"] or "tiered_offload" in c["text"]]
     assert not ours, ours
+
+
+def _short_run_report() -> dict:
+    """The engine's own tuning report of a 4-step run whose plan would not repay its change within
+    the run (the timed stream model; tests/unit/test_auto_plan.py holds the engine to it)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "unit"))
+    from sim_shapes import KiB, Shape, run
+    from stream_model import installed
+
+    shape = Shape("link-bound", (64 * KiB,) * 10, (1.0,) * 10, 0.6, 64 * KiB / 1.6, budget=6 * 64 * KiB + 64)
+    clock = shape.clock()
+    with pytest.MonkeyPatch.context() as mp, installed(clock, mp):
+        return run(shape, clock, shape.build(clock), 4, auto=True, calls_per_step=1).tuning
+
+
+def test_a_plan_left_for_the_next_run_is_said_apart_from_this_runs_changes(ui):
+    """The real panel draws the engine's report of a run that kept its setting: no change is
+    counted for the run, and one line says what the next run starts with and why."""
+    report = _short_run_report()
+    change, = report["changes"]
+    assert change["next_run"] == "too_few_calls", report
+    lw = {"blocks": 10, "auto_settings": ["resident", "prefetch"], "tuning": report}
+    shown = ui.page.evaluate("""async ([url, lw]) => {
+        const { planHtml } = await import(url);
+        const el = document.createElement("div");
+        el.innerHTML = planHtml(lw, (n) => `${n} B`);
+        const text = (role) => el.querySelector(`[data-role="${role}"]`)?.textContent ?? null;
+        return { changes: text("plan-changes"), next: text("plan-next-run"), setting: text("plan-setting") };
+    }""", [f"/extensions/{PACK_LINK_NAME}/plan.js", lw])
+    assert shown["changes"] is None, shown
+    assert " ".join(shown["setting"].split()).startswith("3 of 10 blocks resident"), shown
+    words = " ".join(shown["next"].split())
+    assert words.startswith("the next run starts with 4 of 10 blocks resident"), shown
+    assert words.endswith(f"(planned at pass {change['pass']}, with 1 of this run's calls left: too few to repay "
+                          "the change)"), shown

@@ -182,6 +182,8 @@ export const ENGLISH = {
     changes: "{n} changes this run, the last before pass {pass}: {setting}",
     changesRunsOne: "1 change, before run {pass}: {setting}",
     changesRuns: "{n} changes, the last before run {pass}: {setting}",
+    nextRunEnded: "the next run starts with {setting} (planned at the end of this one)",
+    nextRunShort: "the next run starts with {setting} (planned at pass {pass}, with {n} of this run's calls left: too few to repay the change)",
     measuringRun: "timing this run's blocks…",
     measuredRun: "measured {measured} a step; the next run's order is chosen from it",
     measuredFixed: "measured {measured} a step in the order fixed on the node",

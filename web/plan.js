@@ -41,7 +41,10 @@ export function planHtml(lw, fmtBytes) {
   const fixed = auto.length === 0;
   const measured = typeof t.measured_ms === "number" ? msText(t.measured_ms) : null;
   const predicted = typeof t.predicted_ms === "number" ? msText(t.predicted_ms) : null;
-  const changes = Array.isArray(t.changes) ? t.changes : [];
+  // A change the next run starts with (``next_run``) is not a change of this run: said apart.
+  const all = Array.isArray(t.changes) ? t.changes : [];
+  const changes = all.filter((c) => !c.next_run);
+  const next = all.filter((c) => c.next_run).pop();
   const rows = [
     `<div class="to-lw-head"><b>${esc(tr(fixed ? "plan.headFixed" : "plan.head"))}</b>
       <span class="to-muted" data-role="plan-setting">${esc(settingText(t.setting, blocks))}</span></div>`,
@@ -77,6 +80,11 @@ export function planHtml(lw, fmtBytes) {
     rows.push(`<div class="to-muted" data-role="plan-changes" data-changes="${changes.length}">${esc(tr(
       `plan.changes${t.counted === "runs" ? "Runs" : ""}${changes.length === 1 ? "One" : ""}`,
       { n: changes.length, pass: num(last.pass), setting: settingText(last.to, blocks) }))}</div>`);
+  }
+  if (next) {
+    rows.push(`<div class="to-muted" data-role="plan-next-run">${esc(tr(
+      next.next_run === "too_few_calls" ? "plan.nextRunShort" : "plan.nextRunEnded",
+      { setting: settingText(next.to, blocks), pass: num(next.pass), n: num(next.calls_left ?? 0) }))}</div>`);
   }
   return `<div class="to-plan" data-role="lw-plan" data-phase="${esc(t.phase ?? "")}">${rows.join("")}</div>`;
 }

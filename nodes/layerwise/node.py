@@ -21,7 +21,7 @@ from comfy_api.v0_0_2 import io
 from ..core.models import is_dynamic, unified_memory
 from ..core.state import LAYERWISE, LAYERWISE_KEY, SWAP_KEY, SWAP_MEMBERS
 from . import (compile_policy, compile_prompt, compiled_models, dynamic_cooperation, dynamic_vram,
-               sampling_wrappers, spill_folder)
+               sampler_steps, sampling_wrappers, spill_folder)
 from .session import LayerwiseSession
 from .settings import (GRANULARITY_CHOICES, MAX_DISK_WORKERS, MAX_HOST_CACHE_GB, MAX_PREFETCH,
                        MAX_RESIDENT_BLOCKS, MAX_VRAM_BUDGET_GB, LayerwiseSettings)
@@ -230,6 +230,8 @@ class ApplyLayerwiseOffload(io.ComfyNode):
             current = executor.class_obj.model_patcher
             live = session_for(current, settings)
             live.run_pending = True
+            live.run_steps = sampler_steps.steps_of(args, kwargs)
+            args, kwargs = sampler_steps.with_step_ends(args, kwargs, live.step_done)
             try:
                 return executor(*args, **kwargs)
             finally:

@@ -75,6 +75,7 @@ class LayerwiseSession:
         self.accounted_bytes = 0
         self.budget_bytes: int | None = None
         self.run_pending = False
+        self.run_steps: int | None = None  # the pending run's sampler steps (sampler_steps.py)
         self.begun = False
         self.active = False
         self.started = 0.0
@@ -139,6 +140,7 @@ class LayerwiseSession:
         self.streamer.reset_figures()
         # A picture of the run only while a panel asks for it: off, the hot path pays nothing.
         self.streamer.record_timeline(LAYERWISE.timeline.wanted())
+        self.streamer.run_length(self.run_steps)
         start = time.perf_counter()
         progress = comfy.utils.ProgressBar(len(self.streamer.units) + 1)
         try:
@@ -228,9 +230,15 @@ class LayerwiseSession:
         if hasattr(patcher, "size"):
             patcher.size = self.rest_bytes + self.accounted_bytes
 
+    def step_done(self) -> None:
+        """The sampler finished a step of this session's run."""
+        if self.active:
+            self.streamer.step_done()
+
     def end(self, patcher) -> None:
         """Give everything back to core, however the run ended. Safe to call more than once."""
         self.run_pending = False
+        self.run_steps = None
         if not self.begun:
             self._close_block_patches()  # a refusal while planning
             return

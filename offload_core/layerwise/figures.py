@@ -138,6 +138,18 @@ class StreamerFigures:
         if self._tuner is not None:
             self._tuner.advice_budget = nbytes
 
+    def run_length(self, steps: int | None) -> None:
+        """The sampler's steps in the run about to start (None: not known). Auto changes a setting
+        within a run only where the calls the run has left repay the change; otherwise the next
+        run starts with it."""
+        if self._tuner is not None:
+            self._tuner.run_length(steps)
+
+    def step_done(self) -> None:
+        """The sampler finished one step of the run (how many calls a step makes follows)."""
+        if self._tuner is not None:
+            self._tuner.step_done()
+
     def use(self, setting: Setting) -> None:
         """Stream with ``setting`` (the planner's terms: resident units, prefetch, disk read-ahead)
         from the next attach. Only while detached."""

@@ -349,6 +349,15 @@ def attach_ms(costs: Costs, setting: Setting) -> float:
     return sum(costs.copy_ms[u] + read(u) for u in setting.resident)
 
 
+def change_ms(costs: Costs, setting: Setting) -> float:
+    """What making ``setting`` the device schedule between two passes of a run costs: its resident
+    units put up again (``attach_ms``: the schedule is made anew) and its pipeline filled from empty
+    (the first streamed unit's copy, which the pass before no longer hides)."""
+    resident = set(setting.resident)
+    first = next((u for u in range(costs.units) if u not in resident), None)
+    return attach_ms(costs, setting) + (costs.copy_ms[first] if first is not None else 0.0)
+
+
 def reason(costs: Costs, result: Plan) -> Reason:
     """Why the chosen setting, in the words the panel shows."""
     chosen = result.chosen.prediction

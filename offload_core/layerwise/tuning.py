@@ -15,7 +15,11 @@ apart):
    or after a new setting is left out (first calls, and a pipeline that has not filled yet);
 2. plan: the fastest setting the pipeline model finds within the budgets (planner.py);
 3. apply it at the next boundary (the streamer makes its device schedule again); a setting that
-   does not fit the device (out of memory) is rolled back there and then;
+   does not fit the device (out of memory) is rolled back there and then. Where the run was told
+   its length (``run_length``, ``step_done``: the sampler's steps, and the calls a step makes), a
+   setting planned for speed that would not repay the change in the calls left (``change_ms``:
+   its resident units put up again, its pipeline filled from empty) is left for the next run to
+   start with, and checked there, re-planned rather than rolled back if slower than predicted;
 4. check: the next steady passes are held against the prediction; a pass slower than predicted
    (by more than ``CHECK_TOLERANCE``) whose setting is slower than the one before is rolled back to
    it, and that setting is not tried again in these conditions; slower than before is judged in
@@ -72,8 +76,8 @@ from .check import CHECK_TOLERANCE, ROLLED_BACK, VERDICT_KEYS, Outcome, Trial, c
 from .measure import PassMeter, PeriodWatch
 from .pipeline import DISK_STEADY, Costs, Setting, predict
 from .plan import StreamPlan
-from .planner import (DEFAULT_PREFETCH, Choices, Plan, Reason, ms_text, plan, prediction_work,
-                      search_work)
+from .planner import (DEFAULT_PREFETCH, TIE, Candidate, Choices, Plan, Reason, change_ms, ms_text, plan,
+                      prediction_work, search_work)
 
 log = logging.getLogger(__name__)
 
@@ -250,6 +254,53 @@ class CallKinds:
         return key, members
 
 
+class RunSteps:
+    """Where a run is among its sampler's steps, for how many calls of the model it has left: the
+    steps it was given, the steps done, and the calls counted in each (a step may call the model
+    more than once: a second-order sampler, skip-layer guidance's extra call)."""
+
+    def __init__(self) -> None:
+        self.begin(None)
+
+    def begin(self, steps: int | None) -> None:
+        """A run of ``steps`` steps starts (None: its length is not known)."""
+        self._steps = steps if steps is not None and steps > 0 else None
+        self._done = 0
+        self._calls = 0  # calls of the step under way
+        self._per_step = 0  # the most calls a finished step of this run made
+
+    def call(self) -> None:
+        self._calls += 1
+
+    def step_done(self) -> None:
+        self._per_step = max(self._per_step, self._calls)
+        self._calls = 0
+        self._done += 1
+
+    def figures(self) -> dict[str, int | None]:
+        """The run's steps as told, the steps done, and the most calls a step made."""
+        return {"steps": self._steps, "done": self._done, "calls_per_step": self._per_step or None}
+
+    def calls_left(self) -> int | None:
+        """The calls this run has left, the one starting now included (None: not known)."""
+        if self._steps is None:
+            return None
+        per_step = max(self._per_step, self._calls, 1)
+        return max(1, (self._steps - self._done) * per_step - max(0, self._calls - 1))
+
+
+def _repays(costs: Costs, current: Setting, step_ms: float, chosen: Candidate, calls: int) -> bool:
+    """Whether changing to ``chosen`` now is worth it with ``calls`` calls left: always for a change
+    that is not for speed (as fast, less memory: the planner's tie), else where it saves more than
+    it costs (``change_ms``). The saving per call: the setting in force's step, measured
+    (``step_ms``) or predicted, whichever is longer (a step measured below its prediction is noise
+    the plan did not see), less the step predicted of ``chosen``."""
+    now = predict(costs, current).step_ms
+    if now <= chosen.prediction.step_ms * (1 + TIE):
+        return True
+    return (max(step_ms, now) - chosen.prediction.step_ms) * calls > change_ms(costs, chosen.setting)
+
+
 class Tuner:
     """The settings of one streamer (``plan``) that ``auto`` leaves to it, applied through
     ``rebuild``."""
@@ -290,6 +341,8 @@ class Tuner:
         self.events: list[dict] = []  # this run's plan changes
         self.passes = 0
         self._switches = 0  # changes of the kind of pass in this run
+        self._run_steps = RunSteps()
+        self._last_steps: dict[str, int | None] | None = None  # the run's, kept past its end for the report
 
     # ------------------------------------------------------------------ the streamer's calls
     def current(self) -> Setting:
@@ -330,6 +383,14 @@ class Tuner:
             return kind.held
         return self.default
 
+    def run_length(self, steps: int | None) -> None:
+        """The sampler's steps in the run about to start (None: not known)."""
+        self._run_steps.begin(steps)
+
+    def step_done(self) -> None:
+        """The sampler finished one of the run's steps."""
+        self._run_steps.step_done()
+
     def start(self, root: nn.Module | None, timeline: Callable[[], Timeline | None], wanted: bool,
               compiled: bool) -> bool:
         """After an attach: hook ``root``'s calls (not under torch.compile, which keeps its hooks
@@ -359,6 +420,8 @@ class Tuner:
                 self._kinds[self._kind].runs += 1
         self._meter.off()
         self._recording = False
+        self._last_steps = self._run_steps.figures()
+        self._run_steps.begin(None)
 
     def _thread(self) -> ThreadPoolExecutor:
         """The planner's thread, made at the first plan too large for the sampling thread."""
@@ -385,6 +448,7 @@ class Tuner:
         if torch.compiler.is_compiling():
             return
         ended, kind_key = self._calls.starts((self._transform, _signature(args, kwargs)))
+        self._run_steps.call()
         if self._phase == "hold" and kind_key == self._kind:
             self.passes += 1
             self._meter.forget()  # holding: one timing event and one check of the inputs per call
@@ -529,7 +593,7 @@ class Tuner:
         before = self.current()
         if self._final:
             kind.held = setting
-            self.events.append({"pass": self.passes, "from": before, "to": setting, "why": f"{why} (from the next run)"})
+            self.events.append({"pass": self.passes, "from": before, "to": setting, "why": why, "next_run": "run_ended"})
             return True
         try:
             self._rebuild(setting, record=True)
@@ -628,6 +692,23 @@ class Tuner:
             kind.predicted_ms = predict(kind.costs, current).step_ms
             kind.verdict = ("the planned setting measured no faster in this run: the setting stays" if no_faster
                             else verdict(kind.predicted_ms, period))
+            self._enter("hold", watch=True)
+            return
+        left = self._run_steps.calls_left()
+        if left is not None and not self._final and not _repays(kind.costs, current, period, chosen, left):
+            # The change costs more than it saves in the calls this run has left (a 4-step run
+            # planned at its last call): the next run starts with it, and checks it. A step of
+            # another run is no yardstick for a rollback (its conditions may differ): if slower
+            # than predicted there, it is planned again from what that run measures.
+            kind.trial = None
+            kind.held = chosen.setting
+            kind.reasons[chosen.setting] = planned.reason
+            kind.predicted_ms = predict(kind.costs, current).step_ms
+            kind.verdict = verdict(kind.predicted_ms, period)
+            self.events.append({"pass": self.passes, "from": current, "to": chosen.setting,
+                                "why": kind.plan.reason.text, "next_run": "too_few_calls", "calls_left": left})
+            log.info("layerwise auto settings: pass %d: the planned setting waits for the next run (%d calls "
+                     "left in this run would not repay the change)", self.passes, left)
             self._enter("hold", watch=True)
             return
         kind.trial = Trial(current, period)
@@ -747,8 +828,14 @@ class Tuner:
             "reason_sizes": list(in_force.sizes) if in_force is not None else None,
             "budget_bytes": self.budget_bytes,
             "passes": self.passes,
+            # the sampler's steps the run was told of (None: not told), the steps done, the most
+            # calls of the model a step made: what a change within the run is weighed against
+            "sampler_steps": self._run_steps.figures() if self._hook is not None else self._last_steps,
+            # a change the next run starts with says why (``next_run``): the run ended first, or it
+            # had too few calls left (``calls_left``) to repay the change
             "changes": [{"pass": e["pass"], "from": _setting_json(e["from"], self._plan),
-                         "to": _setting_json(e["to"], self._plan), "why": e["why"]} for e in self.events],
+                         "to": _setting_json(e["to"], self._plan), "why": e["why"],
+                         **{k: e[k] for k in ("next_run", "calls_left") if k in e}} for e in self.events],
         }
         if costs is not None:
             now = predict(costs, current)

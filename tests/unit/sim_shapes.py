@@ -95,7 +95,7 @@ class Run:
 def run(shape: Shape, clock: TimedStreamModel, stack: TimedStack, passes: int, *,
         setting: Setting | None = None, auto: bool = False, spill_dir: str | None = None,
         on_pass=None, on_run=None, advise: bool = False, inputs=None, host_ms_per_streamed_unit: float = 0.0,
-        budget: bool = False, runs: int = 1) -> Run:
+        budget: bool = False, runs: int = 1, calls_per_step: int | None = None) -> Run:
     """``passes`` calls of ``stack`` under ``clock``: with a fixed ``setting``, or with every
     setting left to auto (the tuner hooked to the stack's calls). ``on_pass(k)`` runs before
     call ``k``, ``on_run()`` before each run's attach; ``advise``: a fixed setting's calls are hooked too, for what auto would choose;
@@ -103,7 +103,9 @@ def run(shape: Shape, clock: TimedStreamModel, stack: TimedStack, passes: int, *
     every call that grows with the units streamed, which the pipeline model does not know of (the
     host's work per hooked block); ``budget``: a fixed setting's run has the shape's VRAM budget
     too (what auto would choose is weighed within it); ``runs``: so many runs of ``passes`` calls
-    on the one engine (prompts on a loaded model), the figures of the last, ``totals`` of each."""
+    on the one engine (prompts on a loaded model), the figures of the last, ``totals`` of each;
+    ``calls_per_step``: the run is told its length in steps of so many calls, and each step's end,
+    as the node tells it a sampler's (None: not told)."""
     disk = shape.disk("auto" if auto else None)
     if disk is not None and spill_dir is not None:
         disk = DiskOptions(cap_bytes=disk.cap_bytes, workers=disk.workers, read_ahead=disk.read_ahead,
@@ -124,6 +126,8 @@ def run(shape: Shape, clock: TimedStreamModel, stack: TimedStack, passes: int, *
             if on_run is not None:
                 on_run()
             periods, ends = [], [clock.device_time()]
+            if calls_per_step is not None:
+                streamer.run_length(passes // calls_per_step)
             streamer.attach(root=stack if auto or advise else None)
             try:
                 with torch.no_grad():
@@ -133,6 +137,8 @@ def run(shape: Shape, clock: TimedStreamModel, stack: TimedStack, passes: int, *
                         clock.spend(host_ms_per_streamed_unit * len(streamer._plan.streamed_indices))
                         out = stack(x if inputs is None else inputs(k))
                         ends.append(clock.device_time())
+                        if calls_per_step is not None and (k + 1) % calls_per_step == 0:
+                            streamer.step_done()
                 periods = [b - a for a, b in zip(ends[1:], ends[2:])]
                 tuning = streamer.tuning()
                 figures = streamer.figures(wait=True)

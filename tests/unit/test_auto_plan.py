@@ -485,6 +485,39 @@ def test_a_link_that_slows_in_every_run_is_planned_for_alike_in_each(monkeypatch
     assert max(auto.totals[1:]) <= auto.totals[0] * 1.005, report
 
 
+@pytest.mark.parametrize("calls", [4, 8])
+def test_a_run_too_short_to_repay_a_change_keeps_its_setting_and_the_next_run_starts_with_it(monkeypatch, calls):
+    """A link-bound shape whose budget holds 6 of its 10 blocks, runs of 4 and 8 sampler steps
+    of one call each, told to the engine as the node tells it a sampler's. The plan (one block more
+    resident, prefetch 1: faster per call) is made at the 4th call; making it the device schedule
+    costs about a step, which the calls left do not repay. So the run keeps its setting (no
+    schedule made mid-run, the report says the next run starts with the plan and why) and takes
+    no longer than the old default's; the next run starts with the plan; and a run not told its
+    length changes mid-run, as before, and takes longer."""
+    shape = Shape("link-bound", (L,) * 10, (1.0,) * 10, 0.6, L / 1.6, budget=6 * L + 64)
+
+    def alone(passes: int, **kwargs):  # each on a clock and a model of its own: times compare
+        clock = shape.clock()
+        with installed(clock, monkeypatch):
+            return run(shape, clock, shape.build(clock), passes, **kwargs)
+
+    reference = alone(1, setting=Setting(tuple(range(len(shape.sizes))), 1, 0))
+    old = alone(calls, setting=Setting((1, 5, 8), DEFAULT_PREFETCH, 0))
+    told = alone(calls, auto=True, calls_per_step=1)
+    untold = alone(calls, auto=True)
+    two = alone(calls, auto=True, calls_per_step=1, runs=2)
+    report = f"told {told.totals} {told.tuning}; untold {untold.totals}; old {old.totals}"
+    change, = told.tuning["changes"]
+    assert change["next_run"] == "too_few_calls" and change["calls_left"] == calls - 3, report
+    assert told.tuning["setting"] == change["from"] != change["to"], report
+    assert told.tuning["sampler_steps"] == {"steps": calls, "done": calls, "calls_per_step": 1}, report
+    assert told.totals[0] <= old.totals[0], report
+    assert untold.totals[0] > told.totals[0], report
+    assert not untold.tuning["changes"][0].get("next_run"), report
+    assert two.tuning["setting"]["resident_blocks"] == change["to"]["resident_blocks"], two.tuning
+    assert all(torch.equal(r.output, reference.output) for r in (told, untold, two))
+
+
 def test_a_held_setting_is_not_planned_again_for_noise(monkeypatch):
     """Steps that wander within a few percent (a busy host) leave a held setting alone: no change
     after the first plan, however long the run."""
