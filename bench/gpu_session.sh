@@ -2,7 +2,7 @@
 # One command of the GPU run; docs/gpu-session.md says how to call it, what
 # it carries (.gpu_kit, from tools/gpu_kit.sh) and what comes back.
 #
-#   bench/gpu_session.sh first   [--rehearse]  ComfyUI 0.3.75: tests/unit on CUDA, the server
+#   bench/gpu_session.sh first   [--rehearse]  ComfyUI 0.3.75: the CUDA unit tests, the server
 #                                              tests that prove the results against core's full
 #                                              load, the engine bench (P1-P3, P11, P12), the
 #                                              ComfyUI bench against core's partial load (P4, P5)
@@ -79,7 +79,10 @@ run_pytest() {  # run_pytest PER_TEST_TIMEOUT ARGS...: pytest with the session's
     -p pytest_session_rows --basetemp "$WORK/pytest-$PART" "${timeout_args[@]}" "$@"
 }
 
-part_unit() { run_pytest 45 tests/unit; }
+# The unit tests with a CUDA path (the engine's streams, events and copies; page-locking), not the
+# whole folder: the rest runs the engine on the CPU, as CI does, and took the cap from these.
+UNIT_TESTS=(tests/unit/test_gpu_streaming.py tests/unit/test_pinned.py)
+part_unit() { run_pytest 45 "${UNIT_TESTS[@]}"; }
 part_server() { run_pytest 100 --maxfail 3 "${SERVER_TESTS[@]}"; }
 # Dynamic VRAM on CUDA: its own tests alone; the rest of the 0.33 lane runs classic models
 # (tests/comfy_server.py) or CPU stand-ins, which the first call and CI already cover.
