@@ -592,8 +592,7 @@ class Tuner:
         of memory for it. On the run's last pass, the next run's start (``kind.held``) instead."""
         before = self.current()
         if self._final:
-            kind.held = setting
-            self.events.append({"pass": self.passes, "from": before, "to": setting, "why": why, "next_run": "run_ended"})
+            self._for_next_run(kind, setting, why, next_run="run_ended")
             return True
         try:
             self._rebuild(setting, record=True)
@@ -612,6 +611,12 @@ class Tuner:
                  len(setting.resident), setting.prefetch,
                  f", read-ahead {setting.read_ahead}" if setting.read_ahead else "", why)
         return True
+
+    def _for_next_run(self, kind: _Kind, setting: Setting, why: str, **cause: Any) -> None:
+        """``setting`` is where the next run of ``kind`` starts, not applied in this one; the change
+        is recorded with its ``cause`` (``next_run``: why it waits; ``calls_left``)."""
+        kind.held = setting
+        self.events.append({"pass": self.passes, "from": self.current(), "to": setting, "why": why, **cause})
 
     def _budget(self) -> int | None:
         """Device bytes a new setting may take now: the run's budget, and within an attach no more
@@ -701,12 +706,11 @@ class Tuner:
             # another run is no yardstick for a rollback (its conditions may differ): if slower
             # than predicted there, it is planned again from what that run measures.
             kind.trial = None
-            kind.held = chosen.setting
+            self._for_next_run(kind, chosen.setting, kind.plan.reason.text, next_run="too_few_calls",
+                               calls_left=left)
             kind.reasons[chosen.setting] = planned.reason
             kind.predicted_ms = predict(kind.costs, current).step_ms
             kind.verdict = verdict(kind.predicted_ms, period)
-            self.events.append({"pass": self.passes, "from": current, "to": chosen.setting,
-                                "why": kind.plan.reason.text, "next_run": "too_few_calls", "calls_left": left})
             log.info("layerwise auto settings: pass %d: the planned setting waits for the next run (%d calls "
                      "left in this run would not repay the change)", self.passes, left)
             self._enter("hold", watch=True)
