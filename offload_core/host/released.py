@@ -11,6 +11,7 @@ model without the engine) reads them back from the source first.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +31,7 @@ class Released:
     phase: int
     inference: bool
     source: Any
-    _stand_in: torch.Tensor | None = field(default=None, repr=False)
+    _stand_in: weakref.ref | None = field(default=None, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -42,13 +43,17 @@ class Released:
             return torch.empty(0, dtype=self.dtype, device=self.device)
 
     def stand_in(self) -> torch.Tensor:
-        """A meta tensor with the object's true dtype, shape and strides (one per note)."""
-        if self._stand_in is None:
+        """A meta tensor with the object's true dtype, shape and strides: one per note while
+        anything holds it (a layout finds a tensor's aliases by it). The note keeps it weakly:
+        stand-in and note referring to each other would be a cycle, and a note let go of would
+        keep its source (an open model file) until the garbage collector's next pass."""
+        t = self._stand_in() if self._stand_in is not None else None
+        if t is None:
             with torch.inference_mode(self.inference):
                 t = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device="meta")
             t.__dict__[_NOTE] = self
-            self._stand_in = t
-        return self._stand_in
+            self._stand_in = weakref.ref(t)
+        return t
 
 
 def note(obj: torch.Tensor, released: Released) -> None:
