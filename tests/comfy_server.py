@@ -167,10 +167,15 @@ class ComfyServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"ComfyUI exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                self.get("/system_stats", timeout=2)
-                break
+                stats = self.get("/system_stats", timeout=2)
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 time.sleep(0.25)
+                continue
+            if str(self.base) not in stats.get("system", {}).get("argv", []):
+                # Another process's server answered on this port: ours cannot have bound it.
+                self.stop()
+                raise RuntimeError(f"port {self.port} is another server's (argv {stats.get('system', {}).get('argv')})")
+            break
         else:
             self.stop()
             raise RuntimeError(f"ComfyUI not ready after {timeout:.0f} s:\n{self.log_tail()}")
