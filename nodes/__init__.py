@@ -61,4 +61,4 @@ def install() -> None:
     try:
         preload.preload_from_settings()
     except Exception:
-        log.exception("tiered offload: preload failed; the models load on first use instead")
+        log.exception("[tiered offload] preload failed; the models load on first use instead")

@@ -56,7 +56,7 @@ def watch(module: torch.nn.Module, key: str, callback: Callable[[torch.nn.Module
                     try:
                         fn(target)
                     except Exception:
-                        log.exception("tiered offload: %s failed before a move to the host", name)
+                        log.exception("[tiered offload] %s failed before a move to the host", name)
             # Tensors a callback put back on the host are there already; this moves the rest.
             return type(target).to(target, *args, **kwargs)
 

@@ -72,7 +72,7 @@ def _settings() -> dict[str, Any]:
     try:
         return settings_file.read()
     except (OSError, ValueError) as e:
-        log.warning("tiered offload: %s cannot be read (%s); sharing host memory as by default",
+        log.warning("[tiered offload] %s cannot be read (%s); sharing host memory as by default",
                     settings_file.path(), shorten(e, 200))
         return {}
 
@@ -190,7 +190,7 @@ def sweep(*, if_due: bool = False) -> None:
             else:
                 folder.sweep()
     except Exception:
-        log.exception("tiered offload: could not look for shared host stores left by ended processes")
+        log.exception("[tiered offload] could not look for shared host stores left by ended processes")
 
 
 def let_go_on_sigterm() -> None:

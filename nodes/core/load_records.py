@@ -80,7 +80,7 @@ def _recording(name: str, path_arg: str, load: Callable) -> Callable:
         result = load(*args, **kwargs)
         after = _versions(paths)
         if before is None or before != after:
-            log.info("tiered offload: %s changed on disk while ComfyUI read it; its host copy stays "
+            log.info("[tiered offload] %s changed on disk while ComfyUI read it; its host copy stays "
                      "this process's own", " + ".join(os.path.basename(p) for p in paths))
             return result
         for part, module in _modules(result):
@@ -137,7 +137,7 @@ def _recording_mapped(load: Callable) -> Callable:
             path = mapped_file(tensors) if tensors else None
             before = _versions([path]) if path is not None else None
         except Exception:  # the record is an optimisation: never the load's failure
-            log.debug("tiered offload: no mapped file found for a state dict", exc_info=True)
+            log.debug("[tiered offload] no mapped file found for a state dict", exc_info=True)
             before = None
         result = load(sd, *args, **kwargs)
         if before is not None and result is not None and _versions([path]) == before:
@@ -157,7 +157,7 @@ def install() -> None:
         if not callable(load) or getattr(load, _WRAPPED, False):
             continue
         if path_arg not in inspect.signature(load).parameters:
-            log.info("tiered offload: comfy.sd.%s takes no %s here; models it loads keep private host "
+            log.info("[tiered offload] comfy.sd.%s takes no %s here; models it loads keep private host "
                      "copies", name, path_arg)
             continue
         setattr(comfy.sd, name, _recording(name, path_arg, load))

@@ -62,17 +62,17 @@ def install() -> bool:
     discard = getattr(mm, "discard_cuda_async_error", None)
     pinned.set_cuda_error_discard(discard if callable(discard) else None)
     if not all(isinstance(getattr(mm, name, None), (int, float)) for name in _NAMES):
-        log.info("tiered offload: this ComfyUI keeps no pinned-memory count; the engine keeps its own cap")
+        log.info("[tiered offload] this ComfyUI keeps no pinned-memory count; the engine keeps its own cap")
         return False
     count = _CoreCount()
     pinned.set_pin_accounting(count.cap, count.report)
     if mm.MAX_PINNED_MEMORY > 0:
-        log.info("tiered offload: engine pins share core's pinned-memory cap of %.2f GiB",
+        log.info("[tiered offload] engine pins share core's pinned-memory cap of %.2f GiB",
                  mm.MAX_PINNED_MEMORY / GIB)
     elif mm.get_torch_device().type == "cpu":
-        log.info("tiered offload: models run on the CPU, so nothing is pinned (pinned RAM only "
+        log.info("[tiered offload] models run on the CPU, so nothing is pinned (pinned RAM only "
                  "speeds up copies to a GPU)")
     else:
-        log.info("tiered offload: ComfyUI pins no memory on this machine (--disable-pinned-memory, "
+        log.info("[tiered offload] ComfyUI pins no memory on this machine (--disable-pinned-memory, "
                  "or a GPU it does not pin for); the engine keeps its own pinned-memory cap")
     return True

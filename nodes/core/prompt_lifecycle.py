@@ -122,7 +122,7 @@ def _notify(listeners: list[Callable], *args) -> None:
         try:
             fn(*args)
         except Exception:
-            log.exception("tiered offload: prompt lifecycle listener failed")
+            log.exception("[tiered offload] prompt lifecycle listener failed")
 
 
 def _started(prompt_id: str | None, graph: Any) -> None:
@@ -210,9 +210,9 @@ def install() -> None:
 
     server = PromptServer.instance
     if _wrap_queue(getattr(server, "prompt_queue", None)):
-        log.info("tiered offload: prompt start and end tracked from the prompt queue")
+        log.info("[tiered offload] prompt start and end tracked from the prompt queue")
         return
-    log.warning("tiered offload: this ComfyUI's prompt queue has no get/task_done to follow; "
+    log.warning("[tiered offload] this ComfyUI's prompt queue has no get/task_done to follow; "
                 "prompt start and end come from messages to clients, so models used by prompts "
                 "queued without a client_id are not released")
     _watch_messages(server)

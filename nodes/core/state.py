@@ -77,7 +77,7 @@ class LayerwiseRegistry:
             try:
                 fn(report)
             except Exception:
-                log.exception("layerwise offload: report listener failed")
+                log.exception("[tiered offload] Apply Layerwise Offload: report listener failed")
 
     def discard(self, diffusion_model: torch.nn.Module) -> Any:
         """Close this model's engine (its pinned pack is freed, its tensors handed back)."""

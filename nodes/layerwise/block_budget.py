@@ -112,7 +112,7 @@ def choose_budget(model_name: str, requested: int | None, room: DeviceRoom, leas
             f"activations and its reserve), less {size_text(room.rest)} for the model's other "
             f"weights{merge}. Lower prefetch or the resolution, or free GPU memory.")
     if requested is not None and budget < requested:
-        log.info("Apply Layerwise Offload: %s: vram_budget_gb %s lowered to %s, what is left on "
+        log.info("[tiered offload] Apply Layerwise Offload: %s: vram_budget_gb %s lowered to %s, what is left on "
                  "the card for its blocks", model_name, size_text(requested), size_text(budget))
     return budget
 
@@ -167,7 +167,7 @@ def _activations(patcher, noise_shape, conds) -> tuple[float, float]:
             need, least = estimate(patcher, noise_shape, conds or {})
             return need, least
         except Exception:  # an estimate is advice; core recomputes it for its own load
-            log.debug("Apply Layerwise Offload: no activation estimate", exc_info=True)
+            log.debug("[tiered offload] Apply Layerwise Offload: no activation estimate", exc_info=True)
     return 0, 0
 
 

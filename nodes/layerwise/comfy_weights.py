@@ -251,7 +251,8 @@ class BlockPatches:
             groups.append(tensors)
             templates.append(template)
         if left:
-            log.info("Apply Layerwise Offload: %d patch tensors are as large as the weights they patch "
+            log.info("[tiered offload] Apply Layerwise Offload: %d patch tensors are as large as the weights "
+                     "they patch "
                      "(a model merge); their merges read them from RAM, which holds up sampling", left)
         self._templates = templates
         self._side = SideTensors(groups, device)
@@ -444,7 +445,7 @@ def hand_over_from_core(patcher, block_prefixes: Sequence[str],
     _restore_base_weights(patcher, block_prefixes, blocks)
     taken = reclaim()
     if taken:
-        log.info("Apply Layerwise Offload: %d block tensors core had moved were re-pointed at the "
+        log.info("[tiered offload] Apply Layerwise Offload: %d block tensors core had moved were re-pointed at the "
                  "kept pack, with no copy", taken)
     cpu = torch.device("cpu")
     for block in blocks:

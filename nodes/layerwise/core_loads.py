@@ -35,7 +35,7 @@ def install() -> bool:
     """Wrap `load_models_gpu` once (over whatever wraps it already); False where it is missing."""
     original = getattr(comfy.model_management, "load_models_gpu", None)
     if not callable(original):
-        log.warning("tiered offload: comfy.model_management.load_models_gpu is missing; disk streaming "
+        log.warning("[tiered offload] comfy.model_management.load_models_gpu is missing; disk streaming "
                     "writes every streamed block to a spill file")
         return False
     if getattr(original, _ATTR, False):

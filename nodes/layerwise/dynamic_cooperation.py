@@ -204,7 +204,7 @@ class Cooperation:
             self.relayouts += 1
             self.released_bytes = loaded
             self.message = None
-            log.info("Apply Layerwise Offload (auto): %s's VRAM order was fixed by an earlier load "
+            log.info("[tiered offload] Apply Layerwise Offload (auto): %s's VRAM order was fixed by an earlier load "
                      "(%s); handed back to core, which lays it out in the node's order on this "
                      "load: %s of its VRAM pages released, copied in again from RAM as they are "
                      "used", self.model_class, earlier, binary_bytes(loaded))
@@ -214,7 +214,7 @@ class Cooperation:
                             f"({earlier}); the node's order ({count} resident "
                             f"block{'' if count == 1 else 's'} first) {RELOAD_HINT}. Not laid out "
                             f"again now: {reason}.")
-            log.warning("Apply Layerwise Offload (auto): %s", self.message)
+            log.warning("[tiered offload] Apply Layerwise Offload (auto): %s", self.message)
 
     def _plan(self, patcher, settings: OrderSettings, noise_shape, conds) -> Order:
         n = len(self.block_bytes)
@@ -224,7 +224,7 @@ class Cooperation:
         else:
             budget = self._budget(patcher, settings, noise_shape, conds)
             resident = self._rule_order(budget, settings.prefetch)
-            log.info("Apply Layerwise Offload (auto): %s: %d of %d blocks resident first, from %s "
+            log.info("[tiered offload] Apply Layerwise Offload (auto): %s: %d of %d blocks resident first, from %s "
                      "of VRAM for its blocks", self.model_class, len(resident), n,
                      binary_bytes(budget or 0))
         streamed = [i for i in range(n) if i not in set(resident)]
@@ -263,7 +263,7 @@ class Cooperation:
         if resident == tuple(sorted(order.resident)):
             return order
         report = self.tuner.report() or {}
-        log.info("Apply Layerwise Offload (auto): %s: measured order, block%s %s first in VRAM "
+        log.info("[tiered offload] Apply Layerwise Offload (auto): %s: measured order, block%s %s first in VRAM "
                  "(%s)", self.model_class, "" if len(resident) == 1 else "s",
                  ", ".join(map(str, resident)) or "none", report.get("reason"))
         chosen = set(resident)
@@ -308,11 +308,11 @@ class Cooperation:
         if not say:
             return budget
         if budget is None:
-            log.info("Apply Layerwise Offload (auto): %s: %s left for its blocks, less than the "
+            log.info("[tiered offload] Apply Layerwise Offload (auto): %s: %s left for its blocks, less than the "
                      "%s that streaming them takes; no block is kept resident, core streams them "
                      "all", self.model_class, binary_bytes(max(available, 0)), binary_bytes(least))
         elif settings.budget_bytes is not None and budget < settings.budget_bytes:
-            log.info("Apply Layerwise Offload (auto): %s: vram_budget_gb lowered to %s, what is "
+            log.info("[tiered offload] Apply Layerwise Offload (auto): %s: vram_budget_gb lowered to %s, what is "
                      "left for its blocks", self.model_class, binary_bytes(budget))
         return budget
 
@@ -429,7 +429,7 @@ def cooperate(model, streamer_kwargs: dict[str, Any], budget_bytes: int | None):
     patcher = model.clone()
     # The class's own method; an instance attribute may be another clone's patch still applied.
     if getattr(type(model.model), UNITS_ATTR, None) is not None:
-        log.info("Apply Layerwise Offload (auto): %s defines its own Dynamic VRAM units; core "
+        log.info("[tiered offload] Apply Layerwise Offload (auto): %s defines its own Dynamic VRAM units; core "
                  "streams it in its own order, the node changes nothing", plan.model_class)
         return patcher
     settings = OrderSettings.from_streamer_kwargs(streamer_kwargs, budget_bytes)
@@ -445,7 +445,7 @@ def cooperate(model, streamer_kwargs: dict[str, Any], budget_bytes: int | None):
             try:
                 live.before_load(model_patcher, settings, noise_shape, conds)
             except Exception:  # the order is advice: core loads the model whatever happens here
-                log.exception("Apply Layerwise Offload (auto): planning the order failed; core "
+                log.exception("[tiered offload] Apply Layerwise Offload (auto): planning the order failed; core "
                               "loads the model in the order it holds")
         result = executor(model_patcher, noise_shape, conds, *args, **kwargs)
         if live is not None:
@@ -453,7 +453,7 @@ def cooperate(model, streamer_kwargs: dict[str, Any], budget_bytes: int | None):
                 live.after_load(model_patcher)
                 live.start_timing(model_patcher)
             except Exception:
-                log.exception("Apply Layerwise Offload (auto): reading the order back failed")
+                log.exception("[tiered offload] Apply Layerwise Offload (auto): reading the order back failed")
         return result
 
     def outer_sample(executor, *args, **kwargs):
@@ -467,14 +467,14 @@ def cooperate(model, streamer_kwargs: dict[str, Any], budget_bytes: int | None):
                     live.after_run(current)
                     state.LAYERWISE.publish_report(live.report())
                 except Exception:
-                    log.exception("Apply Layerwise Offload (auto): the run's report failed")
+                    log.exception("[tiered offload] Apply Layerwise Offload (auto): the run's report failed")
 
     sampling_wrappers.install(patcher, DYNAMIC_ORDER_KEY, around_load=prepare_sampling, around_run=outer_sample)
     what = (f"{settings.resident} resident block{'s' if settings.resident != 1 else ''}"
             if settings.resident is not None else
             f"the resident blocks a {binary_bytes(settings.budget_bytes)} budget allows"
             if settings.budget_bytes else "as many resident blocks as the VRAM free at each run allows")
-    log.info("Apply Layerwise Offload (auto): %s runs with Dynamic VRAM, so core streams it; the "
+    log.info("[tiered offload] Apply Layerwise Offload (auto): %s runs with Dynamic VRAM, so core streams it; the "
              "node orders its VRAM, %s first and the streamed blocks last, checked at every "
              "load; %s", plan.model_class, what, prefetch_statement(plan.model_class, coop.prefetch))
     return patcher

@@ -239,14 +239,14 @@ def classic_delegate(model, streamer_kwargs: dict[str, Any]):
         try:
             patcher, entry = _twin_delegate(model)
         except TwinUnavailable as e:
-            log.warning("Apply Layerwise Offload (engine): no twin of %s over its own weights: %s; "
+            log.warning("[tiered offload] Apply Layerwise Offload (engine): no twin of %s over its own weights: %s; "
                         "falling back to a reload from disk", type(model.model).__name__, e)
             patcher, entry = _reload_delegate(model, f"no twin: {e}")
         state.DYNAMIC_DELEGATES.get_or_create(model.model, lambda: entry, reuse=lambda _old: False)
     patcher.weight_inplace_update = False  # never write into host tensors the twin shares
     entry.uses += 1
     log.log(logging.INFO if entry.path == "twin" else logging.WARNING,
-            "Apply Layerwise Offload: cost of %s", entry.cost())
+            "[tiered offload] Apply Layerwise Offload: cost of %s", entry.cost())
     return patcher
 
 

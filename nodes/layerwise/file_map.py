@@ -69,7 +69,8 @@ def recorded_file(model: torch.nn.Module) -> str | None:
         return None
     why = load_records.changed(source)
     if why is not None:
-        log.info("Apply Layerwise Offload: %s since the model was loaded; streamed blocks go to a spill file", why)
+        log.info("[tiered offload] Apply Layerwise Offload: %s since the model was loaded; streamed blocks go "
+                 "to a spill file", why)
         return None
     return source["files"][0][0]
 
@@ -81,7 +82,7 @@ def _from_header(path: str, tensors: list[tuple[int, str, torch.Tensor]],
     try:
         header = gguf_tensors(path) if _is_gguf(path) else safetensors_tensors(path)
     except (OSError, ValueError, UnicodeDecodeError) as e:
-        log.info("Apply Layerwise Offload: %s cannot be read in place (%s)", path, e)
+        log.info("[tiered offload] Apply Layerwise Offload: %s cannot be read in place (%s)", path, e)
         return None, 0
     names = [(b, p, f"{prefixes[b].split('.', 1)[-1]}.{p}", t) for b, p, t in tensors]
     if not names:
@@ -117,15 +118,16 @@ def find(model: torch.nn.Module, blocks: Sequence[torch.nn.Module], prefixes: Se
         return None
     path = load_records.mapped_file(t for _, _, t in tensors) or recorded_file(model)
     if path is None:
-        log.info("Apply Layerwise Offload: the file %s was loaded from is not known (its loader is not "
+        log.info("[tiered offload] Apply Layerwise Offload: the file %s was loaded from is not known (its "
+                 "loader is not "
                  "one the pack knows); streamed blocks go to a spill file", model_class)
         return None
     found, cast = _from_header(path, tensors, prefixes)
     if found is None:
-        log.info("Apply Layerwise Offload: none of %s's block tensors are in %s as loaded; streamed "
+        log.info("[tiered offload] Apply Layerwise Offload: none of %s's block tensors are in %s as loaded; streamed "
                  "blocks go to a spill file", model_class, path)
         return None
-    log.info("Apply Layerwise Offload: %d of %s's %d block tensors can be read in place from %s%s",
+    log.info("[tiered offload] Apply Layerwise Offload: %d of %s's %d block tensors can be read in place from %s%s",
              len(found.tensors) - cast, model_class, len(tensors), path,
              f" ({cast} are loaded in another dtype than the file's)" if cast else "")
     return found

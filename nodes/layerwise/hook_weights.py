@@ -89,7 +89,7 @@ class StreamedHooks:
         patcher.hook_patches = self._filtered
         self._handle = self._root.register_forward_pre_hook(self._call_starts)
         count = len(self.keys)
-        log.info("Apply Layerwise Offload: hook LoRAs patch %d weights of streamed blocks; the engine "
+        log.info("[tiered offload] Apply Layerwise Offload: hook LoRAs patch %d weights of streamed blocks; the engine "
                  "applies them to the streamed copies", count)
         return count
 
@@ -123,7 +123,8 @@ class StreamedHooks:
             return
         self._signature, self._current = signature, current
         copied = self._on_change() if self._on_change is not None else 0
-        log.debug("hook patches of streamed blocks changed (%d weights); %d prefetched units copied again",
+        log.debug("[tiered offload] hook patches of streamed blocks changed (%d weights); %d prefetched units "
+                  "copied again",
                   len(current), copied)
 
     def snapshot(self) -> dict[str, list]:
@@ -141,7 +142,8 @@ class StreamedHooks:
             if patcher.hook_patches is self._filtered:
                 patcher.hook_patches = self._full
             else:
-                log.warning("Apply Layerwise Offload: the model's hook patches were replaced during the run; "
+                log.warning("[tiered offload] Apply Layerwise Offload: the model's hook patches were replaced "
+                            "during the run; "
                             "the streamed blocks' patches are left out of the new ones")
         self._full = self._filtered = None
         self._streamed, self._current, self._signature = {}, {}, ()

@@ -37,7 +37,7 @@ def session_for(patcher, settings: LayerwiseSettings) -> LayerwiseSession:
     def same(session: LayerwiseSession) -> bool:
         if session.settings == settings and session.device == patcher.load_device:
             return True
-        log.info("Layerwise offload: settings changed for %s, rebuilding the engine",
+        log.info("[tiered offload] Apply Layerwise Offload: settings changed for %s, rebuilding the engine",
                  session.model_class)
         return False
     return LAYERWISE.sessions.get_or_create(
@@ -201,7 +201,7 @@ class ApplyLayerwiseOffload(io.ComfyNode):
         choice = compile_policy.NodeChoice(cls.hidden.unique_id if cls.hidden is not None else None,
                                            bool(compile_per_block))
         if unified_memory(model):
-            log.info("Apply Layerwise Offload: %s runs on %s, whose GPU shares the RAM: nothing to "
+            log.info("[tiered offload] Apply Layerwise Offload: %s runs on %s, whose GPU shares the RAM: nothing to "
                      "offload, the model passes through unchanged", type(model.model).__name__, model.load_device)
             return io.NodeOutput(model)
         if dynamic_vram.check_mode(mode) == "auto" and is_dynamic(model):
@@ -219,8 +219,8 @@ class ApplyLayerwiseOffload(io.ComfyNode):
         session = session_for(patcher, settings)
         # A whole-model master left by an earlier workflow would double the RAM: retire it.
         if SWAP_MEMBERS.discard(patcher.model) is not None:
-            log.info("Apply Layerwise Offload: released the Model-Level Swap master of this model")
-        log.info("Apply Layerwise Offload: %s, %d blocks (%s), %s", session.model_class,
+            log.info("[tiered offload] Apply Layerwise Offload: released the Model-Level Swap master of this model")
+        log.info("[tiered offload] Apply Layerwise Offload: %s, %d blocks (%s), %s", session.model_class,
                  len(session.blocks), session.layout,
                  f"{resident_blocks} resident" if resident_blocks >= 0 else
                  f"resident blocks from a {vram_budget_gb:g} GiB budget" if vram_budget_gb > 0

@@ -42,7 +42,7 @@ def with_step_ends(args: tuple, kwargs: dict, step_done: Callable[[], None]) -> 
         try:
             step_done()
         except Exception:  # counting steps is advice: never the sampler's failure
-            log.exception("Apply Layerwise Offload: a step's end could not be counted")
+            log.exception("[tiered offload] Apply Layerwise Offload: a step's end could not be counted")
         return callback(*a, **k) if callback is not None else None
 
     if "callback" in kwargs:

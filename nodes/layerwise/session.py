@@ -202,7 +202,7 @@ class LayerwiseSession:
         chosen, why = granularity.choose(self.blocks, self.settings, room)
         if chosen == self.granularity:
             return False
-        log.info("Apply Layerwise Offload: %s streams as %s from now on (%s)", self.model_class,
+        log.info("[tiered offload] Apply Layerwise Offload: %s streams as %s from now on (%s)", self.model_class,
                  chosen, why)
         self.streamer.close()
         self.granularity, self.granularity_why = chosen, why
@@ -285,7 +285,7 @@ class LayerwiseSession:
         except ModelFileChanged as e:
             raise RuntimeError(f"Apply Layerwise Offload: {e}") from None
         if count:
-            log.info("Apply Layerwise Offload: %d units of %s read back from the model file for a run "
+            log.info("[tiered offload] Apply Layerwise Offload: %d units of %s read back from the model file for a run "
                      "without the node", count, self.model_class)
 
     def _watched(self) -> list[torch.nn.Module]:
@@ -302,10 +302,10 @@ class LayerwiseSession:
         if not taken:
             return
         if module is self.model_ref():
-            log.info("Apply Layerwise Offload: %s moves to the host: %d block tensors re-pointed "
+            log.info("[tiered offload] Apply Layerwise Offload: %s moves to the host: %d block tensors re-pointed "
                      "at the kept pack, with no copy", self.model_class, taken)
         else:  # one of many modules a partial unload moves
-            log.debug("Apply Layerwise Offload: a %s module moves to the host: %d block tensors "
+            log.debug("[tiered offload] Apply Layerwise Offload: a %s module moves to the host: %d block tensors "
                       "re-pointed at the kept pack, with no copy", self.model_class, taken)
 
     def _close_block_patches(self) -> None:

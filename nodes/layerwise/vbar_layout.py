@@ -124,7 +124,7 @@ def residency(model: torch.nn.Module, device: torch.device, layout: Layout) -> l
     try:
         pages = probe()
     except Exception:  # a report must never fail a run
-        log.debug("Apply Layerwise Offload: no VBAR residency", exc_info=True)
+        log.debug("[tiered offload] Apply Layerwise Offload: no VBAR residency", exc_info=True)
         return None
     states = []
     for span in layout.block_spans():

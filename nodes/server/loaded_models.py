@@ -212,13 +212,13 @@ def unload(card_id: str) -> dict[str, Any]:
                 raise TierError("the tier manager keeps this model: use Park or Evict")
             name = type(patcher.model).__name__
             unload_from_core(patcher.model)
-            log.info("tiered offload: %s unloaded through core's unload (panel request)", name)
+            log.info("[tiered offload] %s unloaded through core's unload (panel request)", name)
             return {"id": card_id, "class": name}
         held = _held_by_pack(card_id)
         if held is None:
             raise LookupError(card_id)
         registry, module, name = held
         registry.discard(module)
-        log.info("tiered offload: %s: the pack let go of what it held after ComfyUI unloaded it "
+        log.info("[tiered offload] %s: the pack let go of what it held after ComfyUI unloaded it "
                  "(panel request)", name)
         return {"id": card_id, "class": name}

@@ -83,7 +83,7 @@ def _answer(error: BaseException, failed: str, unknown: str = "",
         return _error(404, unknown)
     status = next((code for kind, code in ANSWERS if isinstance(error, kind)), None)
     if status is None:
-        log.exception("tiered offload: %s failed", failed, exc_info=error)
+        log.exception("[tiered offload] %s failed", failed, exc_info=error)
         return _error(500, f"{failed} failed: {budgets.shorten(error, 300)}")
     return _error(status, str(error))
 
@@ -122,7 +122,7 @@ def state_changing(handler: Callable[[web.Request], Awaitable[web.Response]]):
     async def guarded(request: web.Request) -> web.Response:
         why = _foreign_origin(request)
         if why is not None:
-            log.warning("tiered offload: %s %s: %s", request.method, budgets.shorten(request.path, 100), why)
+            log.warning("[tiered offload] %s %s: %s", request.method, budgets.shorten(request.path, 100), why)
             return _error(403, f"{why}: the pack's settings change only from this server's own page "
                                "or a client that is no web page")
         if request.content_type != "application/json":
@@ -407,7 +407,7 @@ def _send(server, event: str, payload: dict[str, Any]) -> None:
     try:
         json.dumps(payload, allow_nan=False)
     except (TypeError, ValueError, RecursionError) as e:
-        log.error("tiered offload: %s event not sent, it does not encode as JSON: %s", event,
+        log.error("[tiered offload] %s event not sent, it does not encode as JSON: %s", event,
                   budgets.shorten(e, 200))
         return
     server.send_sync(event, payload)

@@ -110,7 +110,7 @@ class SwapMember:
         if taken:
             self.parks += 1
             self.tensors_taken_back += taken
-            log.info("Model-Level Swap: %s parked, %d tensors re-pointed at its master, no "
+            log.info("[tiered offload] Model-Level Swap: %s parked, %d tensors re-pointed at its master, no "
                      "device-to-host copy", self.name, taken)
 
     def close(self) -> None:
@@ -226,7 +226,7 @@ class ModelLevelSwap(io.ComfyNode):
     @classmethod
     def execute(cls, model, clip, share_host_memory: bool = True) -> io.NodeOutput:
         if unified_memory(model) and unified_memory(clip.patcher):
-            log.info("Model-Level Swap: the models run on %s, whose GPU shares the RAM: no turns to "
+            log.info("[tiered offload] Model-Level Swap: the models run on %s, whose GPU shares the RAM: no turns to "
                      "take, both pass through unchanged", model.load_device)
             return io.NodeOutput(model, clip)
         model = model.clone()
@@ -240,7 +240,7 @@ class ModelLevelSwap(io.ComfyNode):
                                       ("text encoder", clip.patcher, True)):
             why = _master_refusal(patcher)
             if why is not None:
-                log.info("Model-Level Swap: the %s gets no pinned master: it %s", name, why)
+                log.info("[tiered offload] Model-Level Swap: the %s gets no pinned master: it %s", name, why)
             elif wanted:
                 _member(patcher, name, share_host_memory)
         turns = _Turns(model.model, clip.patcher.model)

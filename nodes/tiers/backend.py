@@ -142,7 +142,7 @@ class ComfyModelBackend:
         for patcher in patchers_of(self.outputs or ()):
             mended = wrappers_to_inference(patcher.model)
             if mended:
-                log.info("tiered offload: '%s': %d quantized tensors rewrapped for inference mode "
+                log.info("[tiered offload] '%s': %d quantized tensors rewrapped for inference mode "
                          "(core unloaded the model outside it)", self.source.name, mended)
 
     @torch.inference_mode()
@@ -172,7 +172,7 @@ class ComfyModelBackend:
                 _release_engines(patcher.model)
                 patcher.model.to(torch.device("meta"))
             except Exception:
-                log.exception("tiered offload: could not empty '%s' on its drop; its memory is "
+                log.exception("[tiered offload] could not empty '%s' on its drop; its memory is "
                               "freed when ComfyUI lets go of the objects", self.source.name)
 
     def nbytes(self) -> int:

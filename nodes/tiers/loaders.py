@@ -237,5 +237,5 @@ def hold_graph(prompt_id: str, graph: dict) -> None:
         try:
             state.PROMPT_HOLDS.hold(key, prompt_id)
         except Exception as e:
-            log.warning("tiered offload: prompt %s cannot hold '%s' at its start, its loader "
+            log.warning("[tiered offload] prompt %s cannot hold '%s' at its start, its loader "
                         "will report it: %s", prompt_id, name, e)

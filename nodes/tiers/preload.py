@@ -45,17 +45,17 @@ def preload_from_settings() -> None:
         if not isinstance(items, list):
             raise ValueError('expected {"preload": [...]}')
     except (OSError, ValueError) as e:
-        log.error("tiered offload: cannot read %s: %s", settings_file.path(), budgets.shorten(e, 300))
+        log.error("[tiered offload] cannot read %s: %s", settings_file.path(), budgets.shorten(e, 300))
         return
     by_tier: dict[str, list[str]] = {}
     for item in items:
         try:
             key, tier = _register_preload_entry(item)
         except Exception as e:
-            log.error("tiered offload: skipping preload entry %s: %s",
+            log.error("[tiered offload] skipping preload entry %s: %s",
                       budgets.shorten(repr(item), 300), budgets.shorten(e, 300))
             continue
         by_tier.setdefault(tier, []).append(key)
     for tier, keys in by_tier.items():
-        log.info("tiered offload: preloading %d model(s) into %s", len(keys), tier)
+        log.info("[tiered offload] preloading %d model(s) into %s", len(keys), tier)
         state.MANAGER.preload(keys, tier, background=True)

@@ -185,7 +185,7 @@ class SlotRing:
             try:
                 ticket.wait()
             except RuntimeError as e:  # nobody needed that block; its next copy starts afresh
-                log.debug("slot %d: %s", slot, e)
+                log.debug("[tiered offload] slot %d: %s", slot, e)
                 self.holds[slot], self._state[slot] = None, _EMPTY
         self._tickets.clear()
         self.stream.synchronize()

@@ -210,7 +210,7 @@ class HostCache:
                          for k in range(workers)]
         for t in self._threads:
             t.start()
-        log.info("disk stream: host cache of %d x %s (%s), %d read worker(s), read-ahead %d",
+        log.info("[tiered offload] disk stream: host cache of %d x %s (%s), %d read worker(s), read-ahead %d",
                  count, size_text(self.entry_bytes), "pinned" if self.pinned else "pageable", workers, depth)
 
     # ---------------------------------------------------------------- figures
@@ -359,7 +359,7 @@ class HostCache:
                 nbytes, e.pieces = self._store.read_unit(unit, self._buffers[entry])
             except BaseException as exc:  # handed to whoever waits for this unit
                 error = exc
-                log.error("disk stream: %s", exc)
+                log.error("[tiered offload] disk stream: %s", exc)
             finally:
                 self._tel.read_ended(started, nbytes, error is None)
                 ended = host_clock()

@@ -272,7 +272,7 @@ class ModelFile:
         if now is not None and now[:2] == self.version[:2]:
             return
         self._name_noted = True
-        log.info("disk stream: %s %s; the loaded model reads on from the file it was loaded from, "
+        log.info("[tiered offload] disk stream: %s %s; the loaded model reads on from the file it was loaded from, "
                  "whose disk space is given back when the model is unloaded", self.path,
                  "was deleted" if now is None else "now names another file")
 

@@ -124,7 +124,8 @@ def _unreliable(path: str, checked: dict[str, str | None]) -> str | None:
     if path not in checked:
         checked[path] = version_unreliable(path)
         if checked[path] is not None:
-            log.info("disk stream: %s is not read in place: %s; its units go to the spill file", path, checked[path])
+            log.info("[tiered offload] disk stream: %s is not read in place: %s; its units go to the spill "
+                     "file", path, checked[path])
     return None if checked[path] is None else "a model file whose changes cannot be seen where it lies"
 
 
@@ -191,7 +192,7 @@ class DiskSources:
         except ModelFileChanged:
             raise
         except OSError as e:  # the loaded tensors are all there: they go to the spill file
-            log.warning("disk stream: %s cannot be read (%s); its units go to the spill file", path, e)
+            log.warning("[tiered offload] disk stream: %s cannot be read (%s); its units go to the spill file", path, e)
             self._why["a model file that cannot be read"] += 1
             return _Unit(SPILL)
         slices = {k: FileSlice(s.path, s.version or file.version, s.offset, s.nbytes, file)
@@ -256,17 +257,17 @@ class DiskSources:
         if in_place:
             nbytes = sum(self._packs[i].nbytes for i in in_place)
             files = ", ".join(sorted({f.path for f in self._files.values()}))
-            log.info("disk stream: %d of %d units (%s) are read in place from %s, no copy written%s",
+            log.info("[tiered offload] disk stream: %d of %d units (%s) are read in place from %s, no copy written%s",
                      len(in_place), len(self._units), size_text(nbytes), files,
                      f"; {len(by_kind[CHECKING])} are checked against the loaded weights at their first read"
                      if by_kind[CHECKING] else "")
         if by_kind[SPILL]:
             why = "; ".join(f"{n} for {reason}" for reason, n in sorted(self._why.items()))
-            log.info("disk stream: %d units (%s) are written to a spill file (%s), %s in all",
+            log.info("[tiered offload] disk stream: %d units (%s) are written to a spill file (%s), %s in all",
                      len(by_kind[SPILL]), size_text(sum(self._packs[i].nbytes for i in by_kind[SPILL])), why,
                      size_text(self.spill.spill_bytes))
         else:
-            log.info("disk stream: no spill file: nothing written to disk")
+            log.info("[tiered offload] disk stream: no spill file: nothing written to disk")
 
     # ---------------------------------------------------------------- reading
     def buffer_bytes(self, i: int) -> int:
@@ -329,7 +330,7 @@ class DiskSources:
             if same:
                 _release(self._packs[i], u)
             else:
-                log.warning("disk stream: unit %d's bytes in %s differ from the loaded weights; it is "
+                log.warning("[tiered offload] disk stream: unit %d's bytes in %s differ from the loaded weights; it is "
                             "written to the spill file instead", i, u.file.path)
                 self._why["bytes that differ from the model file's"] += 1
                 self.spill.write_late(i, self._packs[i])

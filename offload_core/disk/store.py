@@ -122,7 +122,8 @@ class DiskStore:
             self._spill_path = path
             if os.name != "nt":
                 os.unlink(path)  # gone with the last descriptor and map, whatever ends the process
-            log.info("disk stream: spill file opened in %s (deleted when the engine lets go of it)", self._spill_dir)
+            log.info("[tiered offload] disk stream: spill file opened in %s (deleted when the engine lets go of "
+                     "it)", self._spill_dir)
         return self._spill
 
     def _reserve(self, nbytes: int) -> tuple[Descriptors, int, int]:
@@ -191,7 +192,8 @@ class DiskStore:
         try:
             region = mmap.mmap(self._spill.fd, self._spill_end, access=mmap.ACCESS_COPY)
         except (OSError, ValueError) as e:
-            log.warning("disk stream: the spill file cannot be mapped (%s); its packs are read back into RAM", e)
+            log.warning("[tiered offload] disk stream: the spill file cannot be mapped (%s); its packs are read "
+                        "back into RAM", e)
             for i, pack in packs.items():
                 with torch.inference_mode(False):
                     buf = torch.empty(self._places[i][1], dtype=torch.uint8)
@@ -213,7 +215,8 @@ class DiskStore:
     def finish(self) -> None:
         """Log what placing cost on disk."""
         if self._spill_end:
-            log.info("disk stream: the spill file in %s holds %s", self._spill_dir, size_text(self._spill_end))
+            log.info("[tiered offload] disk stream: the spill file in %s holds "
+                     "%s", self._spill_dir, size_text(self._spill_end))
 
     # ---------------------------------------------------------------- reading
     def read(self, i: int, dst: torch.Tensor, start: int = 0, length: int | None = None) -> int:
@@ -261,6 +264,7 @@ class DiskStore:
             try:
                 os.unlink(self._spill_path)
             except OSError:
-                log.info("disk stream: the spill file %s is still mapped; delete it later", self._spill_path)
+                log.info("[tiered offload] disk stream: the spill file %s is still mapped; delete it "
+                         "later", self._spill_path)
         self._places.clear()
         self._maps.clear()  # the tensors over them keep them open

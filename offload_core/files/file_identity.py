@@ -175,7 +175,7 @@ def _digest_whole(path: str, version: tuple[int, ...], witness: Witness) -> None
                 witness.ranges.update(ranges)
                 witness.whole = True
     except OSError as e:
-        log.info("tiered offload: %s could not be read to witness its bytes (%s)", path, e)
+        log.info("[tiered offload] %s could not be read to witness its bytes (%s)", path, e)
     finally:
         os.close(fd)
 
@@ -273,6 +273,6 @@ def _same_bytes_of(fd: int, path: str, was: tuple[int, ...], whole: bool) -> tup
         if tuple(was) not in witness.versions:
             return None
         witness.versions.add(now)
-    log.info("tiered offload: metadata of %s changed (mode/owner/links); its bytes are unchanged "
+    log.info("[tiered offload] metadata of %s changed (mode/owner/links); its bytes are unchanged "
              "(checked)", path)
     return now

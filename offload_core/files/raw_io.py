@@ -126,7 +126,7 @@ class Descriptors:
     def _retire(self, direct: int) -> None:
         with self._lock:
             if self._direct == direct:
-                log.info("disk stream: %s refuses direct I/O; using the page cache", self.path)
+                log.info("[tiered offload] disk stream: %s refuses direct I/O; using the page cache", self.path)
                 self._retired.append(direct)
                 self._direct = None
 

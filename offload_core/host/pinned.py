@@ -113,7 +113,7 @@ def pin_cap(ram_budget_bytes: int | None = None) -> int:
         try:
             external = _external_cap()
         except Exception:
-            log.exception("the pinned-memory cap hook failed; using the engine's own cap")
+            log.exception("[tiered offload] the pinned-memory cap hook failed; using the engine's own cap")
     return cap if external is None else max(0, min(cap, int(external)))
 
 
@@ -134,7 +134,7 @@ def _tell() -> None:
         try:
             _report(total)
         except Exception:
-            log.exception("the pinned-memory report hook failed")
+            log.exception("[tiered offload] the pinned-memory report hook failed")
             return
 
 
@@ -195,7 +195,7 @@ def _unregister(registrar: HostRegistrar, ptr: int) -> None:
     err = registrar.unregister(ptr)
     if err != 0:
         _clear_cuda_error()
-        log.warning("cudaHostUnregister(0x%x) failed with CUDA error %d", ptr, err)
+        log.warning("[tiered offload] cudaHostUnregister(0x%x) failed with CUDA error %d", ptr, err)
 
 
 def _map(nbytes: int) -> torch.Tensor:
@@ -431,7 +431,7 @@ class HostStorage:
         registrar = host_registrar()
         if registrar is None:  # no GPU: there is no copy to a GPU to speed up, nothing to say
             self._pin_refused = True
-            log.debug("host storage: no CUDA device, so nothing is pinned")
+            log.debug("[tiered offload] host storage: no CUDA device, so nothing is pinned")
             return None
         cap = pin_cap(self._cap)
         if pinned_bytes() + span > cap:
@@ -452,7 +452,8 @@ class HostStorage:
 
     def _refuse_pin(self, why: str, level: int = logging.WARNING) -> None:
         self._pin_refused = True
-        log.log(level, "host storage: %s; remaining chunks stay pageable (correct but slower copies)", why)
+        log.log(level, "[tiered offload] host storage: %s; remaining chunks stay pageable (correct but "
+                       "slower copies)", why)
 
     def release_item(self, i: int) -> None:
         """Mark item ``i`` unused; its chunk is freed once all of its items are.

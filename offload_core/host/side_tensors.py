@@ -64,7 +64,8 @@ class SideTensors:
         self.uploads = 0
         pageable = [g for g, size in enumerate(sizes) if size and not self._host.is_pinned(g)]
         if self._ordering.asynchronous and pageable:
-            log.warning("%d of %d groups of side tensors are in pageable RAM (over the pinned-RAM cap): "
+            log.warning("[tiered offload] %d of %d groups of side tensors are in pageable RAM (over the "
+                        "pinned-RAM cap): "
                         "their uploads hold up the thread that issues them", len(pageable), len(sizes))
 
     @property

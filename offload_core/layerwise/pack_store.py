@@ -86,7 +86,8 @@ class PackStore:
                 progress(len(packs), len(packs))
             return 0
         if sum(read_back_pack(p) for p in packs):  # released by an earlier engine on disk
-            log.info("tensors an earlier engine streamed from the model's file were read back to be packed in RAM")
+            log.info("[tiered offload] tensors an earlier engine streamed from the model's file were read back "
+                     "to be packed in RAM")
         asynchronous = for_device(self.device).asynchronous  # copies to a GPU
         if asynchronous:
             # Taken before the pack, so pinning the pack up to the cap still leaves room for it.
@@ -142,11 +143,13 @@ class PackStore:
             bounce.release()
         elif not bounce.is_pinned(0):
             bounce.release()
-            log.warning("%.1f MiB of streamed blocks are in pageable RAM and no staging buffer could be pinned: "
+            log.warning("[tiered offload] %.1f MiB of streamed blocks are in pageable RAM and no staging buffer "
+                        "could be pinned: "
                         "their copies will hold up the sampling thread", pageable / _MiB)
         else:
             self.bounce = bounce
-            log.info("%.1f MiB of streamed blocks are in pageable RAM: their copies are staged through a "
+            log.info("[tiered offload] %.1f MiB of streamed blocks are in pageable RAM: their copies are staged "
+                     "through a "
                      "%.0f MiB pinned buffer by a worker thread", pageable / _MiB, bounce.total_bytes / _MiB)
 
     # ----------------------------------------------------------------- giving back
@@ -175,7 +178,8 @@ class PackStore:
             return 0
         written = len(self._packed.store.view.written_items())
         if written:
-            log.info("%d units of the kept pack were written in place since it was kept (the shared store "
+            log.info("[tiered offload] %d units of the kept pack were written in place since it was kept (the "
+                     "shared store "
                      "holds the old values); packing again from the model's values", written)
             self.free(plan)
         return written

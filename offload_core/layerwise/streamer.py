@@ -199,11 +199,12 @@ class LayerwiseStreamer(StreamerFigures):
             if not compiled:  # under a compile the plan the caller checked it against stands
                 plan.apply(start.resident, start.prefetch, start.read_ahead or None)
         if adopted := store.adopt(plan):  # a re-wrap of the same memory leaves the kept pack valid
-            log.info("%d block tensors were re-wrapped over the kept pack; it stays valid", adopted)
+            log.info("[tiered offload] %d block tensors were re-wrapped over the kept pack; it stays valid", adopted)
         store.free_if_written(plan)  # a shared store no longer holds what the model shows
         if not plan.is_current():
             if store.has_pack():
-                log.info("block tensors were re-assigned since the pack was kept; packing from scratch")
+                log.info("[tiered offload] block tensors were re-assigned since the pack was kept; packing from "
+                         "scratch")
                 store.free(plan)
             plan.lay_out()
         packed = None
@@ -228,7 +229,7 @@ class LayerwiseStreamer(StreamerFigures):
         where = (f"on disk through a {host['cache'] / _MiB:.1f} MiB host cache" if store.disk_active()
                  else f"host {host['packed'] / _MiB:.1f} MiB ({host['pinned'] / _MiB:.1f} MiB pinned)")
         log.info(
-            "attached %d blocks as %d %s units (%d resident, %d streamed) to %s: %d slots x %.1f MiB, "
+            "[tiered offload] attached %d blocks as %d %s units (%d resident, %d streamed) to %s: %d slots x %.1f MiB, "
             "bound %.1f MiB, %s, %d units packed, %s",
             len(plan.blocks), len(plan.units), plan.granularity, len(plan.resident_indices),
             len(plan.streamed_indices), self.device, plan.nslots, plan.slot_bytes / _MiB,
@@ -290,7 +291,8 @@ class LayerwiseStreamer(StreamerFigures):
         """
         if self._attached:
             self._teardown(keep_pack)
-            log.debug("detached (%s the host pack)", "keeping" if keep_pack else "freeing")  # under the progress bar
+            log.debug("[tiered offload] detached (%s the host "
+                      "pack)", "keeping" if keep_pack else "freeing")  # under the progress bar
             if check:
                 self.check_files()
         elif not keep_pack and self._store.has_pack():

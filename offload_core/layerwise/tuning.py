@@ -247,7 +247,8 @@ class CallKinds:
         members = tuple(sorted(self._recent[-2:], key=repr))
         key = ("cycle", members)
         if members[0] not in self._cycles:
-            log.info("layerwise auto settings: the model's calls alternate between two kinds of input; "
+            log.info("[tiered offload] layerwise auto settings: the model's calls alternate between two kinds "
+                     "of input; "
                      "the setting is planned for both")
         for member in members:
             self._cycles[member] = key
@@ -466,7 +467,7 @@ class Tuner:
         except ScheduleLost:
             raise
         except Exception:  # the plan is advice: a failure stops planning, never the run
-            log.exception("layerwise auto settings: planning failed; the run keeps its settings")
+            log.exception("[tiered offload] layerwise auto settings: planning failed; the run keeps its settings")
             self.stop()
             self._phase = "off"
 
@@ -488,7 +489,7 @@ class Tuner:
                 # Inputs that change from call to call (a cond and an uncond batch of other
                 # sizes): a setting made again at every call would cost more than any plan saves.
                 if self._phase != "hold":
-                    log.info("layerwise auto settings: the model's inputs change from call to call; "
+                    log.info("[tiered offload] layerwise auto settings: the model's inputs change from call to call; "
                              "the setting stays for the rest of the run")
                 self._enter("hold")
                 return
@@ -509,7 +510,7 @@ class Tuner:
                 # One kind of the cycle leaves blocks out (skip-layer guidance's extra call): its
                 # passes are never whole, so the plan is made on the members that run every block.
                 kind.members = tuple(m for m in kind.members if m != ended)
-                log.info("layerwise auto settings: one kind of the model's calls leaves blocks out; "
+                log.info("[tiered offload] layerwise auto settings: one kind of the model's calls leaves blocks out; "
                          "the setting is planned on the calls that run every block")
                 return
             self._misses += 1
@@ -602,12 +603,13 @@ class Tuner:
             kind.rejected.append(setting)
             kind.verdict = f"short of memory for the planned setting: rolled back ({e})"
             self.events.append({"pass": self.passes, "from": before, "to": before, "why": kind.verdict})
-            log.warning("layerwise auto settings: %s", kind.verdict)
+            log.warning("[tiered offload] layerwise auto settings: %s", kind.verdict)
             return False
         self.rebuilt()
         self._recording = True
         self.events.append({"pass": self.passes, "from": before, "to": setting, "why": why})
-        log.info("layerwise auto settings: pass %d: %d resident units, prefetch %d%s (%s)", self.passes,
+        log.info("[tiered offload] layerwise auto settings: pass %d: %d resident units, prefetch %d%s "
+                 "(%s)", self.passes,
                  len(setting.resident), setting.prefetch,
                  f", read-ahead {setting.read_ahead}" if setting.read_ahead else "", why)
         return True
@@ -677,7 +679,7 @@ class Tuner:
         so the kind is measured and planned again."""
         kind.rejected, kind.tried, kind.plans, kind.trial = [], {}, 0, None
         kind.verdict = f"the step moved from {ms_text(base_ms)} to {ms_text(now_ms)}: measuring again"
-        log.info("layerwise auto settings: pass %d: %s", self.passes, kind.verdict)
+        log.info("[tiered offload] layerwise auto settings: pass %d: %s", self.passes, kind.verdict)
         self._enter("measure")
 
     def _planned(self, kind: _Kind, period: float, planned: Plan, advice: Plan | None) -> None:
@@ -711,7 +713,8 @@ class Tuner:
             kind.reasons[chosen.setting] = planned.reason
             kind.predicted_ms = predict(kind.costs, current).step_ms
             kind.verdict = verdict(kind.predicted_ms, period)
-            log.info("layerwise auto settings: pass %d: the planned setting waits for the next run (%d calls "
+            log.info("[tiered offload] layerwise auto settings: pass %d: the planned setting waits for the next "
+                     "run (%d calls "
                      "left in this run would not repay the change)", self.passes, left)
             self._enter("hold", watch=True)
             return
@@ -770,7 +773,7 @@ class Tuner:
             elif complete:
                 self._step(self._kind, previous, mark, timeline, complete, self._calls.current)
         except Exception:  # the plan is advice: never the detach's failure
-            log.exception("layerwise auto settings: the run's last pass could not be planned on")
+            log.exception("[tiered offload] layerwise auto settings: the run's last pass could not be planned on")
         finally:
             self._final = False
         if self._phase in ("measure", "check"):

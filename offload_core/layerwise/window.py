@@ -115,7 +115,7 @@ class StreamWindow:
             self._expected = pos
         if i not in self._slot_of:
             self.telemetry.sync_fallbacks += 1
-            log.debug("unit %d was not prefetched; loading it now", i)
+            log.debug("[tiered offload] unit %d was not prefetched; loading it now", i)
             retarget = True
         if retarget:
             self.fill()

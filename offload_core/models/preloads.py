@@ -46,7 +46,7 @@ class Preloads:
             try:
                 load(key)
             except Exception:
-                logger.exception("preload of '%s' (%s) failed; it loads on first use instead",
+                logger.exception("[tiered offload] preload of '%s' (%s) failed; it loads on first use instead",
                                  name, key)
             finally:
                 self._finish(key)

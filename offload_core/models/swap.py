@@ -73,7 +73,7 @@ class ModuleSwap:
                                  label="module master", share=share)
         self._host: HostStorage | None = self._packed.storage
         log.info(
-            "Model-Level Swap: host master of %.1f MiB packed in %d part%s (%.1f MiB page-locked)%s",
+            "[tiered offload] Model-Level Swap: host master of %.1f MiB packed in %d part%s (%.1f MiB page-locked)%s",
             self.nbytes / 2**20, len(self._packs), "" if len(self._packs) == 1 else "s",
             self._host.pinned_bytes / 2**20,
             f"; {self.skipped} tensors another master already holds are not copied" if self.skipped else "",

@@ -61,7 +61,7 @@ class TierEvents:
                 try:
                     fn(dict(event))
                 except Exception:
-                    logger.exception("tier listener %r failed on event %d", fn, event["seq"])
+                    logger.exception("[tiered offload] tier listener %r failed on event %d", fn, event["seq"])
 
     def publish(self, entries: Iterable[Entry]) -> None:
         """Take a copy of the entries for status requests."""

@@ -57,7 +57,7 @@ class TierMoves:
             entry.loads_from_disk += 1
             entry.total_bytes = int(entry.backend.nbytes())
         self.record(entry, to, reason)
-        logger.info("%s '%s' (%s) %s (%s, %s, %.2fs)", entry.kind, entry.name, entry.id, verb,
+        logger.info("[tiered offload] %s '%s' (%s) %s (%s, %s, %.2fs)", entry.kind, entry.name, entry.id, verb,
                     reason, size_text(entry.total_bytes), seconds)
 
     def record(self, entry: Entry, to: Tier, reason: str) -> None:
@@ -76,7 +76,7 @@ class TierMoves:
             return False
         old = entry.tier
         self.record(entry, tier, "observed")
-        logger.info("%s '%s' (%s) %s by ComfyUI itself (the manager had it %s)", entry.kind,
+        logger.info("[tiered offload] %s '%s' (%s) %s by ComfyUI itself (the manager had it %s)", entry.kind,
                     entry.name, entry.id, MOVED_BY_CORE[tier], WHERE[old])
         return True
 
@@ -97,7 +97,7 @@ class TierMoves:
         if old.id == by.id or old.superseded:
             return
         old.superseded = True
-        logger.info("%s '%s' (%s) is superseded by %s: its file changed", old.kind, old.name,
+        logger.info("[tiered offload] %s '%s' (%s) is superseded by %s: its file changed", old.kind, old.name,
                     old.id, by.id)
         if old.in_use == 0:
             self.forget(old, "superseded")

@@ -36,7 +36,8 @@ class TierPolicies:
         if not entry.policy.pinned:
             entry.policy.pinned = True
             self._registry.events.announce("policy", entry, reason="pin")
-            logger.info("tier manager: '%s' (%s) is kept in RAM: it is never evicted to disk (it may still "
+            logger.info("[tiered offload] tier manager: '%s' (%s) is kept in RAM: it is never evicted to disk "
+                        "(it may still "
                         "be parked from VRAM into RAM)", entry.name, entry.id)
 
     def unpin(self, entry: Entry, *, drop: bool) -> None:
@@ -44,7 +45,8 @@ class TierPolicies:
         if entry.policy.pinned:
             entry.policy.pinned = False
             self._registry.events.announce("policy", entry, reason="unpin")
-            logger.info("tier manager: '%s' (%s) is no longer kept in RAM: it may be evicted to disk again",
+            logger.info("[tiered offload] tier manager: '%s' (%s) is no longer kept in RAM: it may be evicted "
+                        "to disk again",
                         entry.name, entry.id)
         if drop:
             self._room.drop_over_budget(0, None, strict=False)
@@ -54,4 +56,4 @@ class TierPolicies:
         if entry.policy.priority != priority:
             entry.policy.priority = priority
             self._registry.events.announce("policy", entry, reason="priority")
-            logger.info("priority of '%s' (%s) set to %d", entry.name, entry.id, priority)
+            logger.info("[tiered offload] priority of '%s' (%s) set to %d", entry.name, entry.id, priority)

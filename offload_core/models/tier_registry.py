@@ -84,14 +84,14 @@ class TierRegistry:
         self._entries[entry.id] = entry
         self.touch(entry)
         self.events.announce("register", entry, reason="register")
-        logger.info("tier manager: now manages %s '%s' (%s), %s, %s", entry.kind, entry.name, entry.id,
+        logger.info("[tiered offload] tier manager: now manages %s '%s' (%s), %s, %s", entry.kind, entry.name, entry.id,
                     size_text(entry.total_bytes), TIER_WORDS.get(entry.tier.value, entry.tier.value))
 
     def remove(self, entry: Entry, reason: str) -> None:
         """Stop tracking an entry whose memory is released already, and announce it."""
         del self._entries[entry.id]
         self.events.announce("forget", entry, reason=reason)
-        logger.info("forgot %s '%s' (%s) (%s)", entry.kind, entry.name, entry.id, reason)
+        logger.info("[tiered offload] forgot %s '%s' (%s) (%s)", entry.kind, entry.name, entry.id, reason)
 
     def clear(self) -> None:
         """Stop tracking every entry (their memory released already) and every listener."""

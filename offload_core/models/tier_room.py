@@ -51,7 +51,7 @@ class TierRoom:
         budgets = self.budgets()
         if budgets != before:
             self._registry.events.announce("budgets", None, reason="budgets", budgets=dict(budgets))
-            logger.info("tier budgets: %s", budgets)
+            logger.info("[tiered offload] tier budgets: %s", budgets)
         self.drop_over_budget(0, None, strict=False)
         return budgets
 
@@ -78,7 +78,7 @@ class TierRoom:
         if start is Tier.RAM:
             entry.loads_from_ram += 1
         if start is not Tier.DISK:  # a model loaded on the compute device already: no tier named
-            logger.info("%s '%s' (%s) %s, no disk read (%s)", entry.kind, entry.name, entry.id,
+            logger.info("[tiered offload] %s '%s' (%s) %s, no disk read (%s)", entry.kind, entry.name, entry.id,
                         "served from its RAM copy" if start is Tier.RAM else "already loaded", reason)
         entry.load_count += 1
         self._registry.touch(entry)
@@ -88,7 +88,7 @@ class TierRoom:
         stays over budget is logged. Returns the dropped ids."""
         dropped, excess = self.drop_over_budget(0, None, strict=False)
         if excess > 0:
-            logger.warning("models hold %s more RAM than the budget; the rest are in use, "
+            logger.warning("[tiered offload] models hold %s more RAM than the budget; the rest are in use, "
                            "pinned, or the disk tier is off", size_text(excess))
         return dropped
 

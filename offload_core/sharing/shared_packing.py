@@ -93,9 +93,10 @@ def pack_host(packs: Sequence[PackedBlock], *, pin: bool, ram_budget_bytes: int 
                                     chunk_bytes=chunk_bytes, label=label, progress=progress)
             except StoreUnavailable as e:
                 reasons.append(str(e))
-                log.debug("%s: not in a shared store in %s: %s", label, folder.path, e)
+                log.debug("[tiered offload] %s: not in a shared store in %s: %s", label, folder.path, e)
         why = "; ".join(reasons) or "no folder for shared host stores"
-        log.warning("%s: packed in this process's own memory, not shared with other processes: %s", label, why)
+        log.warning("[tiered offload] %s: packed in this process's own memory, not shared with other processes: "
+                    "%s", label, why)
     storage = HostStorage([p.nbytes for p in packs], pin=pin, ram_budget_bytes=ram_budget_bytes,
                           chunk_bytes=chunk_bytes, label=label)
     try:
@@ -145,7 +146,7 @@ def _pack_shared(packs: Sequence[PackedBlock], share: HostShare, folder: StoreFo
         _undo(packs, storage, store)
         raise
     return_freed_ram()
-    log.info("%s: %s %s in %s (%s, shared with every process of this user that loads the same file)",
+    log.info("[tiered offload] %s: %s %s in %s (%s, shared with every process of this user that loads the same file)",
              label, "packed into" if store.created else "mapped", store.name, folder.path, folder.kind)
     return HostPack(storage, store)
 

@@ -164,7 +164,7 @@ class SharedHostStore:
             return False
         try:
             if try_exclusive(fd):
-                log.info("shared host store %s: no live process held it; removed, packed again", name)
+                log.info("[tiered offload] shared host store %s: no live process held it; removed, packed again", name)
                 StoreFolder.remove(self._dfd, name)
                 os.close(fd)
                 return False
@@ -199,7 +199,8 @@ class SharedHostStore:
                                    f"{size_text(self.file_bytes)}")
         left = StoreFolder.remove_parts(self._dfd, self.key.digest)
         if left:
-            log.info("shared host store %s: removed %s, left by a packer that ended before it was done",
+            log.info("[tiered offload] shared host store %s: removed %s, left by a packer that ended before it "
+                     "was done",
                      self.name, ", ".join(left))
         self._part = f"{self.key.digest}.{os.getpid()}{PART_SUFFIX}"
         self._fd = open_own_file(self._dfd, self._part, os.O_RDWR | os.O_CREAT | os.O_EXCL,
@@ -350,7 +351,8 @@ class SharedHostStore:
                 return
             if os.fstat(self._dfd).st_nlink == 0:
                 if self._fd is not None:
-                    log.info("shared host store %s: its folder %s was removed while this process held it; "
+                    log.info("[tiered offload] shared host store %s: its folder %s was removed while this "
+                             "process held it; "
                              "nothing left to remove", self.name, self.folder.path)
                 return
             if self._part is not None:  # our lock is held: no one else can have this part or store
@@ -361,15 +363,17 @@ class SharedHostStore:
                                                   bound_s=store_folder.LET_GO_WAIT_S)
                 named = _named(self._dfd, self.name)
                 if named is None:
-                    log.info("shared host store %s: its file was removed from %s while this process held it; "
+                    log.info("[tiered offload] shared host store %s: its file was removed from %s while this "
+                             "process held it; "
                              "nothing left to remove", self.name, self.folder.path)
                 elif named == _named(self._fd) and try_exclusive(self._fd):
                     StoreFolder.remove(self._dfd, self.name)
-                    log.info("shared host store %s: the last process let go; removed", self.name)
+                    log.info("[tiered offload] shared host store %s: the last process let go; removed", self.name)
             if self._lock is not None and _named(self._dfd, self.name) is None:
                 StoreFolder.remove(self._dfd, self.key.digest + LOCK_SUFFIX)
         except Exception as e:
-            log.warning("shared host store %s in %s: let go without removing it (%s); the next sweep removes it "
+            log.warning("[tiered offload] shared host store %s in %s: let go without removing it (%s); the next "
+                        "sweep removes it "
                         "once no process holds it", self.key.digest if self.key else "?", self.folder.path, e)
         finally:
             self._part = None
@@ -405,7 +409,7 @@ def let_go_of_all() -> None:
         try:
             store.let_go_at_exit()
         except Exception:
-            log.exception("shared host store: could not let go of %s at exit", store.folder.path)
+            log.exception("[tiered offload] shared host store: could not let go of %s at exit", store.folder.path)
 
 
 def _let_go_in_child() -> None:
@@ -420,7 +424,8 @@ def _let_go_in_child() -> None:
         if fds:
             drop_inherited_holds(fds)
     except Exception as e:
-        log.warning("shared host store: a forked child could not map its stores from files of its own (%s); "
+        log.warning("[tiered offload] shared host store: a forked child could not map its stores from files of "
+                    "its own (%s); "
                     "their descriptors are closed, their mappings kept", e)
         for fd in fds:
             try:

@@ -104,7 +104,7 @@ def _warn_once(message: str) -> None:
     """One log line per process for a state that every sweep would otherwise report again."""
     if message not in _said:
         _said.add(message)
-        log.warning("%s", message)
+        log.warning("[tiered offload] %s", message)
 
 
 def user_folder_name() -> str:
@@ -472,7 +472,7 @@ class StoreFolder:
         try:
             dfd = self.open()
         except StoreUnavailable as e:  # every pack into it says why it is not used
-            log.debug("shared host stores: %s is not swept: %s", self.path, e)
+            log.debug("[tiered offload] shared host stores: %s is not swept: %s", self.path, e)
             return []
         removed: list[str] = []
         try:
@@ -491,7 +491,8 @@ class StoreFolder:
         finally:
             os.close(dfd)
         if removed:
-            log.info("shared host stores: removed %d files that processes which have ended left in %s: %s",
+            log.info("[tiered offload] shared host stores: removed %d files that processes which have ended "
+                     "left in %s: %s",
                      len(removed), self.path, ", ".join(removed))
         return removed
 

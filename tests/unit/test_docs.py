@@ -350,3 +350,45 @@ def test_counts_in_the_docs_are_what_they_count():
     makefile = read("Makefile")
     assert all(f"$(MAKE) --no-print-directory {lane}" in makefile for lane in lanes), lanes
     assert f"runs {said.group(1)} lanes" in makefile.replace("\n# ", " ")
+
+
+LOG_PREFIX = "[tiered offload] "
+LOG_LEVELS = {"debug", "info", "warning", "error", "exception", "critical"}
+
+
+def log_messages(source: str) -> list[tuple[int, str | None]]:
+    """(line, the literal text a log call's message starts with, or None where the message is not
+    a literal) of every call on a module's ``log`` or ``logger``."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Name) and node.func.value.id in ("log", "logger")):
+            continue
+        at = 0 if node.func.attr in LOG_LEVELS else 1 if node.func.attr == "log" else None
+        if at is None or len(node.args) <= at:
+            continue
+        message = node.args[at]
+        if isinstance(message, ast.JoinedStr):
+            message = message.values[0] if message.values else None
+        found.append((node.lineno, message.value if isinstance(message, ast.Constant)
+                      and isinstance(message.value, str) else None))
+    return found
+
+
+def test_every_log_line_of_the_pack_starts_with_its_one_prefix():
+    """ComfyUI's log shows messages without their logger's name: each line the pack logs starts
+    with one prefix, so a user finds all of the pack's lines, and only them, by it."""
+    wrong = [f"{path.relative_to(ROOT)}:{line}: {text!r}"
+             for folder in ("offload_core", "nodes") for path in sorted((ROOT / folder).rglob("*.py"))
+             for line, text in log_messages(path.read_text())
+             if text is None or not text.startswith(LOG_PREFIX)]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_a_log_line_without_the_prefix_is_found():
+    source = ('log.info("[tiered offload] fine %s", x)\nlog.warning("disk stream: %s", x)\n'
+              'logger.log(level, f"[tiered offload] {x}")\nlog.info(message)\n')
+    assert log_messages(source) == [(1, "[tiered offload] fine %s"), (2, "disk stream: %s"),
+                                    (3, "[tiered offload] "), (4, None)]

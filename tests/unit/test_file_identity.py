@@ -83,7 +83,7 @@ def test_a_change_of_metadata_alone_keeps_a_witnessed_file_the_same(model_file, 
         assert same_bytes(model_file, was, whole=True) == now
         assert same_bytes(model_file, was, whole=True) == now  # remembered: said (and read) once
     said = [r.getMessage() for r in caplog.records if "bytes are unchanged" in r.getMessage()]
-    assert said == [f"tiered offload: metadata of {model_file} changed (mode/owner/links); its bytes are "
+    assert said == [f"[tiered offload] metadata of {model_file} changed (mode/owner/links); its bytes are "
                     f"unchanged (checked)"]
 
 
