@@ -157,8 +157,8 @@ def install() -> None:
         if not callable(load) or getattr(load, _WRAPPED, False):
             continue
         if path_arg not in inspect.signature(load).parameters:
-            log.info("[tiered offload] comfy.sd.%s takes no %s here; models it loads keep private host "
-                     "copies", name, path_arg)
+            log.info("[tiered offload] comfy.sd.%s takes no %s here; models it loads keep private host copies",
+                     name, path_arg)
             continue
         setattr(comfy.sd, name, _recording(name, path_arg, load))
     load = getattr(comfy.sd, "load_diffusion_model_state_dict", None)

@@ -252,8 +252,7 @@ class BlockPatches:
             templates.append(template)
         if left:
             log.info("[tiered offload] Apply Layerwise Offload: %d patch tensors are as large as the weights "
-                     "they patch "
-                     "(a model merge); their merges read them from RAM, which holds up sampling", left)
+                     "they patch (a model merge); their merges read them from RAM, which holds up sampling", left)
         self._templates = templates
         self._side = SideTensors(groups, device)
         self._on_device: dict[int, dict[str, Any]] = {}

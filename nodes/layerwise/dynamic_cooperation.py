@@ -263,8 +263,8 @@ class Cooperation:
         if resident == tuple(sorted(order.resident)):
             return order
         report = self.tuner.report() or {}
-        log.info("[tiered offload] Apply Layerwise Offload (auto): %s: measured order, block%s %s first in VRAM "
-                 "(%s)", self.model_class, "" if len(resident) == 1 else "s",
+        log.info("[tiered offload] Apply Layerwise Offload (auto): %s: measured order, block%s %s first in VRAM (%s)",
+                 self.model_class, "" if len(resident) == 1 else "s",
                  ", ".join(map(str, resident)) or "none", report.get("reason"))
         chosen = set(resident)
         return Order(resident, tuple(i for i in range(len(self.block_bytes)) if i not in chosen),

@@ -95,6 +95,6 @@ def run_timeline(streamer: LayerwiseStreamer, model_class: str) -> dict[str, Any
     try:
         return streamer.timeline()
     except RuntimeError as e:
-        log.warning("[tiered offload] Apply Layerwise Offload: the picture of %s's last run is left out: "
-                    "%s", model_class, e)
+        log.warning("[tiered offload] Apply Layerwise Offload: the picture of %s's last run is left out: %s",
+                    model_class, e)
         return None

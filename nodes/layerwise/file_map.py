@@ -119,8 +119,7 @@ def find(model: torch.nn.Module, blocks: Sequence[torch.nn.Module], prefixes: Se
     path = load_records.mapped_file(t for _, _, t in tensors) or recorded_file(model)
     if path is None:
         log.info("[tiered offload] Apply Layerwise Offload: the file %s was loaded from is not known (its "
-                 "loader is not "
-                 "one the pack knows); streamed blocks go to a spill file", model_class)
+                 "loader is not one the pack knows); streamed blocks go to a spill file", model_class)
         return None
     found, cast = _from_header(path, tensors, prefixes)
     if found is None:

@@ -143,8 +143,7 @@ class StreamedHooks:
                 patcher.hook_patches = self._full
             else:
                 log.warning("[tiered offload] Apply Layerwise Offload: the model's hook patches were replaced "
-                            "during the run; "
-                            "the streamed blocks' patches are left out of the new ones")
+                            "during the run; the streamed blocks' patches are left out of the new ones")
         self._full = self._filtered = None
         self._streamed, self._current, self._signature = {}, {}, ()
         self._on_change = None

@@ -219,6 +219,6 @@ def unload(card_id: str) -> dict[str, Any]:
             raise LookupError(card_id)
         registry, module, name = held
         registry.discard(module)
-        log.info("[tiered offload] %s: the pack let go of what it held after ComfyUI unloaded it "
-                 "(panel request)", name)
+        log.info("[tiered offload] %s: the pack let go of what it held after ComfyUI unloaded it (panel request)",
+                 name)
         return {"id": card_id, "class": name}

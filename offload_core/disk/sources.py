@@ -124,8 +124,8 @@ def _unreliable(path: str, checked: dict[str, str | None]) -> str | None:
     if path not in checked:
         checked[path] = version_unreliable(path)
         if checked[path] is not None:
-            log.info("[tiered offload] disk stream: %s is not read in place: %s; its units go to the spill "
-                     "file", path, checked[path])
+            log.info("[tiered offload] disk stream: %s is not read in place: %s; its units go to the spill file",
+                     path, checked[path])
     return None if checked[path] is None else "a model file whose changes cannot be seen where it lies"
 
 

@@ -122,8 +122,8 @@ class DiskStore:
             self._spill_path = path
             if os.name != "nt":
                 os.unlink(path)  # gone with the last descriptor and map, whatever ends the process
-            log.info("[tiered offload] disk stream: spill file opened in %s (deleted when the engine lets go of "
-                     "it)", self._spill_dir)
+            log.info("[tiered offload] disk stream: spill file opened in %s (deleted when the engine lets go of it)",
+                     self._spill_dir)
         return self._spill
 
     def _reserve(self, nbytes: int) -> tuple[Descriptors, int, int]:
@@ -215,8 +215,8 @@ class DiskStore:
     def finish(self) -> None:
         """Log what placing cost on disk."""
         if self._spill_end:
-            log.info("[tiered offload] disk stream: the spill file in %s holds "
-                     "%s", self._spill_dir, size_text(self._spill_end))
+            log.info("[tiered offload] disk stream: the spill file in %s holds %s",
+                     self._spill_dir, size_text(self._spill_end))
 
     # ---------------------------------------------------------------- reading
     def read(self, i: int, dst: torch.Tensor, start: int = 0, length: int | None = None) -> int:
@@ -264,7 +264,7 @@ class DiskStore:
             try:
                 os.unlink(self._spill_path)
             except OSError:
-                log.info("[tiered offload] disk stream: the spill file %s is still mapped; delete it "
-                         "later", self._spill_path)
+                log.info("[tiered offload] disk stream: the spill file %s is still mapped; delete it later",
+                         self._spill_path)
         self._places.clear()
         self._maps.clear()  # the tensors over them keep them open

@@ -273,6 +273,5 @@ def _same_bytes_of(fd: int, path: str, was: tuple[int, ...], whole: bool) -> tup
         if tuple(was) not in witness.versions:
             return None
         witness.versions.add(now)
-    log.info("[tiered offload] metadata of %s changed (mode/owner/links); its bytes are unchanged "
-             "(checked)", path)
+    log.info("[tiered offload] metadata of %s changed (mode/owner/links); its bytes are unchanged (checked)", path)
     return now

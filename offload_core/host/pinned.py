@@ -452,8 +452,8 @@ class HostStorage:
 
     def _refuse_pin(self, why: str, level: int = logging.WARNING) -> None:
         self._pin_refused = True
-        log.log(level, "[tiered offload] host storage: %s; remaining chunks stay pageable (correct but "
-                       "slower copies)", why)
+        log.log(level, "[tiered offload] host storage: %s; remaining chunks stay pageable (correct but slower copies)",
+                why)
 
     def release_item(self, i: int) -> None:
         """Mark item ``i`` unused; its chunk is freed once all of its items are.

@@ -143,9 +143,8 @@ class PackStore:
             bounce.release()
         elif not bounce.is_pinned(0):
             bounce.release()
-            log.warning("[tiered offload] %.1f MiB of streamed blocks are in pageable RAM and no staging buffer "
-                        "could be pinned: "
-                        "their copies will hold up the sampling thread", pageable / _MiB)
+            log.warning("[tiered offload] %.1f MiB of streamed blocks are in pageable RAM and no staging "
+                        "buffer could be pinned: their copies will hold up the sampling thread", pageable / _MiB)
         else:
             self.bounce = bounce
             log.info("[tiered offload] %.1f MiB of streamed blocks are in pageable RAM: their copies are staged "
@@ -179,8 +178,7 @@ class PackStore:
         written = len(self._packed.store.view.written_items())
         if written:
             log.info("[tiered offload] %d units of the kept pack were written in place since it was kept (the "
-                     "shared store "
-                     "holds the old values); packing again from the model's values", written)
+                     "shared store holds the old values); packing again from the model's values", written)
             self.free(plan)
         return written
 

@@ -100,9 +100,8 @@ class StreamPlan:
         self.place()
         self._signature = self._current_signature()
         if shared:
-            log.info("[tiered offload] %d tensors are shared between units or used by their blocks themselves; "
-                     "they stay "
-                     "resident", len(self.shared.entries))
+            log.info("[tiered offload] %d tensors are shared between units or used by their blocks "
+                     "themselves; they stay resident", len(self.shared.entries))
 
     def all_packs(self) -> list[PackedBlock]:
         """Every unit's pack, then the shared one (the order of the host storage's items)."""

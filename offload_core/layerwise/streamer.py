@@ -291,8 +291,8 @@ class LayerwiseStreamer(StreamerFigures):
         """
         if self._attached:
             self._teardown(keep_pack)
-            log.debug("[tiered offload] detached (%s the host "
-                      "pack)", "keeping" if keep_pack else "freeing")  # under the progress bar
+            log.debug("[tiered offload] detached (%s the host pack)",
+                      "keeping" if keep_pack else "freeing")  # under the progress bar
             if check:
                 self.check_files()
         elif not keep_pack and self._store.has_pack():

@@ -248,8 +248,7 @@ class CallKinds:
         key = ("cycle", members)
         if members[0] not in self._cycles:
             log.info("[tiered offload] layerwise auto settings: the model's calls alternate between two kinds "
-                     "of input; "
-                     "the setting is planned for both")
+                     "of input; the setting is planned for both")
         for member in members:
             self._cycles[member] = key
         return key, members
@@ -608,8 +607,8 @@ class Tuner:
         self.rebuilt()
         self._recording = True
         self.events.append({"pass": self.passes, "from": before, "to": setting, "why": why})
-        log.info("[tiered offload] layerwise auto settings: pass %d: %d resident units, prefetch %d%s "
-                 "(%s)", self.passes,
+        log.info("[tiered offload] layerwise auto settings: pass %d: %d resident units, prefetch %d%s (%s)",
+                 self.passes,
                  len(setting.resident), setting.prefetch,
                  f", read-ahead {setting.read_ahead}" if setting.read_ahead else "", why)
         return True
@@ -713,9 +712,8 @@ class Tuner:
             kind.reasons[chosen.setting] = planned.reason
             kind.predicted_ms = predict(kind.costs, current).step_ms
             kind.verdict = verdict(kind.predicted_ms, period)
-            log.info("[tiered offload] layerwise auto settings: pass %d: the planned setting waits for the next "
-                     "run (%d calls "
-                     "left in this run would not repay the change)", self.passes, left)
+            log.info("[tiered offload] layerwise auto settings: pass %d: the planned setting waits for the "
+                     "next run (%d calls left in this run would not repay the change)", self.passes, left)
             self._enter("hold", watch=True)
             return
         kind.trial = Trial(current, period)

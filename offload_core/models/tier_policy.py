@@ -37,8 +37,7 @@ class TierPolicies:
             entry.policy.pinned = True
             self._registry.events.announce("policy", entry, reason="pin")
             logger.info("[tiered offload] tier manager: '%s' (%s) is kept in RAM: it is never evicted to disk "
-                        "(it may still "
-                        "be parked from VRAM into RAM)", entry.name, entry.id)
+                        "(it may still be parked from VRAM into RAM)", entry.name, entry.id)
 
     def unpin(self, entry: Entry, *, drop: bool) -> None:
         """Unpin; with ``drop``, idle models over the RAM budget go at once."""

@@ -95,8 +95,8 @@ def pack_host(packs: Sequence[PackedBlock], *, pin: bool, ram_budget_bytes: int 
                 reasons.append(str(e))
                 log.debug("[tiered offload] %s: not in a shared store in %s: %s", label, folder.path, e)
         why = "; ".join(reasons) or "no folder for shared host stores"
-        log.warning("[tiered offload] %s: packed in this process's own memory, not shared with other processes: "
-                    "%s", label, why)
+        log.warning("[tiered offload] %s: packed in this process's own memory, not shared with other processes: %s",
+                    label, why)
     storage = HostStorage([p.nbytes for p in packs], pin=pin, ram_budget_bytes=ram_budget_bytes,
                           chunk_bytes=chunk_bytes, label=label)
     try:

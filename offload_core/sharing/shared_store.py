@@ -352,8 +352,7 @@ class SharedHostStore:
             if os.fstat(self._dfd).st_nlink == 0:
                 if self._fd is not None:
                     log.info("[tiered offload] shared host store %s: its folder %s was removed while this "
-                             "process held it; "
-                             "nothing left to remove", self.name, self.folder.path)
+                             "process held it; nothing left to remove", self.name, self.folder.path)
                 return
             if self._part is not None:  # our lock is held: no one else can have this part or store
                 StoreFolder.remove(self._dfd, self._part)
@@ -364,8 +363,7 @@ class SharedHostStore:
                 named = _named(self._dfd, self.name)
                 if named is None:
                     log.info("[tiered offload] shared host store %s: its file was removed from %s while this "
-                             "process held it; "
-                             "nothing left to remove", self.name, self.folder.path)
+                             "process held it; nothing left to remove", self.name, self.folder.path)
                 elif named == _named(self._fd) and try_exclusive(self._fd):
                     StoreFolder.remove(self._dfd, self.name)
                     log.info("[tiered offload] shared host store %s: the last process let go; removed", self.name)
@@ -424,9 +422,8 @@ def _let_go_in_child() -> None:
         if fds:
             drop_inherited_holds(fds)
     except Exception as e:
-        log.warning("[tiered offload] shared host store: a forked child could not map its stores from files of "
-                    "its own (%s); "
-                    "their descriptors are closed, their mappings kept", e)
+        log.warning("[tiered offload] shared host store: a forked child could not map its stores from files "
+                    "of its own (%s); their descriptors are closed, their mappings kept", e)
         for fd in fds:
             try:
                 os.close(fd)
