@@ -171,10 +171,11 @@ class ComfyServer:
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 time.sleep(0.25)
                 continue
-            if str(self.base) not in stats.get("system", {}).get("argv", []):
+            argv = stats.get("system", {}).get("argv", [])
+            if str(self.base) not in argv:
                 # Another process's server answered on this port: ours cannot have bound it.
                 self.stop()
-                raise RuntimeError(f"port {self.port} is another server's (argv {stats.get('system', {}).get('argv')})")
+                raise RuntimeError(f"port {self.port} is another server's (argv {argv})")
             break
         else:
             self.stop()

@@ -9,6 +9,7 @@ in, so a checker that finds nothing fails here too.
 """
 from __future__ import annotations
 
+import ast
 import posixpath
 import re
 import subprocess
@@ -359,8 +360,6 @@ LOG_LEVELS = {"debug", "info", "warning", "error", "exception", "critical"}
 def log_messages(source: str) -> list[tuple[int, str | None]]:
     """(line, the literal text a log call's message starts with, or None where the message is not
     a literal) of every call on a module's ``log`` or ``logger``."""
-    import ast
-
     found = []
     for node in ast.walk(ast.parse(source)):
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
