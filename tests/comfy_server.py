@@ -26,6 +26,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from server_forks import ForkedServer, ForkParents
+
 REPO = Path(__file__).resolve().parent.parent
 # The third-party packs the tests load beside the pack, checked (make third-party, tools/sources.py).
 THIRD_PARTY = REPO / ".sources" / "third_party"
@@ -38,6 +40,11 @@ PACK_LINK_NAME = "comfyui-tiered-offload"
 TEST_NODES_LINK_NAME = "tiered_offload_test_nodes"
 OUR_NODES = ("ApplyLayerwiseOffload",)
 TEST_NODES = ("TieredTestLatentStats",)
+
+
+# Set by the test session (tests/conftest.py): servers are then forked from warm parents
+# (tests/server_forks.py). None (benchmarks, the demo, a script): every server is its own start.
+fork_parents: ForkParents | None = None
 
 
 def comfy_version(root: Path = COMFY_ROOT) -> str:
@@ -148,7 +155,8 @@ class ComfyServer:
         self.extra_args = extra_args
         self.threads = threads
         self.log_path = base / f"comfy-{self.port}.log"
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | ForkedServer | None = None
+        self._log = None
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self, timeout: float = 180.0) -> "ComfyServer":
@@ -158,10 +166,16 @@ class ComfyServer:
                "--base-directory", str(self.base),
                "--database-url", f"sqlite:///{self.base / 'user' / 'comfyui.db'}",
                "--log-stdout", *self.cpu_args(), *self.classic_args(), *self.extra_args]
-        self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(cmd, cwd=COMFY_ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=env, start_new_session=True,
-                                     preexec_fn=_stop_with_parent if self.dies_with_caller else None)
+        parent = self._fork_parent(env)
+        if parent is not None:
+            self._log = None
+            self.proc = parent.spawn(cmd[1:], env, COMFY_ROOT, self.log_path)
+        else:
+            self._log = open(self.log_path, "ab")
+            self.proc = subprocess.Popen(
+                cmd, cwd=COMFY_ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                start_new_session=True,
+                preexec_fn=_stop_with_parent if self.dies_with_caller else None)
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -186,6 +200,15 @@ class ComfyServer:
             self.stop()
             raise
         return self
+
+    def _fork_parent(self, env: dict[str, str]):
+        """The warm parent to fork this server from, or None to start it as its own process (no
+        session parents; main.py behind a plugin; a server that must die with its caller; a
+        machine with CUDA, where main.py must choose the allocator before torch is imported)."""
+        if fork_parents is None or _entry() != ["main.py"] or self.dies_with_caller \
+                or not self.cpu_args():
+            return None
+        return fork_parents.parent_for(COMFY_PYTHON, COMFY_ROOT, env)
 
     @staticmethod
     def cpu_args() -> tuple[str, ...]:
@@ -221,7 +244,8 @@ class ComfyServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=15)
-        self._log.close()
+        if self._log is not None:
+            self._log.close()
         self.proc = None
 
     def alive(self) -> bool:

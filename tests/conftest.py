@@ -12,6 +12,7 @@ meets.
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -89,6 +90,25 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(TREE_MARKER)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def server_fork_parents():
+    """Servers of this session are forked from warm parents (tests/server_forks.py): a start
+    then costs ComfyUI's own imports and start-up, not torch's and the other packages' again.
+    TIERED_OFFLOAD_TEST_FORKS=0 starts each server as its own process, as a user's is."""
+    import comfy_server
+    from server_forks import ForkParents
+
+    if os.environ.get("TIERED_OFFLOAD_TEST_FORKS", "1") == "0":
+        yield None
+        return
+    comfy_server.fork_parents = parents = ForkParents()
+    try:
+        yield parents
+    finally:
+        comfy_server.fork_parents = None
+        parents.close()
+
+
 @pytest.fixture(scope="session")
 def comfy_base(tmp_path_factory) -> Path:
     base = tmp_path_factory.mktemp("comfy_base")
@@ -113,7 +133,6 @@ def dynamic_vram_probe(tmp_path_factory) -> dict:
     """tests/dynamic_vram_probe.py's report on the tree under test: Apply Layerwise Offload's
     modes against core's real loader, samplers and (stand-in) Dynamic VRAM load."""
     import json
-    import os
     import subprocess
 
     from comfy_server import COMFY_PYTHON
