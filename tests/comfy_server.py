@@ -64,10 +64,26 @@ def run_tree_script(script: Path, out: Path, *, threads: int, timeout: int,
     if not (COMFY_ROOT / "comfy" / "model_detection.py").is_file():
         import pytest
         pytest.skip(f"no ComfyUI tree at {COMFY_ROOT}")
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), **(env or {}))
-    proc = subprocess.run([COMFY_PYTHON, str(script), str(out), "--comfyui", str(COMFY_ROOT)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{script.name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", **(env or {}))
+    argv = [str(script), str(out), "--comfyui", str(COMFY_ROOT)]
+    # Forked from the session's warm parent where one with this environment is running already.
+    parent = None
+    if fork_parents is not None and ComfyServer.cpu_args():  # not on CUDA (see ComfyServer)
+        parent = fork_parents.parent_for(COMFY_PYTHON, COMFY_ROOT, env, start=False)
+    if parent is None:
+        proc = subprocess.run([COMFY_PYTHON, *argv], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=timeout)
+        assert proc.returncode == 0, f"{script.name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        return json.loads(out.read_text())
+    log = out.with_name(out.name + ".log")
+    child = parent.spawn(argv, env, REPO, log)
+    try:
+        returncode = child.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait(60)
+        raise
+    assert returncode == 0, f"{script.name} failed:\n{log.read_text(errors='replace')[-8000:]}"
     return json.loads(out.read_text())
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 
 # What a ComfyUI start imports from site-packages and takes longest to import (measured with
 # `python -X importtime main.py` on 0.3.75 and 0.33.0); a name a tree's Python lacks is skipped.
+# "module:name" also looks the name up (a lazily loaded class).
 WARM_IMPORTS = (
     "torch", "torch._dynamo", "torchvision", "torchaudio", "numpy", "safetensors.torch",
     "transformers", "tokenizers", "sentencepiece", "huggingface_hub", "scipy.stats",
@@ -39,6 +40,9 @@ WARM_IMPORTS = (
     "aiohttp", "aiohttp.web", "pydantic", "pydantic_settings", "kornia", "spandrel", "av",
     "yaml", "PIL.Image", "psutil", "tqdm", "torchsde", "einops", "requests", "comfy_kitchen",
     "comfyui_frontend_package", "comfyui_workflow_templates",
+    # transformers loads its classes on first use; ComfyUI's text encoders name these at import.
+    "transformers:CLIPTokenizer", "transformers:T5TokenizerFast", "transformers:LlamaTokenizerFast",
+    "transformers:BertTokenizer",
 )
 # Variables that main.py sets before its first import, set in the parent the same way.
 MAIN_PY_ENV = {"HF_HUB_DISABLE_TELEMETRY": "1", "DO_NOT_TRACK": "1"}
@@ -55,9 +59,12 @@ def _serve(name: str, tree: str) -> None:
     sys.path[0] = tree  # as `python main.py` from the tree: its folder first
     os.environ.update(MAIN_PY_ENV)
     import importlib
-    for module in WARM_IMPORTS:
+    for warm in WARM_IMPORTS:
+        module, _, attribute = warm.partition(":")
         try:
-            importlib.import_module(module)
+            loaded = importlib.import_module(module)
+            if attribute:
+                getattr(loaded, attribute)
         except Exception:  # noqa: BLE001 - a package this tree lacks, or one that cannot load here
             pass
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -131,6 +138,7 @@ def _become_server(request: dict, inherited: list[socket.socket],
         os.environ.clear()
         os.environ.update(request["env"])
         sys.argv = list(request["argv"])
+        sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))  # as `python <script>`
         # main.py warns when torch was imported before it: here it was, on purpose and with the
         # same environment. The warning alone is dropped from the server's log.
         import logging
@@ -258,11 +266,14 @@ class ForkParents:
         self.limit = limit
         self._parents: list[ForkParent] = []
 
-    def parent_for(self, python: str, tree: Path, env: dict[str, str]) -> ForkParent | None:
+    def parent_for(self, python: str, tree: Path, env: dict[str, str], *,
+                   start: bool = True) -> ForkParent | None:
+        """The parent to fork from; ``start=False``: only one already there (a process run once
+        a session gains nothing from a parent of its own)."""
         for parent in self._parents:
             if parent.python == python and parent.tree == tree and parent.accepts(env):
                 return parent
-        if len(self._parents) >= self.limit:
+        if not start or len(self._parents) >= self.limit:
             return None
         parent = ForkParent(python, tree, env)
         self._parents.append(parent)
