@@ -9,9 +9,11 @@ server. The child then does exactly what ``python main.py <args>`` does from the
 argv, environment, working folder, log file and session), ComfyUI's own modules and the custom
 nodes included, so nothing of ComfyUI or the pack is shared between servers.
 
-Only imports that read nothing a server varies are made ahead: the parent runs with the lane's
-environment and thread count, and a server whose environment differs in a variable those
-packages read at import (``OMP_*``, ``TORCH*``, ``HF_*``, ...) is started the ordinary way.
+The parent imports only and starts no thread (a fork copies just the forking thread;
+tests/test_server_forks.py checks it has one). Only imports that read nothing a server varies
+are made ahead: the parent runs with the lane's environment and thread count, and a server whose
+environment differs in a variable those packages read at import (``OMP_*``, ``TORCH*``,
+``HF_*``, ...) is started the ordinary way.
 
 Run as a script, this module is the fork parent (standard library only, so that any tree's
 Python runs it); imported, it is the harness's side: :class:`ForkParent` and the process handle
@@ -217,6 +219,10 @@ class ForkParent:
         # A Linux abstract socket (a name, no file): gone with the parent, nothing to clean up.
         self.name = f"tiered-offload-tests-{os.getpid()}-{id(self)}"
         self._proc: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
 
     def accepts(self, env: dict[str, str]) -> bool:
         """Whether a server with this environment may be forked from this parent."""

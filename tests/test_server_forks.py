@@ -61,6 +61,13 @@ def test_a_forked_server_answers_and_computes_as_an_ordinary_start(tmp_path, com
     assert shape(forked_stats, forked) == shape(plain_stats, plain)
     assert "Torch already imported" not in forked.log_text()
     assert "Traceback" not in forked.log_text()
+    # A fork copies only the thread that forks: the parent must have no other (a package that
+    # starts one at import would leave its children without it).
+    parent = parents.parent_for(COMFY_PYTHON, COMFY_ROOT, dict(os.environ, OMP_NUM_THREADS="2",
+                                                               PYTHONUNBUFFERED="1"), start=False)
+    assert parent is not None and parent.pid is not None
+    if os.path.isdir(f"/proc/{parent.pid}/task"):
+        assert os.listdir(f"/proc/{parent.pid}/task") == [str(parent.pid)]
 
 
 def test_a_forked_servers_exit_status_is_reported_like_a_childs(tmp_path, parents):
