@@ -47,6 +47,16 @@ TEST_NODES = ("TieredTestLatentStats",)
 fork_parents: ForkParents | None = None
 
 
+def _fork_parent(env: dict[str, str], *, start: bool = True):
+    """The session's warm parent for a process of the tree under test with this environment, or
+    None: no session parents, or a machine with CUDA (main.py chooses the allocator before torch
+    is imported, so torch must not be imported ahead). ``start=False``: only a running one."""
+    import torch
+    if fork_parents is None or torch.cuda.is_available():
+        return None
+    return fork_parents.parent_for(COMFY_PYTHON, COMFY_ROOT, env, start=start)
+
+
 def comfy_version(root: Path = COMFY_ROOT) -> str:
     """The version a ComfyUI tree declares (comfyui_version.py), without importing it."""
     text = (root / "comfyui_version.py").read_text()
@@ -67,9 +77,7 @@ def run_tree_script(script: Path, out: Path, *, threads: int, timeout: int,
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", **(env or {}))
     argv = [str(script), str(out), "--comfyui", str(COMFY_ROOT)]
     # Forked from the session's warm parent where one with this environment is running already.
-    parent = None
-    if fork_parents is not None and ComfyServer.cpu_args():  # not on CUDA (see ComfyServer)
-        parent = fork_parents.parent_for(COMFY_PYTHON, COMFY_ROOT, env, start=False)
+    parent = _fork_parent(env, start=False)
     if parent is None:
         proc = subprocess.run([COMFY_PYTHON, *argv], cwd=REPO, env=env, capture_output=True,
                               text=True, timeout=timeout)
@@ -184,7 +192,6 @@ class ComfyServer:
                "--log-stdout", *self.cpu_args(), *self.classic_args(), *self.extra_args]
         parent = self._fork_parent(env)
         if parent is not None:
-            self._log = None
             self.proc = parent.spawn(cmd[1:], env, COMFY_ROOT, self.log_path)
         else:
             self._log = open(self.log_path, "ab")
@@ -218,13 +225,11 @@ class ComfyServer:
         return self
 
     def _fork_parent(self, env: dict[str, str]):
-        """The warm parent to fork this server from, or None to start it as its own process (no
-        session parents; main.py behind a plugin; a server that must die with its caller; a
-        machine with CUDA, where main.py must choose the allocator before torch is imported)."""
-        if fork_parents is None or _entry() != ["main.py"] or self.dies_with_caller \
-                or not self.cpu_args():
+        """The warm parent to fork this server from (`_fork_parent`), or None to start it as its
+        own process: also main.py behind a plugin, and a server that must die with its caller."""
+        if _entry() != ["main.py"] or self.dies_with_caller:
             return None
-        return fork_parents.parent_for(COMFY_PYTHON, COMFY_ROOT, env)
+        return _fork_parent(env)
 
     @staticmethod
     def cpu_args() -> tuple[str, ...]:

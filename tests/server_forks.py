@@ -88,7 +88,7 @@ def _serve(name: str, tree: str) -> None:
                 request = json.loads(_read_line(conn)[0])
                 pid = os.fork()
                 if pid == 0:
-                    _become_server(request, [listener, conn, *children.values()], sel)
+                    _become_child(request, [listener, conn, *children.values()], sel)
                 children[pid] = conn
                 conn.sendall(f'{{"pid": {pid}}}\n'.encode())
         while children:
@@ -119,10 +119,10 @@ def _read_line(conn: socket.socket) -> tuple[str, bytes]:
     return line.decode(), rest
 
 
-def _become_server(request: dict, inherited: list[socket.socket],
+def _become_child(request: dict, inherited: list[socket.socket],
                    sel: selectors.BaseSelector) -> None:
     """In the forked child: take the request's session, files, folder, environment and argv,
-    then run main.py as `python main.py` would; never return."""
+    then run its script (main.py, or a fixture script) as `python <script>` would; never return."""
     code = 1
     try:
         os.setsid()
